@@ -1,0 +1,94 @@
+"""Pure-PyTorch references of every kernel.
+
+These run on any device and define what the Triton kernels must compute.
+They favour clarity over speed: loops over sequences are fine here.
+
+Cache layout (one layer): ``[num_blocks, block_size, num_tensors, H_kv, D]``;
+tensor 0 is K, tensor 1 is V (a single-tensor cache stores K=V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """Write new entries: ``cache[slot // bs, slot % bs, i] = tensors[i]`` for each token.
+
+    cache: [NB, bs, nt, Hkv, D]; slot_mapping: [T] int64; tensors: nt x [T, Hkv, D].
+    """
+    bs = cache.shape[1]
+    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
+    offsets = slot_mapping % bs
+    for i, t in enumerate(tensors):
+        cache[blocks, offsets, i] = t.to(cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Entries ``start..end-1`` of one sequence, as ``[end-start, nt, Hkv, D]``."""
+    bs = cache.shape[1]
+    pos = torch.arange(start, end, device=cache.device)
+    blocks = block_row.long()[torch.div(pos, bs, rounding_mode="floor")]
+    return cache[blocks, pos % bs]
+
+
+def causal_attention(
+    q: torch.Tensor,               # [Tq, Hq, D]
+    k: torch.Tensor,               # [Tk, Hkv, D]
+    v: torch.Tensor,               # [Tk, Hkv, Dv]
+    q_pos: torch.Tensor,           # [Tq] absolute positions of the queries
+    k_pos: torch.Tensor,           # [Tk] absolute positions of the keys
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq] learned sink logits
+) -> torch.Tensor:                 # [Tq, Hq, Dv]
+    """Softmax attention where query i sees key j iff k_pos[j] <= q_pos[i]
+    (and q_pos[i] - k_pos[j] < sliding_window). Scores and softmax in float32."""
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v.float())
+    return out.to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,               # [T, Hq, D]
+    cache: torch.Tensor,           # [NB, bs, 2, Hkv, D]
+    block_table: torch.Tensor,     # [B, M]
+    query_start_loc: list[int],    # [B+1]
+    seq_lens: list[int],           # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:                 # [T, Hq, D]
+    """Attention of each sequence's new queries over its paged cache.
+
+    The new tokens' K/V must already be stored. Sequence b's queries sit at
+    positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``; only the keys a query
+    can see are gathered, so blocks that left the sliding window are never read.
+    """
+    out = torch.empty_like(q)
+    for b in range(len(seq_lens)):
+        s, e = query_start_loc[b], query_start_loc[b + 1]
+        if e == s:
+            continue
+        ctx = seq_lens[b]
+        first_q = ctx - (e - s)
+        start = 0 if sliding_window is None else max(0, first_q - sliding_window + 1)
+        kv = gather_kv(cache, block_table[b], start, ctx)
+        q_pos = torch.arange(first_q, ctx, device=q.device)
+        k_pos = torch.arange(start, ctx, device=q.device)
+        out[s:e] = causal_attention(q[s:e], kv[:, 0], kv[:, 1], q_pos, k_pos, scale,
+                                    sliding_window, sinks)
+    return out

@@ -1,0 +1,65 @@
+"""What crosses from the scheduler to the runner (StepPlan) and back (StepResult).
+
+Plain data only. A request's static data (prompt, sampling parameters) goes to
+the runner once, in ``new_requests``, when the runner has not seen it (first
+schedule, resume after preemption, fork); later steps carry only the tokens to
+feed and the block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.outputs import PositionLogprobs
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    stream_index: int
+
+
+@dataclass
+class ScheduledSeq:
+    req_id: str
+    token_ids: list[int]               # tokens fed this step
+    start_pos: int                     # position of token_ids[0] (= tokens already cached)
+    block_tables: list[list[int]]      # one block table per KV-cache group
+    sample: bool                       # this step reaches the end of the known tokens
+    prompt_logprob_rows: int = 0       # leading rows of this chunk that need prompt logprobs
+    fork_ids: list[str] = field(default_factory=list)  # siblings sampled from the same logits
+
+
+@dataclass
+class StepPlan:
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: PositionLogprobs | None
+
+
+@dataclass
+class StepResult:
+    # req_id -> token sampled for it this step (also for fork_ids siblings).
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # req_id -> prompt logprobs computed for this chunk's rows.
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)

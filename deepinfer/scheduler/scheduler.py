@@ -1,0 +1,260 @@
+"""Continuous-batching scheduler: pure CPU bookkeeping over Request objects.
+
+Each step it spends a token budget (``max_num_batched_tokens``) over at most
+``max_num_seqs`` sequences: running sequences first (decodes and unfinished
+chunked prefills, oldest first), then waiting ones in arrival order (FCFS),
+each admitted with whatever prefix the cache already holds. When blocks run
+out, the most recently admitted running sequence is preempted: its blocks go
+back to the pool and it is recomputed later, which leaves its output unchanged
+(sampling is keyed by output position). It never touches device tensors; its
+output is a StepPlan.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.request import Request, RequestStatus
+from deepinfer.scheduler.kv_cache import KVCacheManager
+from deepinfer.scheduler.plan import NewRequestData, SampledToken, ScheduledSeq, StepPlan, StepResult
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 eos_token_ids: Iterable[int]) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._runner_known: set[str] = set()
+        self._finished_for_runner: list[str] = []
+        self._pending_copies: list[tuple[int, int]] = []
+        # Sequences ended since the engine last asked (see drain_ended).
+        self._ended: list[Request] = []
+
+    # -- intake --------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int) -> str | None:
+        """Why a prompt of this length can never run, or None if it can."""
+        if num_prompt_tokens >= self.max_model_len:
+            return (f"prompt has {num_prompt_tokens} tokens; max_model_len={self.max_model_len} "
+                    "leaves no room to generate")
+        need = self.kv.max_blocks_for(num_prompt_tokens + 1)
+        if need > self.kv.pool.num_blocks - 1:
+            return (f"prompt has {num_prompt_tokens} tokens and needs {need} KV-cache blocks; "
+                    f"the whole cache has {self.kv.pool.num_blocks - 1}")
+        return None
+
+    def add(self, seqs: list[Request]) -> None:
+        """Queue a user request's sequences; siblings of ``seqs[0]`` wait to be forked."""
+        first, rest = seqs[0], seqs[1:]
+        for r in seqs:
+            self.requests[r.request_id] = r
+        for r in rest:
+            r.status = RequestStatus.FORK_PENDING
+        first.fork_children = list(rest)
+        self.waiting.append(first)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        new_requests: list[NewRequestData] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens,
+                                       req.num_computed_tokens + n):
+                victim = self.running.pop()
+                preempted = True
+                if victim is req and not self.running:
+                    self._finish(req, RequestStatus.FINISHED_ERROR,
+                                 error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")
+                    break
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                seqs.append(self._scheduled(req, n, new_requests))
+                budget -= n
+                i += 1
+                continue
+            break
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            tokens = req.all_token_ids
+            hit = 0
+            if not req.wants_prompt_logprobs:
+                hit = self.kv.find_prefix_hit(req.request_id, tokens)
+            remaining = req.num_tokens - hit
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if hit:
+                self.kv.take_prefix_hit(req.request_id, tokens, hit)
+            if not self.kv.allocate(req.request_id, hit, hit + n):
+                self.kv.free(req.request_id)
+                if not self.running:
+                    self.waiting.popleft()
+                    self._finish(req, RequestStatus.FINISHED_ERROR,
+                                 error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")
+                    continue
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING and req.num_output_tokens == 0:
+                req.num_cached_tokens = hit
+            req.num_computed_tokens = hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._scheduled(req, n, new_requests))
+            budget -= n
+
+        plan = StepPlan(seqs=seqs, new_requests=new_requests,
+                        finished_req_ids=self._finished_for_runner,
+                        block_copies=self._pending_copies)
+        self._finished_for_runner = []
+        self._pending_copies = []
+        return plan
+
+    def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData]) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        rows = 0
+        if req.wants_prompt_logprobs:
+            rows = max(0, min(start + n, req.num_prompt_tokens - 1) - start)
+        fork_ids = []
+        if sample and req.fork_children and req.num_output_tokens == 0:
+            fork_ids = [c.request_id for c in req.fork_children]
+        for r in [req, *(self.requests[c] for c in fork_ids)]:
+            if r.request_id not in self._runner_known:
+                self._runner_known.add(r.request_id)
+                new_requests.append(NewRequestData(
+                    req_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
+                    output_token_ids=list(r.output_token_ids), params=r.params,
+                    stream_index=r.index))
+        return ScheduledSeq(req_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+                            start_pos=start, block_tables=self.kv.block_tables(req.request_id),
+                            sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids)
+
+    # -- results ---------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Apply a step's results. Returns the sequences that got a token or finished."""
+        touched: list[Request] = []
+        for seq in plan.seqs:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if seq.req_id in result.prompt_logprobs and not req.prompt_logprobs_done:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)
+                req.prompt_logprobs.extend(result.prompt_logprobs[seq.req_id])
+            if not seq.sample:
+                continue
+            for child_id in seq.fork_ids:
+                child = self.requests[child_id]
+                req.fork_children.remove(child)
+                if child.is_finished:
+                    continue
+                self._fork(req, child)
+                self._append(child, result.sampled[child_id])
+                touched.append(child)
+            self._append(req, result.sampled[req.request_id])
+            touched.append(req)
+        return touched
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        copies = None
+        if len(self.running) < self.config.max_num_seqs:
+            copies = self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+        if copies is None:
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        self._pending_copies.extend(copies)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def _append(self, req: Request, tok: SampledToken) -> None:
+        req.output_token_ids.append(tok.token_id)
+        req.cumulative_logprob += tok.logprob
+        if tok.top_logprobs is not None:
+            req.logprobs.append(tok.top_logprobs)
+        p = req.params
+        if not p.ignore_eos and tok.token_id in self.eos_token_ids and req.num_output_tokens >= p.min_tokens:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif tok.token_id in p.stop_token_ids and req.num_output_tokens >= p.min_tokens:
+            self._finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=tok.token_id)
+        elif p.max_tokens is not None and req.num_output_tokens >= p.max_tokens:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    # -- ending ---------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None,
+               error: str | None = None) -> None:
+        """End a sequence from outside (stop string, abort, internal fault)."""
+        if not req.is_finished:
+            self._finish(req, status, stop_reason, error)
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None,
+                error: str | None = None) -> None:
+        req.status = status
+        req.stop_reason = stop_reason
+        req.error = error
+        self._ended.append(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        if req.request_id in self._runner_known:
+            self._runner_known.discard(req.request_id)
+            self._finished_for_runner.append(req.request_id)
+        # Siblings never forked cannot outlive a sequence that ended before its prefill completed.
+        for child in req.fork_children:
+            if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+                self._finish(child, status, error=error)
+            else:
+                child.status = RequestStatus.WAITING
+                self.waiting.appendleft(child)
+        req.fork_children = []
+
+    def abort(self, parent_id: str) -> list[Request]:
+        ended = [r for r in self.requests.values() if r.parent_id == parent_id and not r.is_finished]
+        for r in ended:
+            self._finish(r, RequestStatus.FINISHED_ABORTED)
+        return ended
+
+    def drain_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def release(self, req: Request) -> None:
+        """Forget a finished sequence once its output has been returned."""
+        self.requests.pop(req.request_id, None)

@@ -1,0 +1,161 @@
+"""Block pool, group managers and prefix cache, without a model."""
+
+import pytest
+import torch
+
+from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.scheduler.kv_cache import NULL_BLOCK, KVCacheManager, build_groups
+
+F32 = torch.float32
+
+
+def full(h=2, d=8):
+    return KVCacheSpec("full", h, d, F32)
+
+
+def sliding(w, h=2, d=8):
+    return KVCacheSpec("sliding", h, d, F32, sliding_window=w)
+
+
+def manager(specs, num_blocks=64, bs=4, caching=True):
+    return KVCacheManager(build_groups(specs, bs), num_blocks, caching)
+
+
+def test_groups_and_page_sizes():
+    specs = [full(), sliding(8), full(), KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4)]
+    groups = build_groups(specs, 4)
+    kinds = {g.kind: g for g in groups}
+    assert kinds["full"].layer_ids == (0, 2)
+    assert kinds["sliding"].layer_ids == (1,)
+    # The full group (2 layers) sets the page; the 1-layer sliding group doubles its
+    # block, the compressed group (1/4 of the bytes per entry of one layer) takes 8x.
+    assert kinds["full"].block_size == 4
+    assert kinds["sliding"].block_size == 8
+    assert kinds["compressed"].block_size == 32
+    assert kinds["compressed"].tokens_per_block == 128
+    page = max(g.bytes_per_block for g in groups)
+    assert all(g.bytes_per_block <= page for g in groups)
+
+
+def test_allocate_and_free_return_every_block():
+    kv = manager([full()], num_blocks=10)
+    assert kv.num_free_blocks == 9  # block 0 is the null block
+    assert kv.allocate("a", 0, 10)  # 3 blocks of 4
+    assert kv.num_free_blocks == 6
+    assert NULL_BLOCK not in kv.block_tables("a")[0]
+    assert not kv.allocate("b", 0, 40)  # 10 blocks: refused, nothing changes
+    assert kv.num_free_blocks == 6
+    kv.free("a")
+    assert kv.num_free_blocks == 9
+
+
+def test_sliding_window_bounds_blocks_held():
+    kv = manager([sliding(8)], num_blocks=64, bs=4)
+    group = kv.managers[0].group
+    held = []
+    for n in range(1, 200):
+        assert kv.allocate("a", n - 1, n)
+        held.append(sum(b != NULL_BLOCK for b in kv.block_tables("a")[0]))
+    assert max(held) <= -(-8 // group.block_size) + 1
+    kv.free("a")
+    assert kv.num_free_blocks == 63
+
+
+def test_prefix_hit_full_attention():
+    kv = manager([full()], num_blocks=32, bs=4)
+    tokens = list(range(100, 114))  # 14 tokens: 3 full blocks
+    assert kv.find_prefix_hit("a", tokens) == 0
+    assert kv.allocate("a", 0, 14)
+    kv.cache_blocks("a", tokens, 14)
+    kv.free("a")
+    # Same prefix, different tail: 3 full blocks hit (12 tokens).
+    other = tokens[:12] + [7, 7, 7]
+    assert kv.find_prefix_hit("b", other) == 12
+    kv.take_prefix_hit("b", other, 12)
+    assert kv.allocate("b", 12, 15)
+    # An exact repeat keeps at least one token to compute.
+    assert kv.find_prefix_hit("c", tokens[:12]) == 8
+    # A different first token shares nothing (chained hashes).
+    assert kv.find_prefix_hit("d", [1] + tokens[1:]) == 0
+
+
+def test_prefix_hit_sliding_needs_only_window_blocks():
+    kv = manager([full(), sliding(4)], num_blocks=64, bs=4)
+    tokens = list(range(40))
+    for n in range(1, 41):
+        assert kv.allocate("a", n - 1, n)
+        kv.cache_blocks("a", tokens, n)
+    kv.free("a")
+    hit = kv.find_prefix_hit("b", tokens + [1])
+    assert hit == 40
+    kv.take_prefix_hit("b", tokens + [1], hit)
+    sliding_table = kv.block_tables("b")[1]
+    # Only the blocks holding the last window's tokens are referenced.
+    live = [b for b in sliding_table if b != NULL_BLOCK]
+    assert 1 <= len(live) <= 2
+
+
+def test_evicted_sliding_block_limits_hit():
+    kv = manager([sliding(4)], num_blocks=64, bs=4)
+    tokens = list(range(32))
+    assert kv.allocate("a", 0, 32)
+    kv.cache_blocks("a", tokens, 32)
+    kv.free("a")
+    # Evict everything cached by allocating the whole pool.
+    assert kv.allocate("x", 0, 63 * 4)
+    kv.free("x")
+    assert kv.find_prefix_hit("b", tokens + [0]) == 0
+
+
+def test_lru_evicts_least_recent_unreferenced():
+    kv = manager([full()], num_blocks=5, bs=4)  # 4 usable blocks
+    a, b = list(range(8)), list(range(50, 58))
+    for rid, toks in (("a", a), ("b", b)):
+        assert kv.allocate(rid, 0, 8)
+        kv.cache_blocks(rid, toks, 8)
+        kv.free(rid)
+    # Touch "a" again so that "b" is older.
+    kv.take_prefix_hit("a2", a + [1], 8)
+    kv.free("a2")
+    assert kv.allocate("c", 0, 8)  # needs 2 blocks: evicts b's first
+    assert kv.find_prefix_hit("q", a + [1]) == 8
+    assert kv.find_prefix_hit("q2", b + [1]) == 0
+
+
+def test_fork_shares_full_blocks_and_copies_partial():
+    kv = manager([full()], num_blocks=16, bs=4)
+    assert kv.allocate("p", 0, 10)
+    free_before = kv.num_free_blocks
+    copies = kv.fork("p", "c", 10)
+    assert copies is not None and len(copies) == 1
+    tp, tc = kv.block_tables("p")[0], kv.block_tables("c")[0]
+    assert tp[:2] == tc[:2] and tp[2] != tc[2]
+    assert copies[0] == (tp[2], tc[2])
+    assert kv.num_free_blocks == free_before - 1
+    kv.free("p")
+    kv.free("c")
+    assert kv.num_free_blocks == 15
+
+
+def test_truncate_rolls_back():
+    kv = manager([full()], num_blocks=16, bs=4)
+    assert kv.allocate("a", 0, 13)
+    kv.truncate("a", 5)
+    assert len(kv.block_tables("a")[0]) == 2
+    assert kv.num_free_blocks == 13
+
+
+def test_compressed_group_one_entry_per_ratio():
+    spec = KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4)
+    kv = manager([spec], num_blocks=16, bs=4)
+    assert kv.allocate("a", 0, 15)  # 3 entries -> 1 block of 4 entries
+    assert len(kv.block_tables("a")[0]) == 1
+    assert kv.allocate("a", 15, 17)  # 4 entries
+    assert len(kv.block_tables("a")[0]) == 1
+    assert kv.allocate("a", 17, 20)  # 5 entries -> 2 blocks
+    assert len(kv.block_tables("a")[0]) == 2
+
+
+def test_bad_pool_size():
+    with pytest.raises(ValueError, match="at least 2"):
+        manager([full()], num_blocks=1)
