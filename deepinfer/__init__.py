@@ -1,0 +1,16 @@
+"""deepinfer: an inference engine for DeepSeek's mixture-of-experts models."""
+
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch models and the engine; import it lazily so that
+    # `from deepinfer import SamplingParams` stays cheap.
+    if name == "LLM":
+        from deepinfer.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -92,3 +92,56 @@ def paged_attention(
         out[s:e] = causal_attention(q[s:e], kv[:, 0], kv[:, 1], q_pos, k_pos, scale,
                                     sliding_window, sinks)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
+
+    x: [..., D]; weight: [D]. The normalisation runs in float32 and is cast back
+    to x's dtype before the weight multiplies, as in HF Llama/Qwen.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half (GPT-NeoX) layout: dims i and i + D/2 form a pair.
+
+    x: [T, H, D]; cos, sin: [T, D/2] float32 (attention scaling already applied).
+    The products run in x's dtype, as in HF.
+    """
+    x1, x2 = x.chunk(2, dim=-1)                                  # [T, H, D/2] each
+    c = cos[:, None, :].to(x.dtype)                              # [T, 1, D/2]
+    s = sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax router: the top_k experts by probability, optionally renormalised to sum to 1.
+
+    router_logits: [T, E] -> (weights [T, K] float32, expert ids [T, K] int64).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)         # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)              # [T, K]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, e = ids[t,k].
+
+    x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows first, then up rows);
+    down_proj: [E, H, I]; topk_weights: [T, K]; topk_ids: [T, K] -> [T, H].
+    Each expert's output is weighted in x's dtype and summed into a [T, H] buffer.
+    """
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)   # [n] tokens routed to e
+        gate, up = (x[tok] @ gate_up_proj[e].t()).chunk(2, dim=-1)  # [n, I] each
+        h = (torch.nn.functional.silu(gate) * up) @ down_proj[e].t()  # [n, H]
+        out.index_add_(0, tok, h * topk_weights[tok, slot, None].to(h.dtype))
+    return out

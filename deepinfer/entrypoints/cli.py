@@ -1,0 +1,122 @@
+"""Command line: ``deepinfer generate | serve | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from deepinfer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--dp", type=int, default=1, help="data parallel size")
+    p.add_argument("--cp", type=int, default=1, help="context parallel size")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
+                data_parallel_size=args.dp, context_parallel_size=args.cp)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from deepinfer.entrypoints.llm import LLM
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.request_seed)
+    llm = LLM(**engine_kwargs(args))
+    engine = llm.engine
+    for prompt in args.prompt:
+        rid = engine.add_request(prompt, params)
+        sys.stdout.write(prompt)
+        printed = 0
+        finished = False
+        while not finished:
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if out.error:
+                    print(f"\nerror: {out.error}", file=sys.stderr)
+                    return 1
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+                finished = out.finished
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    raise NotImplementedError("`deepinfer serve` (the OpenAI-compatible server) is not built yet")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from deepinfer.bench.throughput import run_throughput
+
+    if args.kind != "throughput":
+        raise NotImplementedError(f"`deepinfer bench {args.kind}` is not built yet; available: throughput")
+    run_throughput(args, engine_kwargs(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts, streamed to stdout")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--request-seed", type=int, default=None, help="per-request sampling seed")
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")
+    bench.add_argument("kind", choices=["throughput", "prefill", "decode", "curve"])
+    add_engine_args(bench)
+    bench.add_argument("--num-prompts", type=int, default=32)
+    bench.add_argument("--input-len", type=int, default=64)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    bench.add_argument("--json", default=None, help="write the result as JSON to this path")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    try:
+        return args.func(args)
+    except (ValueError, NotImplementedError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

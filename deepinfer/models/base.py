@@ -1,0 +1,156 @@
+"""CausalLM: the interface every model implements, and its default weight loading.
+
+What belongs here: the contract between the runner and a model (forward over a
+flattened batch, float32 logits, the attention layers that need a KV cache) and
+the strict name-by-name checkpoint loading most models use unchanged. What does
+not: reading files (models/loader.py) and model math (each model file, layers/).
+
+Parameters are created in torch's default dtype on the default device;
+``models.loader.load_model`` sets both before building a model, so a model
+names ``dtype`` itself only where it must differ (the KV-cache spec, float32
+router or mixing weights).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.forward_context import ForwardContext
+from deepinfer.layers.moe import FusedMoE
+
+# Per-expert checkpoint names (``...mlp.experts.7.up_proj.weight``), loaded into
+# the stacked weights of a FusedMoE module at ``...mlp.experts``.
+_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\."
+                            r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+# How many names an error message lists before it summarises the rest.
+_MAX_NAMES_SHOWN = 10
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """A checkpoint tensor that fills part of a parameter: ``param[index] = tensor``."""
+
+    name: str
+    index: tuple[int | slice, ...]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a flattened batch of T tokens.
+
+    Module and parameter names follow the HF checkpoint names, so that the
+    default :meth:`load_weights` maps checkpoint tensors 1:1; a model whose
+    checkpoint differs overrides :meth:`remap_weight_name`.
+    """
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] int64 -> hidden states [T, H] (final norm applied)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement forward")
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32."""
+        return self.lm_head(hidden).float()
+
+    def kv_cache_layers(self) -> list[nn.Module]:
+        """Modules that declare a ``kv_spec`` (and receive ``kv_cache``/``group_id``), in layer order."""
+        return [m for m in self.modules() if hasattr(m, "kv_spec")]
+
+    def make_lm_head(self, embed_tokens: nn.Embedding) -> nn.Linear:
+        """The output projection; with ``tie_word_embeddings`` it shares the embedding
+        matrix, and a checkpoint may then omit ``lm_head.weight``."""
+        head = nn.Linear(embed_tokens.embedding_dim, embed_tokens.num_embeddings, bias=False)
+        if self.hf_config.get("tie_word_embeddings", False):
+            head.weight = embed_tokens.weight
+        return head
+
+    # -- weights -----------------------------------------------------------------
+    def remap_weight_name(self, name: str) -> str | ParamSlice | None:
+        """Where checkpoint tensor ``name`` goes: a parameter name, a part of a
+        parameter, or None to skip it. The default is the identity, plus per-expert
+        weights into the stacked tensors of :class:`FusedMoE` modules."""
+        m = _EXPERT_WEIGHT.match(name)
+        if m is not None:
+            try:
+                module = self.get_submodule(m["prefix"])
+            except AttributeError:
+                return name
+            if isinstance(module, FusedMoE):
+                try:
+                    param, index = module.expert_weight_index(m["proj"], int(m["expert"]))
+                except ValueError as err:
+                    raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
+                return ParamSlice(f"{m['prefix']}.{param}", index)
+        return name
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into parameters and persistent buffers (cast to
+        their dtype and device). Raises ValueError on an unexpected name, a
+        mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
+        checkpoint left (partly) unfilled. Tied parameters load through their first name."""
+        targets: dict[str, torch.Tensor] = {}
+        aliases: set[str] = set()
+        seen_ids: set[int] = set()
+        for pname, tensor in self.state_dict(keep_vars=True).items():
+            if id(tensor) in seen_ids:
+                aliases.add(pname)
+            else:
+                seen_ids.add(id(tensor))
+                targets[pname] = tensor
+        filled = dict.fromkeys(targets, 0)   # elements written per target
+        written: set[tuple[str, str]] = set()
+
+        for name, tensor in weights:
+            dest = self.remap_weight_name(name)
+            if dest is None or (isinstance(dest, str) and dest in aliases):
+                continue
+            pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
+            if pname not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter "
+                                 f"{pname!r} in {type(self).__name__}")
+            key = (pname, repr(index))
+            if key in written:
+                raise ValueError(f"checkpoint tensor {name!r} writes {pname}{_fmt(index)}, "
+                                 "which an earlier tensor already wrote")
+            dst = targets[pname].data[index]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"but {pname}{_fmt(index)} has shape {tuple(dst.shape)}")
+            if filled[pname] + dst.numel() > targets[pname].numel():
+                raise ValueError(f"checkpoint tensor {name!r} overlaps tensors already loaded "
+                                 f"into {pname}")
+            dst.copy_(tensor)
+            written.add(key)
+            filled[pname] += dst.numel()
+
+        missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
+                   for p, n in filled.items() if n != targets[p].numel()]
+        if missing:
+            shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
+            more = f" and {len(missing) - _MAX_NAMES_SHOWN} more" if len(missing) > _MAX_NAMES_SHOWN else ""
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
+                             f"{type(self).__name__}: {shown}{more}")
+
+
+def _fmt(index: tuple[int | slice, ...]) -> str:
+    if not index:
+        return ""
+    parts = [f"{i.start}:{i.stop}" if isinstance(i, slice) else str(i) for i in index]
+    return "[" + ", ".join(parts) + "]"
+
+
+def config_value(hf_config: dict, key: str):
+    """A required config.json field, with an error naming it when absent."""
+    if hf_config.get(key) is None:
+        raise ValueError(f"config.json has no {key!r} field, which this architecture needs")
+    return hf_config[key]

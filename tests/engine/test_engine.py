@@ -1,0 +1,227 @@
+"""End-to-end engine behaviour on the CPU: equalities between schedules, sampling
+features, and failure isolation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+PROMPTS = [
+    "The list type is",
+    "Return a new dictionary with keys from iterable and values set to value.",
+    "x",
+    "This module provides access to some objects used or maintained by the interpreter " * 3,
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def pool_is_full(llm: LLM) -> bool:
+    kv = llm.engine.kv
+    return kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+def test_generate_shapes_and_order(tiny_llm):
+    outs = tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    for o in outs:
+        assert o.finished and len(o.outputs) == 1
+        c = o.outputs[0]
+        assert len(c.token_ids) == 24 and c.finish_reason == "length"
+        assert c.text == tiny_llm.tokenizer.decode(c.token_ids)
+        assert o.prompt_token_ids == tiny_llm.tokenizer.encode(o.prompt)
+    assert pool_is_full(tiny_llm)
+
+
+def test_single_prompt_and_token_ids(tiny_llm):
+    ids = tiny_llm.tokenizer.encode(PROMPTS[0])
+    a = tiny_llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    b = tiny_llm.generate([ids], GREEDY, use_tqdm=False)
+    assert token_ids(a) == token_ids(b)
+    assert b[0].prompt is None and b[0].prompt_token_ids == ids
+
+
+def test_batched_equals_one_at_a_time(tiny_llm):
+    batched = token_ids(tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    alone = [token_ids(tiny_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
+    assert batched == alone
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_llm):
+    llm = LLM(device="cpu", enable_prefix_caching=False, max_num_batched_tokens=4096)
+    return token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_chunked_prefill_equals_one_shot(reference_tokens):
+    llm = LLM(device="cpu", enable_prefix_caching=False, max_num_batched_tokens=16)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference_tokens
+
+
+def test_prefix_hit_equals_miss(reference_tokens):
+    llm = LLM(device="cpu", max_num_batched_tokens=64)
+    first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens == 0 for o in first)
+    assert second[3].num_cached_tokens > 0
+    assert token_ids(first) == token_ids(second) == reference_tokens
+    assert pool_is_full(llm)
+
+
+def test_preemption_keeps_output(reference_tokens):
+    llm = LLM(device="cpu", enable_prefix_caching=False, num_kv_blocks=14, block_size=4,
+              max_num_batched_tokens=64)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert token_ids(outs) == reference_tokens
+    assert pool_is_full(llm)
+
+
+def test_n_greater_than_one(tiny_llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    out = tiny_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(seqs)) == 3 and all(len(s) == 12 for s in seqs)
+    again = tiny_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+    assert pool_is_full(tiny_llm)
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = tiny_llm.generate([PROMPTS[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    noisy = SamplingParams(temperature=1.3, max_tokens=20, ignore_eos=True)
+    outs = tiny_llm.generate([PROMPTS[2], PROMPTS[0], PROMPTS[3]], [noisy, seeded, noisy], use_tqdm=False)
+    assert outs[1].outputs[0].token_ids == alone
+    other_seed = tiny_llm.generate([PROMPTS[0]], SamplingParams(
+        temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_stop_strings_and_stop_tokens(tiny_llm):
+    base = tiny_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 10
+    stop = text[5:9]  # a stop string that may span tokens
+    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    incl = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                        include_stop_str_in_output=True),
+                             use_tqdm=False)[0].outputs[0]
+    assert incl.text == text[:text.index(stop) + len(stop)]
+    tok = base.token_ids[3]
+    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    assert out.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
+    assert pool_is_full(tiny_llm)
+
+
+def test_min_tokens_and_eos(tiny_llm):
+    eos = min(tiny_llm.tokenizer.eos_token_ids)
+    bias = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0})
+    out = tiny_llm.generate(PROMPTS[0], bias, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == [eos]
+    held = SamplingParams(temperature=0.0, max_tokens=10, logit_bias={eos: 100.0}, min_tokens=4)
+    out = tiny_llm.generate(PROMPTS[0], held, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos and eos not in out.token_ids[:4]
+    ignore = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={eos: 100.0}, ignore_eos=True)
+    out = tiny_llm.generate(PROMPTS[0], ignore, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] * 6 and out.finish_reason == "length"
+
+
+def test_logprobs_and_prompt_logprobs(tiny_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    out = tiny_llm.generate(PROMPTS[1], params, use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert len(c.logprobs) == 5
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the top token
+        assert 3 <= len(entry) <= 4
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    plp = out.prompt_logprobs
+    assert len(plp) == len(out.prompt_token_ids) and plp[0] is None
+    for tok, entry in zip(out.prompt_token_ids[1:], plp[1:]):
+        assert tok in entry and len(entry) in (2, 3)
+    # Same numbers from a full forward of the model.
+    engine = tiny_llm.engine
+    ids = torch.tensor(out.prompt_token_ids)
+    from deepinfer.forward_context import ForwardContext
+    with torch.inference_mode():
+        logits = engine.model.compute_logits(engine.model(ids, ForwardContext.no_cache([len(ids)], ids.device)))
+    ref = torch.log_softmax(logits, -1)
+    for i, tok in enumerate(out.prompt_token_ids[1:]):
+        assert plp[i + 1][tok].logprob == pytest.approx(ref[i, tok].item(), abs=1e-4)
+
+
+def test_chat_uses_template(tiny_llm):
+    msgs = [{"role": "user", "content": "What is a list?"}]
+    out = tiny_llm.chat(msgs, GREEDY, use_tqdm=False)[0]
+    rendered = tiny_llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert out.prompt_token_ids == tiny_llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.engine
+    rid = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=100, ignore_eos=True))
+    other = engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert not pool_is_full(tiny_llm)
+    engine.abort(rid)
+    finals = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+    assert finals[rid].outputs[0].finish_reason == "abort"
+    assert finals[other].outputs[0].finish_reason == "length"
+    assert pool_is_full(tiny_llm)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-5), dict(max_tokens=0), dict(n=0),
+    dict(min_p=1.5), dict(repetition_penalty=0.0), dict(logprobs=-1),
+])
+def test_bad_parameters_raise(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_bad_input_raises_and_engine_stays_up(tiny_llm):
+    vocab = tiny_llm.engine.config.model.vocab_size
+    with pytest.raises(ValueError, match="out of range"):
+        tiny_llm.generate([[1, vocab + 5]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        tiny_llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_llm.generate("hi", SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    assert len(tiny_llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 24
+
+
+def test_impossible_request_fails_alone():
+    llm = LLM(device="cpu", max_model_len=64)
+    long_prompt = "word " * 200
+    outs = llm.generate([PROMPTS[0], long_prompt, PROMPTS[1]], GREEDY, use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "max_model_len" in outs[1].error
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [24, 24]
+    small = LLM(device="cpu", num_kv_blocks=4, block_size=4)
+    outs = small.generate([PROMPTS[2], PROMPTS[3]], SamplingParams(max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)
+    assert outs[1].outputs[0].finish_reason == "error" and "blocks" in outs[1].error
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert pool_is_full(small)
+
+
+def test_parallel_flags_raise():
+    with pytest.raises(NotImplementedError, match="ep=2"):
+        LLM(device="cpu", expert_parallel_size=2)
