@@ -145,3 +145,35 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
         h = (torch.nn.functional.silu(gate) * up) @ down_proj[e].t()  # [n, H]
         out.index_add_(0, tok, h * topk_weights[tok, slot, None].to(h.dtype))
     return out
+
+
+def grouped_topk_sigmoid(
+    router_logits: torch.Tensor,   # [T, E]
+    correction_bias: torch.Tensor,  # [E]
+    num_groups: int,
+    topk_groups: int,
+    top_k: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 "noaux_tc" routing -> (weights [T, K] float32, expert ids [T, K] int64).
+
+    Scores are ``sigmoid(logits)``; the bias only steers *which* experts win
+    (load balancing without an auxiliary loss), the weights are the unbiased
+    scores. Experts sit in ``num_groups`` equal groups; a group ranks by the sum
+    of its two best biased scores, and only the ``topk_groups`` best groups
+    compete for the ``top_k`` experts. Weights are optionally renormalised to
+    sum to 1, then multiplied by ``scaling`` (routed_scaling_factor).
+    """
+    t, e = router_logits.shape
+    scores = router_logits.float().sigmoid()                              # [T, E]
+    biased = scores + correction_bias.float()                             # [T, E]
+    group_scores = biased.view(t, num_groups, e // num_groups).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+    group_ids = group_scores.topk(topk_groups, dim=-1, sorted=False)[1]   # [T, topk_groups]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1).bool()  # [T, G]
+    expert_mask = group_mask.repeat_interleave(e // num_groups, dim=1)    # [T, E]
+    ids = biased.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]  # [T, K]
+    weights = scores.gather(1, ids)                                       # [T, K]
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids

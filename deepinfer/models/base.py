@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,7 +150,7 @@ def _fmt(index: tuple[int | slice, ...]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def config_value(hf_config: dict, key: str):
+def config_value(hf_config: dict, key: str) -> Any:
     """A required config.json field, with an error naming it when absent."""
     if hf_config.get(key) is None:
         raise ValueError(f"config.json has no {key!r} field, which this architecture needs")

@@ -50,7 +50,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         cfg = self.hf_config
         num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         step = int(cfg.get("decoder_sparse_step", 1))
-        sparse = (layer_idx not in cfg.get("mlp_only_layers", [])
+        sparse = (layer_idx not in (cfg.get("mlp_only_layers") or [])
                   and num_experts > 0 and (layer_idx + 1) % step == 0)
         if not sparse:
             return super().make_mlp(layer_idx)

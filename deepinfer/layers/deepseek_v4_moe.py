@@ -1,0 +1,114 @@
+"""DeepSeek-V4 mixture of experts: sqrtsoftplus routing with a selection bias
+(noaux_tc) or a frozen token -> experts table (hash layers), clamped SwiGLU
+experts and one shared expert.
+
+Routing (float32): scores ``s = sqrt(softplus(x @ W_gate^T))``; the top-K
+experts by ``s + bias`` are chosen (hash layers: ``tid2eid[token]``); their
+weights are ``s`` renormalised over the K chosen, times ``routed_scaling_factor``.
+Experts: ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
+
+Shapes: T tokens, H hidden, E routed experts, K experts per token, I expert width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.moe import FusedMoE
+
+_SCORE_FUNCS = {
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(gate) * up`` with gate clamped above and up clamped on both sides at ``limit`` (if > 0)."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class DeepseekV4Router(nn.Module):
+    """Top-K by biased score (``hash_vocab_size`` None) or by ``tid2eid[token]`` (hash layers)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str,
+                 routed_scaling_factor: float, hash_vocab_size: int | None) -> None:
+        super().__init__()
+        if scoring_func not in _SCORE_FUNCS:
+            raise NotImplementedError(f"scoring_func={scoring_func!r} is not supported for DeepSeek-V4; "
+                                      f"supported: {', '.join(_SCORE_FUNCS)}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={num_experts}]")
+        self.top_k = top_k
+        self.score = _SCORE_FUNCS[scoring_func]
+        self.routed_scaling_factor = routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.is_hash = hash_vocab_size is not None
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H], input_ids: [T] -> weights [T, K] float32, expert ids [T, K] int64
+        scores = self.score(F.linear(x.float(), self.weight))                     # [T, E]
+        if self.is_hash:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class DeepseekV4Experts(FusedMoE):
+    """Stacked routed experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) with clamped SwiGLU."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
+        out = torch.zeros_like(x)
+        for e in topk_ids.unique().tolist():                                       # ascending
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)              # [n]
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)    # [n, I] each
+            h = F.linear(swiglu_clamped(gate, up, self.swiglu_limit), self.down_proj[e])  # [n, H]
+            out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
+        return out
+
+
+class DeepseekV4SharedExpert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> [T, H]
+        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
+                 hash_vocab_size: int | None) -> None:
+        super().__init__()
+        self.gate = DeepseekV4Router(hidden_size, num_experts, top_k, scoring_func,
+                                     routed_scaling_factor, hash_vocab_size)
+        self.experts = DeepseekV4Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
+        self.shared_experts = DeepseekV4SharedExpert(hidden_size, intermediate_size, swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H], input_ids: [T] (hash layers route by token) -> [T, H]
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights, ids) + self.shared_experts(x)

@@ -1,0 +1,136 @@
+"""Dequantisation of quantised checkpoint weights, as DeepSeek ships them.
+
+- FP8: ``float8_e4m3fn`` weights with one scale per ``block x block`` tile
+  (``[ceil(out/block), ceil(in/block)]``, e8m0 or float32), ``w = q * s``.
+- FP4: ``e2m1`` values packed two per byte along the input dimension (low
+  nibble first; stored as ``int8``, ``uint8`` or ``float4_e2m1fn_x2``) with one
+  e8m0 scale per ``group`` inputs (``[out, in/group]``), ``w = q * s``.
+
+Every product is exact in float32 (e4m3/e2m1 values times a power of two, or
+one float32 multiply for float scales): the functions return float32 and the
+caller casts once to its compute dtype, as HF transformers does.
+
+A quantised weight ``X.weight`` has its scale in ``X.scale`` (DeepSeek's names)
+or ``X.weight_scale_inv`` (the DeepSeek-V3 HF names); :func:`pair_scales`
+matches them in a stream of checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+# The 16 e2m1 code points, indexed by the 4-bit code (sign bit is bit 3).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Scale tensor as float32: e8m0 (``float8_e8m0fnu``, or raw ``uint8`` exponent
+    bytes meaning ``2**(b - 127)``) or any float dtype."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """FP8 weight [..., out, in] with scales [..., ceil(out/block), ceil(in/block)] -> float32."""
+    rows, cols = weight.shape[-2:]
+    grid = (-(-rows // block), -(-cols // block))
+    if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != weight.shape[:-2]:
+        raise ValueError(f"FP8 weight of shape {tuple(weight.shape)} with {block}x{block} blocks needs "
+                         f"a scale of shape {(*weight.shape[:-2], *grid)}, got {tuple(scale.shape)}")
+    s = scale_to_float(scale)
+    s = s.repeat_interleave(block, dim=-2)[..., :rows, :].repeat_interleave(block, dim=-1)[..., :cols]
+    return weight.to(torch.float32) * s
+
+
+def unpack_fp4_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 [..., n] (two codes per byte, low nibble first) -> float32 [..., 2n]."""
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    u8 = packed.contiguous().view(torch.uint8)
+    codes = torch.stack([u8 & 0xF, u8 >> 4], dim=-1).long()          # [..., n, 2]
+    return lut[codes].flatten(-2)
+
+
+def dequant_fp4_e2m1(packed: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """Packed FP4 weight [..., out, in/2] with scales [..., out, in/group] -> float32 [..., out, in]."""
+    values = unpack_fp4_e2m1(packed)                                  # [..., out, in]
+    expected = (*values.shape[:-1], values.shape[-1] // group)
+    if values.shape[-1] % group or tuple(scale.shape) != expected:
+        raise ValueError(f"FP4 weight of shape {tuple(packed.shape)} (packed; {values.shape[-1]} inputs) "
+                         f"with groups of {group} needs a scale of shape {expected}, "
+                         f"got {tuple(scale.shape)}")
+    return values * scale_to_float(scale).repeat_interleave(group, dim=-1)
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in FP8_DTYPES or tensor.dtype in FP4_DTYPES
+
+
+def dequantize_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,
+                      fp8_block: int = 128, fp4_group: int = 32) -> torch.Tensor:
+    """Checkpoint weight ``name`` dequantised with its scale, by the weight's storage dtype."""
+    try:
+        if weight.dtype in FP8_DTYPES:
+            return dequant_fp8_block(weight, scale, fp8_block)
+        if weight.dtype in FP4_DTYPES:
+            return dequant_fp4_e2m1(weight, scale, fp4_group)
+    except ValueError as err:
+        raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
+    raise ValueError(f"checkpoint tensor {name!r} has a scale but dtype {weight.dtype}, "
+                     f"which is neither FP8 ({FP8_DTYPES}) nor packed FP4 ({FP4_DTYPES})")
+
+
+def scale_name_for(weight_name: str, names: Mapping[str, object]) -> str | None:
+    """The scale tensor accompanying ``X.weight`` among ``names``, if any."""
+    if not weight_name.endswith(".weight"):
+        return None
+    prefix = weight_name[: -len(".weight")]
+    for suffix in SCALE_SUFFIXES:
+        if prefix + suffix in names:
+            return prefix + suffix
+    return None
+
+
+def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], fp8_block: int = 128,
+                fp4_group: int = 32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream checkpoint tensors with each quantised ``X.weight`` replaced by its float32
+    dequantisation and its scale tensor consumed; other tensors pass through.
+
+    A tensor named like a scale (``X.scale``) is only a scale if a quantised ``X.weight``
+    exists: DeepSeek-V4's HF names also use ``.scale`` for plain parameters
+    (``attn_hc.scale``), so unpaired ones are passed on at the end. Raises ValueError
+    for a quantised weight without a scale.
+    """
+    weights_waiting: dict[str, tuple[str, torch.Tensor]] = {}   # prefix -> (name, quantised weight)
+    scales_waiting: dict[str, tuple[str, torch.Tensor]] = {}    # prefix -> (name, scale)
+    for name, tensor in weights:
+        suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            prefix = name[: -len(suffix)]
+            if prefix in weights_waiting:
+                wname, w = weights_waiting.pop(prefix)
+                yield wname, dequantize_weight(wname, w, tensor, fp8_block, fp4_group)
+            else:
+                scales_waiting[prefix] = (name, tensor)
+        elif name.endswith(".weight") and is_quantized(tensor):
+            prefix = name[: -len(".weight")]
+            if prefix in scales_waiting:
+                yield name, dequantize_weight(name, tensor, scales_waiting.pop(prefix)[1],
+                                              fp8_block, fp4_group)
+            else:
+                weights_waiting[prefix] = (name, tensor)
+        else:
+            yield name, tensor
+    if weights_waiting:
+        names = sorted(n for n, _ in weights_waiting.values())
+        raise ValueError(f"{len(names)} quantised checkpoint weight(s) have no scale tensor "
+                         f"(expected '<name>.scale' or '<name>.weight_scale_inv'): "
+                         f"{', '.join(names[:10])}")
+    yield from scales_waiting.values()

@@ -1,0 +1,326 @@
+"""Sampler: one row of logits per sequence -> its next token, plus logprobs.
+
+What belongs here: the logits processors (min_tokens, logit_bias, penalties),
+temperature and the min-p / top-k / top-p filters, the random draw, and the
+logprobs of the raw model distribution. What does not: which rows are sampled
+(the runner), stop conditions (the scheduler), grammar masks (structured/).
+
+Semantics follow vLLM v1. Logprobs come from the raw logits (log-softmax before
+any processing); rank 1 is the most likely token. Processing order:
+min_tokens -> logit_bias -> penalties -> (greedy rows: argmax) -> temperature
+-> min_p -> top_k -> top_p -> draw.
+
+The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per
+token picks token i with probability probs[i]. A seeded row draws its ``q``
+from a generator keyed by (seed, stream_index, output position), so its token
+does not depend on which other rows share the batch; unseeded rows draw theirs
+from the sampler's own generator in one call.
+
+Shapes: N rows, V vocabulary (``vocab_size``; the logits may carry padding
+columns beyond it, which are dropped), M a subset of rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One row of the logits to sample."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]    # generated so far: penalties, min_tokens, seed position
+    stream_index: int = 0              # which of the request's n samples this is (keys the seeded generator)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    sampled_logprobs: list[float]                 # raw logprob of each sampled token
+    logprobs: list[dict[int, Logprob] | None]     # top-N plus the sampled token, where params.logprobs is set
+
+
+# -- filters: the pure-PyTorch reference of the sampling kernel ----------------------------------
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's largest.
+
+    logits: [M, V] float32 (temperature applied); min_p: [M] in [0, 1].
+    """
+    probs = logits.softmax(-1)                                         # [M, V]
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)      # [M, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row (ties with the k-th are kept).
+
+    logits: [M, V]; k: [M] int64 in [1, V]. Uses ``topk`` up to the largest k,
+    not a full sort.
+    """
+    top = logits.topk(int(k.max()), dim=-1).values                    # [M, kmax] descending
+    threshold = top.gather(1, (k - 1).unsqueeze(1))                    # [M, 1] the k-th largest
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to >= ``p``.
+
+    logits: [M, V]; p: [M] in (0, 1]. A token is dropped when the tokens at
+    least as unlikely as it (itself included) sum to <= 1 - p, i.e. when the
+    strictly more likely tokens already reach p. The most likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1)                         # [M, V] ascending
+    cum = sorted_logits.softmax(-1).cumsum(-1)                         # [M, V]
+    drop = cum <= (1 - p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+# -- seeding ----------------------------------------------------------------------------------------
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def stream_seed(seed: int, stream_index: int, position: int) -> int:
+    """The generator seed of one draw of a seeded request: a 64-bit hash of
+    (request seed, sample index, output position), stable across processes."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (stream_index & _MASK64))
+    return _splitmix64(h ^ (position & _MASK64))
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+def _logprob_dicts(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequence[int]
+                   ) -> list[dict[int, Logprob]]:
+    """For each row: the chosen token with its rank, then the row's top-``nums[i]``.
+
+    logprobs: [M, V] normalised; token_ids: [M] int64.
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))               # [M, 1]
+    ranks = (logprobs > chosen).sum(-1) + 1                            # [M] 1 = most likely
+    kmax = max(nums, default=0)
+    top_vals, top_ids = logprobs.topk(kmax, dim=-1) if kmax else (None, None)
+    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
+    top_vals_l = top_vals.tolist() if kmax else []
+    top_ids_l = top_ids.tolist() if kmax else []
+    out = []
+    for i, num in enumerate(nums):
+        entry = {ids_l[i]: Logprob(chosen_l[i], ranks_l[i])}
+        for r in range(num):
+            entry[top_ids_l[i][r]] = Logprob(top_vals_l[i][r], r + 1)
+        out.append(entry)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num: int,
+                    vocab_size: int | None = None) -> list[dict[int, Logprob]]:
+    """Logprobs of prompt token i+1 given its prefix (logits row i), plus the top-``num``.
+
+    logits: [L, V'] raw model logits; V' may include padding beyond ``vocab_size``
+    (when given), which is dropped before normalising.
+    """
+    if len(next_token_ids) != logits.shape[0]:
+        raise ValueError(f"prompt_logprobs: {len(next_token_ids)} next tokens for {logits.shape[0]} logits rows")
+    vocab = logits.shape[1] if vocab_size is None else vocab_size
+    lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)                        # [L, V]
+    ids = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)  # [L]
+    return _logprob_dicts(lp, ids, [num] * len(next_token_ids))
+
+
+# -- the sampler ------------------------------------------------------------------------------------
+
+class Sampler:
+    """Samples one token per row; holds the generator shared by unseeded rows."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: set[int], seed: int = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _MASK64)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [N, V'] float32 with V' >= vocab_size; one SamplingRow per logits row."""
+        self._check(logits, rows)
+        raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
+        lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
+        tokens = self._sample(self._process(raw, rows), rows)             # [N] int64
+
+        sampled = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse    # [N]
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        if want:
+            sel = torch.tensor(want, device=raw.device)
+            lp = raw[sel] - lse[sel].unsqueeze(1)                         # [M, V] same arithmetic as `sampled`
+            dicts = _logprob_dicts(lp, tokens[sel], [rows[i].params.logprobs for i in want])
+            for i, d in zip(want, dicts):
+                logprobs[i] = d
+        return SamplerOutput(token_ids=tokens.tolist(), sampled_logprobs=sampled.tolist(), logprobs=logprobs)
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The logits after min_tokens, logit_bias and penalties, before temperature:
+        what greedy rows take the argmax of. logits: [N, V'] -> [N, V] (padding dropped)."""
+        self._check(logits, rows)
+        return self._process(logits[:, :self.vocab_size].float(), rows)
+
+    def _check(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows: expected "
+                             f"[{len(rows)}, >= vocab_size={self.vocab_size}]")
+        if logits.device != self.generator.device:
+            raise ValueError(f"logits on {logits.device}, sampler built for {self.generator.device}")
+
+    def _process(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        work = raw.clone()                                                # [N, V] processed in place
+        self._mask_min_tokens(work, rows)
+        self._add_logit_bias(work, rows)
+        self._apply_penalties(work, rows)
+        return work
+
+    # -- logits processors (in place on work [N, V]) ------------------------------------------------
+    def _mask_min_tokens(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Until min_tokens are generated, no token that would end the sequence may be drawn.
+        With ignore_eos, EOS does not end it (as in vLLM), so only stop_token_ids are masked."""
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.params
+            if len(row.output_token_ids) < p.min_tokens:
+                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids).union(self.eos_token_ids)
+                ids = [t for t in ids if t < self.vocab_size]
+                r_idx += [i] * len(ids)
+                c_idx += ids
+        if r_idx:
+            work[self._long(r_idx, work), self._long(c_idx, work)] = float("-inf")
+
+    def _add_logit_bias(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        vals: list[float] = []
+        for i, row in enumerate(rows):
+            for tok, bias in (row.params.logit_bias or {}).items():
+                r_idx.append(i)
+                c_idx.append(tok)
+                vals.append(bias)
+        if r_idx:
+            work.index_put_((self._long(r_idx, work), self._long(c_idx, work)),
+                            torch.tensor(vals, dtype=work.dtype, device=work.device), accumulate=True)
+
+    def _apply_penalties(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """repetition (HF/vLLM): a logit of a token seen in prompt or output is divided by the
+        penalty when positive and multiplied when negative. frequency/presence (OpenAI), over
+        output tokens: logit -= frequency * count + presence * (count > 0)."""
+        sel = [i for i, r in enumerate(rows)
+               if r.params.repetition_penalty != 1.0 or r.params.frequency_penalty != 0.0
+               or r.params.presence_penalty != 0.0]
+        if not sel:
+            return
+        m, v = len(sel), work.shape[1]
+        out_r: list[int] = []
+        out_c: list[int] = []
+        prompt_r: list[int] = []
+        prompt_c: list[int] = []
+        for j, i in enumerate(sel):
+            out_r += [j] * len(rows[i].output_token_ids)
+            out_c += rows[i].output_token_ids
+            if rows[i].params.repetition_penalty != 1.0:
+                prompt_r += [j] * len(rows[i].prompt_token_ids)
+                prompt_c += rows[i].prompt_token_ids
+        counts = torch.zeros(m, v, dtype=work.dtype, device=work.device)          # [M, V] output counts
+        if out_r:
+            counts.index_put_((self._long(out_r, work), self._long(out_c, work)),
+                              torch.ones(len(out_r), dtype=work.dtype, device=work.device), accumulate=True)
+        seen = counts > 0                                                          # [M, V]
+        in_output = seen.to(work.dtype)
+        if prompt_r:
+            seen[self._long(prompt_r, work), self._long(prompt_c, work)] = True
+
+        def column(name: str) -> torch.Tensor:                                     # [M, 1]
+            return torch.tensor([getattr(rows[i].params, name) for i in sel],
+                                dtype=work.dtype, device=work.device).unsqueeze(1)
+
+        idx = self._long(sel, work)
+        sub = work[idx]                                                            # [M, V]
+        rep = column("repetition_penalty")
+        penalised = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = torch.where(seen, penalised, sub)
+        sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * in_output
+        work[idx] = sub
+
+    # -- drawing -------------------------------------------------------------------------------------
+    def _sample(self, work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=work.device)      # [N]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            g = self._long(greedy, work)
+            tokens[g] = work[g].argmax(-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if not rand:
+            return tokens
+        params = [rows[i].params for i in rand]
+        r_idx = self._long(rand, work)
+        temp = torch.tensor([p.temperature for p in params], dtype=work.dtype, device=work.device)
+        x = work[r_idx] / temp.unsqueeze(1)                                         # [R, V]
+        x = self._filter(x, [j for j, p in enumerate(params) if p.min_p > 0],
+                         apply_min_p, [p.min_p for p in params], work.dtype)
+        x = self._filter(x, [j for j, p in enumerate(params) if 0 < p.top_k < self.vocab_size],
+                         apply_top_k, [p.top_k for p in params], torch.long)
+        x = self._filter(x, [j for j, p in enumerate(params) if p.top_p < 1.0],
+                         apply_top_p, [p.top_p for p in params], work.dtype)
+        probs = x.softmax(-1)                                                       # [R, V]
+        q = self._exponential_noise(probs, [rows[i] for i in rand])                 # [R, V]
+        tokens[r_idx] = (probs / q).argmax(-1)
+        return tokens
+
+    @staticmethod
+    def _filter(x: torch.Tensor, active: list[int], fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Apply ``fn`` to the rows in ``active`` only, so unfiltered rows pay nothing."""
+        if not active:
+            return x
+        a = torch.tensor(active, dtype=torch.long, device=x.device)
+        arg = torch.tensor([values[j] for j in active], dtype=dtype, device=x.device)
+        x[a] = fn(x[a], arg)
+        return x
+
+    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """q ~ Exp(1) per token: seeded rows from their own keyed generator, the rest
+        from the shared one. Clamped away from 0 so probs / q stays finite (0 / q = 0)."""
+        v = probs.shape[1]
+        seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
+        unseeded = [j for j, row in enumerate(rows) if row.params.seed is None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_(generator=self.generator).clamp_min_(
+                torch.finfo(probs.dtype).tiny)
+        q = torch.empty_like(probs)                                                 # [R, V]
+        if unseeded:
+            u = torch.empty(len(unseeded), v, dtype=probs.dtype, device=probs.device)
+            q[self._long(unseeded, q)] = u.exponential_(generator=self.generator)
+        for j in seeded:
+            row = rows[j]
+            gen = torch.Generator(device=probs.device)
+            gen.manual_seed(stream_seed(row.params.seed, row.stream_index, len(row.output_token_ids)))
+            q[j] = torch.empty(v, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+    @staticmethod
+    def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=like.device)

@@ -1,0 +1,153 @@
+"""SamplingParams: how one request is sampled and when it stops.
+
+Field names and defaults follow vLLM's ``SamplingParams`` so user code moves
+between the two unchanged. Every field is checked at construction; a bad value
+raises ``ValueError`` naming the field and its allowed range, so a bad request
+is refused before it reaches the engine. Checks that need the model (token ids
+against the vocabulary, the logprobs limit) are in ``verify_for_model``.
+
+This module imports no torch: ``from deepinfer import SamplingParams`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    if value < low:
+        raise ValueError(f"{name}={value} must be >= {low}")
+
+
+def _check_token_id(what: str, tok: object) -> None:
+    if not _is_int(tok) or tok < 0:
+        raise ValueError(f"{what} {tok!r} must be a token id (an int >= 0)")
+
+
+def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """``value`` in [low, high] (or (low, high] with ``low_open``); high may be inf."""
+    lo = "(" if low_open else "["
+    bounds = (f"in {lo}{low:g}, {high:g}]" if math.isfinite(high)
+              else f"> {low:g}" if low_open else f">= {low:g}")
+    if not _is_number(value):
+        raise ValueError(f"{name}={value!r} must be a finite number {bounds}")
+    if value < low or (low_open and value == low) or value > high:
+        raise ValueError(f"{name}={value} must be {bounds}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM names and defaults).
+
+    ``temperature=0`` is greedy decoding. ``top_k`` of 0 or -1 disables top-k
+    (stored as 0). ``stop`` and ``stop_token_ids`` are stored as lists.
+    ``logprobs=N`` returns, for each generated token, the N most likely tokens
+    plus the sampled one; ``prompt_logprobs=N`` does the same for prompt tokens.
+    Logprobs are those of the raw model distribution, before any processing.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_float("temperature", self.temperature, 0.0, math.inf)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 1, or 0 / -1 to disable it")
+        self.top_k = max(self.top_k, 0)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        # OpenAI's ranges for the additive penalties.
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias={self.logit_bias!r} must be a dict of token id -> bias")
+            for tok, bias in self.logit_bias.items():
+                _check_token_id("logit_bias key", tok)
+                _check_float(f"logit_bias[{tok}]", bias, -100.0, 100.0)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop={self.stop!r}: every stop string must be a non-empty str")
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        for tok in self.stop_token_ids:
+            _check_token_id("stop_token_ids entry", tok)
+
+        _check_bool("ignore_eos", self.ignore_eos)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int = 20) -> None:
+        """Checks that need the model: token ids inside the vocabulary and the
+        logprobs counts within the engine's limit. ``top_k`` above the vocabulary
+        size is allowed: it keeps every token."""
+        for tok in self.logit_bias or {}:
+            if tok >= vocab_size:
+                raise ValueError(f"logit_bias key {tok} must be < vocab_size={vocab_size}")
+        for tok in self.stop_token_ids:
+            if tok >= vocab_size:
+                raise ValueError(f"stop_token_ids entry {tok} must be < vocab_size={vocab_size}")
+        if self.logprobs is not None and self.logprobs > max_logprobs:
+            raise ValueError(f"logprobs={self.logprobs} must be <= max_logprobs={max_logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} must be <= max_logprobs={max_logprobs}")
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,244 @@
+"""Build the embedded default model in deepinfer/assets/tiny-model/.
+
+A development tool, not part of the package: it needs torch, tokenizers and
+transformers (a test dependency) and no network. It
+
+1. collects a corpus from the docstrings of the Python standard library (the
+   same text on every machine with the same Python; sorted, so deterministic),
+2. trains a byte-level BPE tokenizer on it (~1000 tokens, with the ChatML
+   special tokens <|endoftext|>, <|im_start|>, <|im_end|>),
+3. trains a tiny Qwen3ForCausalLM (hidden 128, 4 layers) for a fixed number of
+   steps with fixed seeds on plain docstrings plus ChatML question/answer pairs
+   built from them, so greedy generation reads as English and chat replies end
+   with <|im_end|>,
+4. writes config.json, generation_config.json, model.safetensors (float32),
+   tokenizer.json and tokenizer_config.json (with the chat template).
+
+Run:  python scripts/make_tiny_model.py [--out DIR] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import math
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+VOCAB_SIZE = 1000
+SEED = 0
+
+# ChatML; accepts OpenAI-style content lists (text parts are concatenated).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}"
+    "{{- message['content'] }}"
+    "{%- elif message['content'] is defined %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Modules not imported for the corpus: side effects on import (a browser, a
+# window, printed text), platform-only, or deprecated with noisy warnings.
+_SKIP_MODULES = {
+    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "__main__", "ensurepip",
+    "venv", "pydoc_data", "lib2to3", "test", "msilib", "winreg", "winsound", "msvcrt", "nt",
+    "sre_compile", "sre_parse", "sre_constants", "crypt", "nis", "spwd", "ossaudiodev", "audioop",
+    "cgi", "cgitb", "telnetlib", "chunk", "imghdr", "mailcap", "nntplib", "pipes", "sndhdr",
+    "sunau", "uu", "xdrlib", "smtpd", "asynchat", "asyncore", "imp", "distutils",
+}
+
+MODEL_CONFIG = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=2048,
+    tie_word_embeddings=True, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+
+
+def collect_docstrings() -> list[tuple[str, str]]:
+    """(qualified name, docstring) of stdlib modules, their public classes, functions
+    and methods, in sorted order; only docstrings longer than 40 characters."""
+    docs: list[tuple[str, str]] = []
+    seen: set[int] = set()
+
+    def add(qual: str, obj: object) -> None:
+        if not isinstance(getattr(obj, "__doc__", None), str) or id(obj) in seen:
+            return
+        doc = inspect.cleandoc(obj.__doc__)
+        if len(doc) > 40:
+            seen.add(id(obj))
+            docs.append((qual, doc))
+
+    for name in sorted(sys.stdlib_module_names):
+        if name.startswith("_") or name in _SKIP_MODULES:
+            continue
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                    contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
+        except Exception:  # platform-specific or optional modules that are absent here
+            continue
+        add(name, module)
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if not (inspect.isclass(obj) or inspect.isfunction(obj) or inspect.isbuiltin(obj)):
+                continue
+            add(f"{name}.{attr}", obj)
+            if inspect.isclass(obj):
+                for meth, m in sorted(vars(obj).items()):
+                    if not meth.startswith("_") and (inspect.isfunction(m) or inspect.ismethoddescriptor(m)):
+                        add(f"{name}.{attr}.{meth}", m)
+    return docs
+
+
+def first_paragraph(doc: str, limit: int = 400) -> str:
+    para = doc.split("\n\n", 1)[0].replace("\n", " ").strip()
+    return para if len(para) <= limit else para[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def build_documents(docs: list[tuple[str, str]]) -> list[str]:
+    """Plain docstrings and ChatML question/answer pairs, shuffled with a fixed seed."""
+    texts = [doc for _, doc in docs]
+    chats = [f"{IM_START}user\nWhat does {qual} do?{IM_END}\n"
+             f"{IM_START}assistant\n{first_paragraph(doc)}{IM_END}\n" for qual, doc in docs]
+    out = texts + chats
+    random.Random(SEED).shuffle(out)
+    return out
+
+
+def train_tokenizer(texts: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    assert tok.get_vocab_size(with_added_tokens=True) == VOCAB_SIZE, tok.get_vocab_size()
+    return tok
+
+
+def token_stream(tok, documents: list[str]) -> torch.Tensor:
+    """All documents encoded and joined by <|endoftext|>: [N] long."""
+    eot = tok.token_to_id(ENDOFTEXT)
+    ids: list[int] = []
+    for enc in tok.encode_batch(documents, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def train_model(stream: torch.Tensor, steps: int, batch: int, seq_len: int, lr: float):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(SEED)
+    config = Qwen3Config(**MODEL_CONFIG, bos_token_id=None, eos_token_id=[0, 2], pad_token_id=0)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    gen = torch.Generator().manual_seed(SEED)
+    n = stream.numel() - seq_len - 1
+    t0 = time.time()
+    for step in range(steps):
+        starts = torch.randint(0, n, (batch,), generator=gen)                            # [B]
+        x = torch.stack([stream[s:s + seq_len] for s in starts.tolist()])               # [B, S]
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.1f}s", flush=True)
+    model.eval()
+    return model
+
+
+def write_tokenizer_files(tok, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        # Loads tokenizer.json as is (transformers' generic fast tokenizer).
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MODEL_CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_model_files(model, tok, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(out)
+    # Tied embeddings: lm_head.weight is the embedding, so it is not stored twice.
+    state = {k: v.detach().to(torch.float32).contiguous()
+             for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    gen = {"eos_token_id": [tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)],
+           "pad_token_id": tok.token_to_id(ENDOFTEXT), "bos_token_id": None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parent.parent / "deepinfer" / "assets" / "tiny-model")
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    docs = collect_docstrings()
+    documents = build_documents(docs)
+    print(f"corpus: {len(docs)} docstrings, {sum(len(d) for d in documents)} characters "
+          f"in {len(documents)} documents", flush=True)
+    tok = train_tokenizer(documents)
+    stream = token_stream(tok, documents)
+    print(f"tokenizer: vocab {tok.get_vocab_size()}, corpus {stream.numel()} tokens", flush=True)
+    model = train_model(stream, args.steps, args.batch, args.seq_len, args.lr)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_tokenizer_files(tok, args.out)
+    write_model_files(model, tok, args.out)
+    for f in sorted(args.out.iterdir()):
+        print(f"{f.name:24s} {f.stat().st_size:>10,d} bytes")
+    print(f"wall time {time.time() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
