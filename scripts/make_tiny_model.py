@@ -91,9 +91,7 @@ def collect_docstrings() -> list[tuple[str, str]]:
         if name.startswith("_") or name in _SKIP_MODULES:
             continue
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                    contextlib.redirect_stderr(io.StringIO()):
-                warnings.simplefilter("ignore")
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
                 module = importlib.import_module(name)
         except Exception:  # platform-specific or optional modules that are absent here
             continue
@@ -214,8 +212,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).resolve().parent.parent / "deepinfer" / "assets" / "tiny-model")
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=2)
@@ -223,7 +221,10 @@ def main() -> None:
 
     t0 = time.time()
     torch.set_num_threads(args.threads)
-    docs = collect_docstrings()
+    with warnings.catch_warnings():
+        # Reading attributes of deprecated modules (typing.io, ...) warns; the text is all we want.
+        warnings.simplefilter("ignore")
+        docs = collect_docstrings()
     documents = build_documents(docs)
     print(f"corpus: {len(docs)} docstrings, {sum(len(d) for d in documents)} characters "
           f"in {len(documents)} documents", flush=True)

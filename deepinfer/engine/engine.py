@@ -84,7 +84,8 @@ class Engine:
                         parent_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
                         arrival=arrival) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                         params.stop, params.include_stop_str_in_output)
+                                         params.stop, params.include_stop_str_in_output,
+                                         min_tokens=params.min_tokens)
                   for _ in seqs]
         user = _UserRequest(prompt=text, prompt_token_ids=list(ids), seqs=seqs, detoks=detoks)
         self.requests[request_id] = user
@@ -135,7 +136,7 @@ class Engine:
         user = self.requests[req.parent_id]
         detok = user.detoks[req.index]
         stop = detok.add_tokens(req.output_token_ids[len(detok.token_ids):])
-        if stop is not None and req.num_output_tokens >= req.params.min_tokens:
+        if stop is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
 
     def _output(self, parent_id: str) -> RequestOutput:

@@ -102,9 +102,9 @@ class Tokenizer:
                 self.special_tokens_map[name] = content
 
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
-        self.bos_token_id: int | None = self._required_id("bos_token")
+        self.bos_token_id: int | None = self._special_id("bos_token")
         self.eos_token_ids: set[int] = set()
-        eos = self._required_id("eos_token")
+        eos = self._special_id("eos_token")
         if eos is not None:
             self.eos_token_ids.add(eos)
         gen_eos = gen_config.get("eos_token_id")
@@ -117,14 +117,14 @@ class Tokenizer:
         self.all_special_ids: set[int] = {
             tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
         for name in self.special_tokens_map:
-            tid = self._required_id(name)
+            tid = self._special_id(name)
             if tid is not None:
                 self.all_special_ids.add(tid)
 
-        self._chat_template_source = self._find_chat_template(root, config)
-        self._chat_template: jinja2.Template | None = None
+        self._chat_templates = self._find_chat_templates(root, config)
+        self._compiled: dict[str, jinja2.Template] = {}
 
-    def _required_id(self, name: str) -> int | None:
+    def _special_id(self, name: str) -> int | None:
         content = self.special_tokens_map.get(name)
         if content is None:
             return None
@@ -135,19 +135,18 @@ class Tokenizer:
         return tid
 
     @staticmethod
-    def _find_chat_template(root: Path, config: dict[str, Any]) -> str | None:
+    def _find_chat_templates(root: Path, config: dict[str, Any]) -> dict[str, str]:
+        """Named chat templates; "default" renders conversations, "tool_use" (when
+        present) those with tools, as in transformers."""
         jinja_file = root / "chat_template.jinja"
         if jinja_file.is_file():
-            return jinja_file.read_text(encoding="utf-8")
+            return {"default": jinja_file.read_text(encoding="utf-8")}
         template = config.get("chat_template")
-        if template is None or isinstance(template, str):
-            return template
-        # A list of named templates: the one named "default" renders conversations.
-        named = {t["name"]: t["template"] for t in template}
-        if "default" not in named:
-            raise ValueError(f"tokenizer_config.json: chat_template lists {sorted(named)} but none "
-                             "is named 'default'")
-        return named["default"]
+        if template is None:
+            return {}
+        if isinstance(template, str):
+            return {"default": template}
+        return {t["name"]: t["template"] for t in template}
 
     # -- text <-> ids -------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -171,14 +170,19 @@ class Tokenizer:
         Message keys whose value is None are dropped, as transformers does, since
         templates test for a missing key rather than for None.
         """
-        if self._chat_template_source is None:
+        name = "tool_use" if kwargs.get("tools") is not None and "tool_use" in self._chat_templates \
+            else "default"
+        if name not in self._chat_templates:
+            if self._chat_templates:
+                raise ValueError(f"tokenizer_config.json: chat_template lists {sorted(self._chat_templates)} "
+                                 "but none is named 'default'")
             raise ValueError("this checkpoint has no chat template (no chat_template in "
                              "tokenizer_config.json and no chat_template.jinja); use generate() with "
                              "a plain prompt instead of chat()")
         if not messages:
             raise ValueError("messages is empty: a conversation needs at least one message")
-        if self._chat_template is None:
-            self._chat_template = _compile_chat_template(self._chat_template_source)
+        if name not in self._compiled:
+            self._compiled[name] = _compile_chat_template(self._chat_templates[name])
         conversation = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
@@ -186,7 +190,7 @@ class Tokenizer:
             conversation.append({k: v for k, v in message.items() if v is not None})
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens_map,
                                      **kwargs}
-        return self._chat_template.render(messages=conversation,
+        return self._compiled[name].render(messages=conversation,
                                           add_generation_prompt=add_generation_prompt, **variables)
 
 
@@ -230,7 +234,7 @@ class IncrementalDetokenizer:
         self._committed = ""                  # output text whose characters are complete
         self._pending = ""                    # decoded tail ending in an unfinished character
         self._stop_search_floor = 0           # stop strings must end after this text position
-        self._holdback = max((len(s) for s in self.stop), default=0) - 1
+        self._holdback = max((len(s) - 1 for s in self.stop), default=0)
         self._streamed = 0                    # characters of .text returned by stream_delta
 
     @property

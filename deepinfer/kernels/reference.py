@@ -177,3 +177,21 @@ def grouped_topk_sigmoid(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def masked_sink_attention(
+    q: torch.Tensor,               # [Tq, H, D]
+    kv: torch.Tensor,              # [Tk, D] one shared vector per key, used as both K and V
+    allowed: torch.Tensor,         # [Tq, Tk] bool: key j is visible to query i
+    sinks: torch.Tensor,           # [H] learned sink logits
+    scale: float,
+) -> torch.Tensor:                 # [Tq, H, D]
+    """DeepSeek-V4 attention: H query heads over one K=V key set chosen per query
+    (sliding window + selected compressed entries), with a sink logit per head that
+    takes probability mass but contributes no value. Scores and softmax in float32."""
+    scores = torch.matmul(q.transpose(0, 1).float(), kv.float().t()) * scale   # [H, Tq, Tk]
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, q.shape[0], 1)              # [H, Tq, 1]
+    logits = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)

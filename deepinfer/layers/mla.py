@@ -85,7 +85,8 @@ class MLAConfig:
         if self.rope["rope_type"] != "default":
             mscale_all_dim = self.rope.get("mscale_all_dim", 0)
             if mscale_all_dim:
-                scale *= yarn_mscale(self.rope["factor"], mscale_all_dim) ** 2
+                mscale = yarn_mscale(self.rope["factor"], mscale_all_dim)
+                scale = scale * mscale * mscale
         return scale
 
 

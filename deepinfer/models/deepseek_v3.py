@@ -77,8 +77,8 @@ class MoEArgs:
             num_experts=int(config_value(cfg, "n_routed_experts")),
             num_shared_experts=int(cfg.get("n_shared_experts") or 0),
             top_k=int(config_value(cfg, "num_experts_per_tok")),
-            num_groups=int(config_value(cfg, "n_group")) if "n_group" in cfg else 8,
-            topk_groups=int(config_value(cfg, "topk_group")) if "topk_group" in cfg else 4,
+            num_groups=int(cfg.get("n_group", 8)),
+            topk_groups=int(cfg.get("topk_group", 4)),
             intermediate_size=int(config_value(cfg, "moe_intermediate_size")),
             renormalize=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5)),
@@ -267,12 +267,9 @@ class DeepseekV3MTP(CausalLM):
                                     for _ in range(num_mtp))
         self.rotary_emb = MLARotaryEmbedding(self.mla.qk_rope_head_dim, self.mla.rope)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                previous_hidden: torch.Tensor | None = None, step: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, previous_hidden: torch.Tensor,
+                step: int = 0) -> torch.Tensor:
         """input_ids [T] (the next tokens), previous_hidden [T, H] -> hidden [T, H] of module ``step``."""
-        if previous_hidden is None:
-            raise ValueError("DeepseekV3MTP.forward needs previous_hidden [T, H]: the main model's "
-                             "hidden states (or the previous MTP module's output)")
         cos, sin = self.rotary_emb.cos_sin(ctx.positions)              # [T, Dr/2] each
         return self.layers[step](input_ids, previous_hidden, cos, sin, ctx)
 

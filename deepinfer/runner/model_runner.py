@@ -141,7 +141,8 @@ class ModelRunner:
                 state = self.requests[seq.req_id]
                 nxt = state.prompt_token_ids[seq.start_pos + 1: seq.start_pos + 1 + seq.prompt_logprob_rows]
                 result.prompt_logprobs[seq.req_id] = prompt_logprobs(
-                    logits[r:r + seq.prompt_logprob_rows], nxt, state.params.prompt_logprobs)
+                    logits[r:r + seq.prompt_logprob_rows], nxt, state.params.prompt_logprobs,
+                    vocab_size=self.config.model.vocab_size)
                 r += seq.prompt_logprob_rows
             if seq.sample:
                 for req_id in [seq.req_id, *seq.fork_ids]:

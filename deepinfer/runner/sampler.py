@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.outputs import Logprob
@@ -154,6 +155,9 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Logits report cuda:<i>; pin the index so the device check below compares equal.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed & _MASK64)
 
@@ -185,8 +189,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows: expected "
                              f"[{len(rows)}, >= vocab_size={self.vocab_size}]")
-        if logits.device != self.generator.device:
-            raise ValueError(f"logits on {logits.device}, sampler built for {self.generator.device}")
+        if logits.device != self.device:
+            raise ValueError(f"logits on {logits.device}, sampler built for {self.device}")
 
     def _process(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         work = raw.clone()                                                # [N, V] processed in place
@@ -234,24 +238,14 @@ class Sampler:
         if not sel:
             return
         m, v = len(sel), work.shape[1]
-        out_r: list[int] = []
-        out_c: list[int] = []
-        prompt_r: list[int] = []
-        prompt_c: list[int] = []
-        for j, i in enumerate(sel):
-            out_r += [j] * len(rows[i].output_token_ids)
-            out_c += rows[i].output_token_ids
-            if rows[i].params.repetition_penalty != 1.0:
-                prompt_r += [j] * len(rows[i].prompt_token_ids)
-                prompt_c += rows[i].prompt_token_ids
+        out_r, out_c = self._flat_ids([rows[i].output_token_ids for i in sel], work.device)
         counts = torch.zeros(m, v, dtype=work.dtype, device=work.device)          # [M, V] output counts
-        if out_r:
-            counts.index_put_((self._long(out_r, work), self._long(out_c, work)),
-                              torch.ones(len(out_r), dtype=work.dtype, device=work.device), accumulate=True)
+        counts.index_put_((out_r, out_c), torch.ones_like(out_c, dtype=work.dtype), accumulate=True)
         seen = counts > 0                                                          # [M, V]
         in_output = seen.to(work.dtype)
-        if prompt_r:
-            seen[self._long(prompt_r, work), self._long(prompt_c, work)] = True
+        prompt_r, prompt_c = self._flat_ids([rows[i].prompt_token_ids if rows[i].params.repetition_penalty != 1.0
+                                             else () for i in sel], work.device)
+        seen[prompt_r, prompt_c] = True
 
         def column(name: str) -> torch.Tensor:                                     # [M, 1]
             return torch.tensor([getattr(rows[i].params, name) for i in sel],
@@ -278,7 +272,9 @@ class Sampler:
         params = [rows[i].params for i in rand]
         r_idx = self._long(rand, work)
         temp = torch.tensor([p.temperature for p in params], dtype=work.dtype, device=work.device)
-        x = work[r_idx] / temp.unsqueeze(1)                                         # [R, V]
+        x = work[r_idx]                                                             # [R, V]
+        # Shift the row max to 0 first: then no positive temperature, however small, overflows to inf.
+        x = (x - x.amax(-1, keepdim=True)) / temp.unsqueeze(1)
         x = self._filter(x, [j for j, p in enumerate(params) if p.min_p > 0],
                          apply_min_p, [p.min_p for p in params], work.dtype)
         x = self._filter(x, [j for j, p in enumerate(params) if 0 < p.top_k < self.vocab_size],
@@ -320,6 +316,17 @@ class Sampler:
             gen.manual_seed(stream_seed(row.params.seed, row.stream_index, len(row.output_token_ids)))
             q[j] = torch.empty(v, dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+    @staticmethod
+    def _flat_ids(seqs: list[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged token ids as (row index, token id) pairs on ``device``, both [total] int64.
+        Goes through numpy: converting long Python lists with torch.tensor is several times
+        slower, and rows that already hold arrays or CPU tensors are not copied element-wise."""
+        arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
+        lengths = torch.tensor([len(a) for a in arrays], device=device)                    # [M]
+        ids = torch.from_numpy(np.concatenate(arrays)).to(device)                          # [total]
+        rows = torch.repeat_interleave(torch.arange(len(arrays), device=device), lengths)  # [total]
+        return rows, ids
 
     @staticmethod
     def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,415 @@
+"""DeepSeek-V4 (V4-Flash / V4-Pro): hyper-connected decoder with sliding-window,
+CSA and HCA attention, hash-routed and sqrtsoftplus MoE, and MTP layers.
+
+Shape legend:
+    T   tokens in the flattened batch
+    n   hyper-connection streams (hc_mult)
+    Hd  hidden size
+    V   vocabulary size
+
+Forward: ``embed -> n copies -> [HC(attn) -> HC(MoE)] x L -> hc_head -> norm``;
+logits ``lm_head(hidden)``. Layer types come from ``layer_types`` (or DeepSeek's
+``compress_ratios``: 0 sliding, 4 CSA, 128 HCA; entries past the last layer
+describe the MTP layers), MoE types from ``mlp_layer_types`` (or the first
+``num_hash_layers`` hash-routed). Numerics match HF transformers' ``deepseek_v4``.
+
+MTP (speculative decoding): :meth:`DeepseekV4ForCausalLM.mtp_forward` runs MTP
+layer k on the main model's pre-head streams at positions p and the embeddings
+of the tokens at p+1 (same ``ctx`` positions p), giving hidden states whose
+logits predict the tokens at p+2. MTP layers have KV caches of their own, so
+they must see every position of a sequence. A checkpoint without any ``mtp.*``
+tensors (HF transformers drops them) loads without MTP layers.
+
+Checkpoint names: HF's (``model.layers.N.self_attn.q_a_proj.weight``,
+stacked ``mlp.experts.gate_up_proj``) and DeepSeek's own
+(``layers.N.attn.wq_a.weight``, ``layers.N.ffn.experts.E.w1.weight``,
+``hc_attn_fn``, ``mtp.0.*``), with FP8/FP4 weights and their ``.scale`` tensors
+dequantised on load (models/quant.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.forward_context import ForwardContext
+from deepinfer.layers.deepseek_v4_attention import (CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Attention,
+                                                    DeepseekV4AttentionConfig)
+from deepinfer.layers.deepseek_v4_common import InterleavedRope, RMSNorm
+from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
+from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
+from deepinfer.models.base import CausalLM, ParamSlice
+from deepinfer.models.quant import pair_scales
+
+# DeepseekV4Config's defaults (transformers 5.23), for fields a config.json leaves out.
+_HF_DEFAULTS = {
+    "vocab_size": 129280, "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "q_lora_rank": 1024,
+    "num_experts_per_tok": 6, "n_routed_experts": 256, "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "max_position_embeddings": 1048576,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1.0e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "num_nextn_predict_layers": 1,
+    "hidden_act": "silu", "rms_norm_eps": 1.0e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False,
+}
+_DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+_DEFAULT_NUM_HASH_LAYERS = 3
+
+
+@dataclass(frozen=True)
+class DeepseekV4Args:
+    """The HF config resolved the way ``DeepseekV4Config.__post_init__`` resolves it."""
+
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_mtp_layers: int
+    num_heads: int
+    head_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    rms_norm_eps: float
+    n_routed_experts: int
+    top_k: int
+    scoring_func: str
+    routed_scaling_factor: float
+    swiglu_limit: float
+    sliding_window: int
+    layer_types: tuple[str, ...]       # main layers, then MTP layers
+    mlp_layer_types: tuple[str, ...]   # "hash_moe" | "moe", main layers then MTP layers
+    compress_rates: dict
+    rope_parameters: dict              # {"main": {...}, "compress": {...}}
+    max_position_embeddings: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    tie_word_embeddings: bool
+    fp8_block: int
+
+    @classmethod
+    def from_hf(cls, hf_config: dict) -> "DeepseekV4Args":
+        cfg = {**_HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
+        n, m = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
+        for key, want in (("num_key_value_heads", 1), ("n_shared_experts", 1), ("hidden_act", "silu"),
+                          ("attention_bias", False), ("mlp_bias", False)):
+            if cfg[key] != want:
+                raise NotImplementedError(f"{key}={cfg[key]!r} is not supported for DeepSeek-V4; "
+                                          f"only {want!r} is")
+
+        rates = dict(cfg.get("compress_rates") or _DEFAULT_COMPRESS_RATES)
+        for legacy, layer_type in (("compress_rate_csa", CSA), ("compress_rate_hca", HCA)):
+            if cfg.get(legacy) is not None:
+                rates[layer_type] = int(cfg[legacy])
+        layer_types = cfg.get("layer_types")
+        if layer_types is None and cfg.get("compress_ratios") is not None:
+            by_ratio = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA}
+            bad = [r for r in cfg["compress_ratios"] if r not in by_ratio]
+            if bad:
+                raise ValueError(f"compress_ratios has {bad}; each entry must be one of {sorted(by_ratio)}")
+            layer_types = [by_ratio[r] for r in cfg["compress_ratios"]]
+        if layer_types is None:
+            layer_types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        if len(layer_types) < n or any(t not in LAYER_TYPES for t in layer_types):
+            raise ValueError(f"layer_types/compress_ratios must give one of {LAYER_TYPES} for each of the "
+                             f"num_hidden_layers={n} layers; got {list(layer_types)}")
+        # Entries past the main layers describe the MTP layers (DeepSeek's compress_ratios).
+        mtp_types = list(layer_types[n:n + m]) + [SLIDING] * (m - len(layer_types[n:n + m]))
+
+        mlp_types = cfg.get("mlp_layer_types")
+        if mlp_types is None:
+            n_hash = cfg.get("num_hash_layers", _DEFAULT_NUM_HASH_LAYERS)
+            mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        mlp_types = list(mlp_types[:n])
+        if len(mlp_types) != n or any(t not in ("hash_moe", "moe") for t in mlp_types):
+            raise ValueError(f"mlp_layer_types must give 'hash_moe' or 'moe' for each of the {n} layers; "
+                             f"got {mlp_types}")
+
+        head_dim = int(cfg["head_dim"])
+        prf = cfg.get("partial_rotary_factor")
+        if prf is None:
+            prf = cfg["qk_rope_head_dim"] / head_dim if cfg.get("qk_rope_head_dim") is not None else 64 / 512
+        rp = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            rope = {"main": dict(rp["main"]), "compress": dict(rp["compress"])}
+        else:
+            # YaRN (when configured) applies to the compressed layers' rope only.
+            compress = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            compress.update(rope_theta=cfg["compress_rope_theta"], partial_rotary_factor=prf)
+            compress["rope_type"] = compress.get("rope_type", compress.get("type", "default"))
+            if compress["rope_type"] == "yarn":
+                compress.setdefault("attention_factor", 1.0)
+            rope = {"main": {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                             "partial_rotary_factor": prf},
+                    "compress": compress}
+        for kind, params in rope.items():
+            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+            if dim % 2 or not 0 < dim <= min(head_dim, int(cfg["index_head_dim"])):
+                raise ValueError(f"the {kind} rope rotates {dim} channels; that must be even, > 0 and at "
+                                 f"most head_dim={head_dim} and index_head_dim={cfg['index_head_dim']}")
+
+        block = (cfg.get("quantization_config") or {}).get("weight_block_size", [128, 128])
+        if len(set(block)) != 1:
+            raise NotImplementedError(f"quantization_config.weight_block_size={block}: only square "
+                                      "FP8 blocks are supported")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]), num_layers=n, num_mtp_layers=m,
+            num_heads=int(cfg["num_attention_heads"]), head_dim=head_dim, q_lora_rank=int(cfg["q_lora_rank"]),
+            o_groups=int(cfg["o_groups"]), o_lora_rank=int(cfg["o_lora_rank"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]), n_routed_experts=int(cfg["n_routed_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]), scoring_func=cfg["scoring_func"],
+            routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+            swiglu_limit=float(cfg["swiglu_limit"]), sliding_window=int(cfg["sliding_window"]),
+            layer_types=tuple(layer_types[:n]) + tuple(mtp_types),
+            mlp_layer_types=tuple(mlp_types) + ("moe",) * m,
+            compress_rates=rates, rope_parameters=rope,
+            max_position_embeddings=int(cfg["max_position_embeddings"]),
+            hc_mult=int(cfg["hc_mult"]), hc_sinkhorn_iters=int(cfg["hc_sinkhorn_iters"]),
+            hc_eps=float(cfg["hc_eps"]), index_n_heads=int(cfg["index_n_heads"]),
+            index_head_dim=int(cfg["index_head_dim"]), index_topk=int(cfg["index_topk"]),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]), fp8_block=int(block[0]))
+
+    def attention_config(self, layer_idx: int, cache_dtype: torch.dtype) -> DeepseekV4AttentionConfig:
+        layer_type = self.layer_types[layer_idx]
+        return DeepseekV4AttentionConfig(
+            hidden_size=self.hidden_size, num_heads=self.num_heads, head_dim=self.head_dim,
+            q_lora_rank=self.q_lora_rank, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank,
+            rms_norm_eps=self.rms_norm_eps, sliding_window=self.sliding_window, layer_type=layer_type,
+            compress_ratio=self.compress_rates.get(layer_type, 0), index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim, index_topk=self.index_topk, cache_dtype=cache_dtype)
+
+
+class DeepseekV4Rope(nn.Module):
+    """The two rope types: "main" (sliding layers) and "compress" (CSA/HCA layers, compressors, indexers)."""
+
+    def __init__(self, args: DeepseekV4Args) -> None:
+        super().__init__()
+        self.main = InterleavedRope(args.head_dim, args.rope_parameters["main"], args.max_position_embeddings)
+        self.compress = InterleavedRope(args.head_dim, args.rope_parameters["compress"],
+                                        args.max_position_embeddings)
+
+    def by_type(self) -> dict[str, InterleavedRope]:
+        return {"main": self.main, "compress": self.compress}
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = DeepseekV4Attention(args.attention_config(layer_idx, dtype))
+        hash_vocab = args.vocab_size if args.mlp_layer_types[layer_idx] == "hash_moe" else None
+        self.mlp = DeepseekV4MoE(d, args.moe_intermediate_size, args.n_routed_experts, args.top_k,
+                                 args.scoring_func, args.routed_scaling_factor, args.swiglu_limit, hash_vocab)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.attn_hc = HyperConnection(args.hc_mult, d, args.hc_sinkhorn_iters, args.hc_eps, eps)
+        self.ffn_hc = HyperConnection(args.hc_mult, d, args.hc_sinkhorn_iters, args.hc_eps, eps)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext,
+                ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+        # streams: [T, n, Hd] -> [T, n, Hd]
+        x, post, comb = self.attn_hc(streams)
+        x = self.self_attn(self.input_layernorm(x), ctx, ropes)
+        streams = self.attn_hc.expand(x, streams, post, comb)
+        x, post, comb = self.ffn_hc(streams)
+        x = self.mlp(self.post_attention_layernorm(x), input_ids)
+        return self.ffn_hc.expand(x, streams, post, comb)
+
+
+class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
+    """A decoder layer fed ``e_proj(enorm(embed(next token))) + h_proj(hnorm(streams))``,
+    with its own head mixing (``hc_head``) and final norm."""
+
+    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__(args, layer_idx, dtype)
+        d = args.hidden_size
+        self.e_proj = nn.Linear(d, d, bias=False)
+        self.h_proj = nn.Linear(d, d, bias=False)
+        self.enorm = RMSNorm(d, args.rms_norm_eps)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps)
+        self.norm = RMSNorm(d, args.rms_norm_eps)
+        self.hc_head = HyperHead(args.hc_mult, d, args.hc_eps, args.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, embeds: torch.Tensor, input_ids: torch.Tensor,
+                ctx: ForwardContext, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+        # streams: [T, n, Hd], embeds: [T, Hd] -> [T, n, Hd]
+        x = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
+        return super().forward(x, input_ids, ctx, ropes)
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        # [T, n, Hd] -> [T, Hd]
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.hc_mult = args.hc_mult
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(args, i, dtype) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
+        self.rotary_emb = DeepseekV4Rope(args)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids: [T] -> pre-head streams [T, n, Hd]
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        ropes = self.rotary_emb.by_type()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, ctx, ropes)
+        return streams
+
+
+# DeepSeek's in-layer names -> ours (HF's), matched on whole dotted components, in order.
+_LAYER_RENAMES = (
+    ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
+    ("attn.indexer.compressor.wkv", "self_attn.compressor.indexer.kv_proj"),
+    ("attn.indexer.compressor.wgate", "self_attn.compressor.indexer.gate_proj"),
+    ("attn.indexer.compressor.norm", "self_attn.compressor.indexer.kv_norm"),
+    ("attn.indexer.wq_b", "self_attn.compressor.indexer.q_b_proj"),
+    ("attn.indexer.weights_proj", "self_attn.compressor.indexer.scorer.weights_proj"),
+    ("attn.compressor.ape", "self_attn.compressor.position_bias"),
+    ("attn.compressor.wkv", "self_attn.compressor.kv_proj"),
+    ("attn.compressor.wgate", "self_attn.compressor.gate_proj"),
+    ("attn.compressor.norm", "self_attn.compressor.kv_norm"),
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("attn.wq_a", "self_attn.q_a_proj"),
+    ("attn.q_norm", "self_attn.q_a_norm"),
+    ("attn.wq_b", "self_attn.q_b_proj"),
+    ("attn.wkv", "self_attn.kv_proj"),
+    ("attn.kv_norm", "self_attn.kv_norm"),
+    ("attn.wo_a", "self_attn.o_a_proj"),
+    ("attn.wo_b", "self_attn.o_b_proj"),
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
+    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
+    ("ffn.gate.weight", "mlp.gate.weight"),
+    ("ffn.shared_experts.w1", "mlp.shared_experts.gate_proj"),
+    ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
+    ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
+    # MTP layers only
+    ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"), ("hc_head_scale", "hc_head.hc_scale"),
+)
+_TOP_RENAMES = {
+    "embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
+}
+_LAYER_NAME = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
+_EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
+                          r"\.weight$")
+_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
+        super().__init__(hf_config, dtype)
+        self.args = DeepseekV4Args.from_hf(hf_config)
+        a = self.args
+        self.model = DeepseekV4Model(a, dtype)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype) for i in range(a.num_mtp_layers))
+
+    # -- forward -------------------------------------------------------------------
+    def forward_streams(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] -> the last layer's streams [T, n, Hd] (before hc_head), as MTP takes them."""
+        return self.model(input_ids, ctx)
+
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams [T, n, Hd] -> hidden states [T, Hd] for :meth:`compute_logits`."""
+        return self.model.norm(self.model.hc_head(streams))
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.head(self.forward_streams(input_ids, ctx))
+
+    def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: ForwardContext,
+                    k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer k: streams [T, n, Hd] at positions p (``ctx``), next_ids [T] the tokens at p+1
+        -> (hidden [T, Hd] for compute_logits, predicting p+2; the layer's output streams [T, n, Hd])."""
+        if not 0 <= k < len(self.mtp):
+            raise ValueError(f"MTP layer {k} does not exist: this model has {len(self.mtp)} MTP layer(s)")
+        layer = self.mtp[k]
+        out = layer(streams, self.model.embed_tokens(next_ids), next_ids, ctx, self.model.rotary_emb.by_type())
+        return layer.head(out), out
+
+    # -- weights -------------------------------------------------------------------
+    def remap_weight_name(self, name: str) -> str | ParamSlice | None:
+        if name in _TOP_RENAMES:
+            return _TOP_RENAMES[name]
+        m = _LAYER_NAME.match(name)
+        if m is None:
+            return name
+        prefix = f"model.layers.{m['idx']}" if m["kind"] == "layers" else f"mtp.{m['idx']}"
+        rest = m["rest"]
+        expert = _EXPERT_NAME.match(rest)
+        if expert is not None:
+            try:
+                experts = self.get_submodule(f"{prefix}.mlp.experts")
+                param, index = experts.expert_weight_index(
+                    _EXPERT_PROJ.get(expert["proj"], expert["proj"]), int(expert["expert"]))
+            except (AttributeError, ValueError) as err:
+                raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
+            return ParamSlice(f"{prefix}.mlp.experts.{param}", index)
+        for native, ours in _LAYER_RENAMES:
+            if rest == native or rest.startswith(native + "."):
+                return f"{prefix}.{ours}{rest[len(native):]}"
+        return f"{prefix}.{rest}"
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales.
+
+        Like :meth:`CausalLM.load_weights`, but the MTP layers are optional: when the
+        checkpoint has no ``mtp.*`` tensor at all they are dropped.
+        """
+        targets: dict[str, torch.Tensor] = {}
+        aliases: set[str] = set()
+        for pname, tensor in self.state_dict(keep_vars=True).items():
+            if any(tensor is t for t in targets.values()):
+                aliases.add(pname)
+            else:
+                targets[pname] = tensor
+        filled = dict.fromkeys(targets, 0)
+        written: set[tuple[str, str]] = set()
+        for name, tensor in pair_scales(weights, fp8_block=self.args.fp8_block):
+            dest = self.remap_weight_name(name)
+            if isinstance(dest, str) and dest in aliases:
+                continue
+            pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
+            if pname not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {pname!r} "
+                                 f"in {type(self).__name__}")
+            if (pname, repr(index)) in written:
+                raise ValueError(f"checkpoint tensor {name!r} writes {pname}{list(index) if index else ''}, "
+                                 "which an earlier tensor already wrote")
+            dst = targets[pname].data[index]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
+                                 f"{pname}{list(index) if index else ''} has shape {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            written.add((pname, repr(index)))
+            filled[pname] += dst.numel()
+
+        if len(self.mtp) and not any(n for p, n in filled.items() if p.startswith("mtp.")):
+            self.mtp = nn.ModuleList()
+            filled = {p: n for p, n in filled.items() if not p.startswith("mtp.")}
+        missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
+                   for p, n in filled.items() if n != targets[p].numel()]
+        if missing:
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of {type(self).__name__}: "
+                             f"{', '.join(missing[:10])}{more}")
