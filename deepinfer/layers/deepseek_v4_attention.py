@@ -130,7 +130,8 @@ class GatedPool(nn.Module):
             kind="compressed", num_kv_heads=1, head_size=head_dim, dtype=cache_dtype, num_tensors=1,
             compress_ratio=ratio))
 
-    def project(self, x: torch.Tensor, ctx: ForwardContext, cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, ctx: ForwardContext,
+                cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token pooling inputs (kv [T, C], raw gate [T, C]), stored in the state cache when cached."""
         kv, gate = self.kv_proj(x), self.gate_proj(x)
         if cached:
@@ -289,7 +290,8 @@ class DeepseekV4Attention(nn.Module):
     def cache_slots(self) -> list[CacheSlot]:
         return [self.window_cache] + (self.compressor.cache_slots() if self.compressor is not None else [])
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext,
+                ropes: dict[str, InterleavedRope]) -> torch.Tensor:
         # x: [T, Hd] (normed block input) -> [T, Hd]
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         cached = bool(ctx.groups) and self.window_cache.kv_cache is not None
@@ -325,7 +327,8 @@ class DeepseekV4Attention(nn.Module):
                 k_pos = torch.arange(first, end, device=x.device)
             else:
                 keys, k_pos = kv[s:e], q_pos
-            allowed = (k_pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] - k_pos[None, :] < self.sliding_window)
+            back = q_pos[:, None] - k_pos[None, :]                                 # [Tq, Tk]
+            allowed = (back >= 0) & (back < self.sliding_window)
             if compressed is not None:
                 entries, entry_allowed = compressed[b]
                 keys = torch.cat([keys, entries])

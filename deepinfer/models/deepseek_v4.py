@@ -54,7 +54,7 @@ _HF_DEFAULTS = {
     "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "hc_mult": 4, "hc_sinkhorn_iters": 20,
     "hc_eps": 1.0e-6, "swiglu_limit": 10.0, "sliding_window": 128, "o_groups": 8, "o_lora_rank": 1024,
     "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "num_nextn_predict_layers": 1,
-    "hidden_act": "silu", "rms_norm_eps": 1.0e-6, "tie_word_embeddings": False,
+    "hidden_act": "silu", "rms_norm_eps": 1.0e-6,
     "attention_bias": False, "mlp_bias": False,
 }
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
@@ -93,7 +93,6 @@ class DeepseekV4Args:
     index_n_heads: int
     index_head_dim: int
     index_topk: int
-    tie_word_embeddings: bool
     fp8_block: int
 
     @classmethod
@@ -151,11 +150,13 @@ class DeepseekV4Args:
             rope = {"main": {"rope_type": "default", "rope_theta": cfg["rope_theta"],
                              "partial_rotary_factor": prf},
                     "compress": compress}
+        # The compress rope also rotates the indexer's queries and keys.
+        limits = {"main": head_dim, "compress": min(head_dim, int(cfg["index_head_dim"]))}
         for kind, params in rope.items():
             dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-            if dim % 2 or not 0 < dim <= min(head_dim, int(cfg["index_head_dim"])):
-                raise ValueError(f"the {kind} rope rotates {dim} channels; that must be even, > 0 and at "
-                                 f"most head_dim={head_dim} and index_head_dim={cfg['index_head_dim']}")
+            if dim % 2 or not 0 < dim <= limits[kind]:
+                raise ValueError(f"the {kind} rope rotates {dim} channels (head_dim * "
+                                 f"partial_rotary_factor); that must be even and in [2, {limits[kind]}]")
 
         block = (cfg.get("quantization_config") or {}).get("weight_block_size", [128, 128])
         if len(set(block)) != 1:
@@ -177,7 +178,7 @@ class DeepseekV4Args:
             hc_mult=int(cfg["hc_mult"]), hc_sinkhorn_iters=int(cfg["hc_sinkhorn_iters"]),
             hc_eps=float(cfg["hc_eps"]), index_n_heads=int(cfg["index_n_heads"]),
             index_head_dim=int(cfg["index_head_dim"]), index_topk=int(cfg["index_topk"]),
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]), fp8_block=int(block[0]))
+            fp8_block=int(block[0]))
 
     def attention_config(self, layer_idx: int, cache_dtype: torch.dtype) -> DeepseekV4AttentionConfig:
         layer_type = self.layer_types[layer_idx]
@@ -302,7 +303,8 @@ _LAYER_RENAMES = (
     ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
     ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
     # MTP layers only
-    ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"), ("hc_head_scale", "hc_head.hc_scale"),
+    ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"),
+    ("hc_head_scale", "hc_head.hc_scale"),
 )
 _TOP_RENAMES = {
     "embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
@@ -310,8 +312,8 @@ _TOP_RENAMES = {
     "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
 }
 _LAYER_NAME = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
-_EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
-                          r"\.weight$")
+_EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\."
+                          r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -322,7 +324,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         a = self.args
         self.model = DeepseekV4Model(a, dtype)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype) for i in range(a.num_mtp_layers))
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype)
+                                 for i in range(a.num_mtp_layers))
 
     # -- forward -------------------------------------------------------------------
     def forward_streams(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -343,7 +346,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         if not 0 <= k < len(self.mtp):
             raise ValueError(f"MTP layer {k} does not exist: this model has {len(self.mtp)} MTP layer(s)")
         layer = self.mtp[k]
-        out = layer(streams, self.model.embed_tokens(next_ids), next_ids, ctx, self.model.rotary_emb.by_type())
+        out = layer(streams, self.model.embed_tokens(next_ids), next_ids, ctx,
+                    self.model.rotary_emb.by_type())
         return layer.head(out), out
 
     # -- weights -------------------------------------------------------------------
@@ -378,10 +382,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         """
         targets: dict[str, torch.Tensor] = {}
         aliases: set[str] = set()
+        seen: set[int] = set()
         for pname, tensor in self.state_dict(keep_vars=True).items():
-            if any(tensor is t for t in targets.values()):
-                aliases.add(pname)
+            if id(tensor) in seen:
+                aliases.add(pname)      # tied weights load through their first name
             else:
+                seen.add(id(tensor))
                 targets[pname] = tensor
         filled = dict.fromkeys(targets, 0)
         written: set[tuple[str, str]] = set()

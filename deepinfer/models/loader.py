@@ -1,7 +1,7 @@
 """Checkpoint loading: safetensors files -> (name, tensor) stream -> model parameters.
 
 What belongs here: finding and reading a checkpoint's files, turning stored
-tensors into the compute dtype (the dequantisation hook), and building a model
+FP8/FP4 tensors into floating point (models/quant.py), and building a model
 on its device. What does not: name mapping and shape checks (``CausalLM.load_weights``
 and the models' ``remap_weight_name``).
 """
@@ -18,14 +18,9 @@ from safetensors import safe_open
 
 from deepinfer.config import ModelConfig
 from deepinfer.models.base import CausalLM
+from deepinfer.models.quant import pair_scales
 from deepinfer.models.registry import get_model_class
 
-# Names of the per-block scale tensors that accompany quantised weights
-# (DeepSeek-V3 FP8: ``...weight_scale_inv``; DeepSeek's own format: ``...scale``).
-_SCALE_SUFFIXES = ("_scale_inv", ".scale")
-_QUANTIZED_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
-                                                      "float8_e8m0fnu", "float4_e2m1fn_x2")
-                          if hasattr(torch, n))
 
 
 def checkpoint_files(path: str) -> list[Path]:
@@ -58,38 +53,19 @@ def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def is_scale_tensor(name: str) -> bool:
-    return name.endswith(_SCALE_SUFFIXES)
+def fp8_block_size(hf_config: dict) -> int:
+    """FP8 block size from ``quantization_config.weight_block_size`` (square blocks; 128 by default)."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
+    if len(set(block)) != 1:
+        raise NotImplementedError(f"quantization_config.weight_block_size={block}: only square "
+                                  "blocks are supported")
+    return int(block[0])
 
 
-def read_scale_tensors(path: str) -> dict[str, torch.Tensor]:
-    """All quantisation scale tensors of the checkpoint (small; read before the weights)."""
-    scales: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if is_scale_tensor(name):
-                    scales[name] = f.get_tensor(name)
-    return scales
-
-
-def dequantize(name: str, tensor: torch.Tensor, scales: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Checkpoint tensor ``name`` as a plain floating-point tensor, given every scale
-    tensor of the checkpoint. This is where FP8/FP4 dequantisation plugs in;
-    unquantised tensors pass through unchanged."""
-    if tensor.dtype in _QUANTIZED_DTYPES:
-        raise NotImplementedError(f"checkpoint tensor {name!r} is stored as {tensor.dtype}: "
-                                  "loading FP8/FP4 checkpoints is not implemented yet")
-    return tensor
-
-
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as the model takes them: scale tensors consumed,
-    quantised weights dequantised."""
-    scales = read_scale_tensors(path)
-    for name, tensor in iter_checkpoint(path):
-        if name not in scales:
-            yield name, dequantize(name, tensor, scales)
+def iter_weights(path: str, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model takes them: FP8/FP4 weights dequantised
+    with their scale tensors (which are consumed), everything else unchanged."""
+    return pair_scales(iter_checkpoint(path), fp8_block=fp8_block_size(hf_config))
 
 
 @contextmanager
@@ -108,6 +84,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = model_cls(model_config.hf_config, model_config.dtype)
-    model.load_weights(iter_weights(model_config.path))
+    model.load_weights(iter_weights(model_config.path, model_config.hf_config))
     model.requires_grad_(False)
     return model.eval()

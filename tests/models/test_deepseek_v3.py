@@ -57,14 +57,16 @@ def perturb_router_biases(model: torch.nn.Module, seed: int) -> None:
 
 
 def hf_mtp_model(hf_model):
-    """HF's MTP drafter for ``hf_model`` (embedding and head shared with it), perturbed."""
+    """HF's MTP drafter for ``hf_model`` (embedding and head shared with it), with random
+    weights: MtpModel leaves some of its own uninitialised (the stacked experts), so
+    every one is set here (norm weights around 1)."""
     from transformers.modeling_layers import MtpModel
 
-    torch.manual_seed(5)
     mtp = MtpModel(hf_model, 1).to(torch.float32).eval()
+    g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for p in mtp.layers.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+        for name, p in mtp.layers.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "norm" in name else 0.0))
     perturb_router_biases(mtp.layers, seed=6)
     return mtp
 
@@ -261,6 +263,7 @@ def test_mtp_matches_hf(v3):
     got = ours.mtp.compute_logits(ours.mtp(next_ids, ctx, previous_hidden=hidden))
     ref_h = hf_mtp.forward_layer(0, ref_hidden, torch.arange(n)[None], None, input_ids=next_ids[None])
     ref = hf_mtp._project_to_logits(ref_h)[0].float()
+    assert ref.std() > 0.1
     assert rel_err(got, ref) <= LOGITS_RTOL
 
     # The same through its own paged cache, in two chunks.

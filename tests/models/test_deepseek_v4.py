@@ -243,7 +243,8 @@ def deepseek_checkpoint(ref, mtp_parts: dict[str, torch.Tensor], block: int, see
                 inter = down.shape[-1]
                 for e in range(t.shape[0]):
                     fp4_dtype = torch.int8 if e % 2 else torch.float4_e2m1fn_x2
-                    for proj, rows in (("w1", gate_up[e, :inter]), ("w3", gate_up[e, inter:]), ("w2", down[e])):
+                    for proj, rows in (("w1", gate_up[e, :inter]), ("w3", gate_up[e, inter:]),
+                                       ("w2", down[e])):
                         packed, scale = fp4_random(*rows.shape, g, fp4_dtype)
                         base = f"layers.{idx}.ffn.experts.{e}.{proj}"
                         out[base + ".weight"], out[base + ".scale"] = packed, scale
@@ -267,7 +268,8 @@ def mtp_reference(ref, native: dict, seed: int) -> tuple[dict, dict[str, torch.T
     d = cfg.hidden_size
     parts = torch.nn.ModuleDict(dict(
         layer=hf_v4.DeepseekV4DecoderLayer(cfg, n), e_proj=torch.nn.Linear(d, d, bias=False),
-        h_proj=torch.nn.Linear(d, d, bias=False), enorm=hf_v4.DeepseekV4RMSNorm(d), hnorm=hf_v4.DeepseekV4RMSNorm(d),
+        h_proj=torch.nn.Linear(d, d, bias=False), enorm=hf_v4.DeepseekV4RMSNorm(d),
+        hnorm=hf_v4.DeepseekV4RMSNorm(d),
         norm=hf_v4.DeepseekV4RMSNorm(d), hc_head=hf_v4.DeepseekV4HyperHead(cfg))).eval()
     randomize(parts, seed, cfg.n_routed_experts, cfg.num_experts_per_tok)
     tensors = {}
@@ -290,8 +292,8 @@ def add_mtp_experts(ckpt: dict[str, torch.Tensor], mtp: dict, seed: int) -> None
     inter = experts.down_proj.shape[-1]
     with torch.no_grad():
         for e in range(experts.gate_up_proj.shape[0]):
-            for proj, rows in (("w1", experts.gate_up_proj[e, :inter]), ("w3", experts.gate_up_proj[e, inter:]),
-                               ("w2", experts.down_proj[e])):
+            gate_up, down = experts.gate_up_proj[e], experts.down_proj[e]
+            for proj, rows in (("w1", gate_up[:inter]), ("w3", gate_up[inter:]), ("w2", down)):
                 packed, scale = fp4_random(*rows.shape, g, torch.int8)
                 ckpt[f"mtp.0.ffn.experts.{e}.{proj}.weight"] = packed
                 ckpt[f"mtp.0.ffn.experts.{e}.{proj}.scale"] = scale
@@ -354,7 +356,8 @@ def test_deepseek_names_fp8_fp4_checkpoint_matches_hf(native):
     # The loaded (dequantised) weights equal the reference dequantisation exactly.
     hf_sd = ref.state_dict()
     ours_sd = ours.state_dict()
-    for name in ("model.layers.0.self_attn.q_b_proj.weight", "model.layers.3.mlp.shared_experts.down_proj.weight",
+    for name in ("model.layers.0.self_attn.q_b_proj.weight",
+                 "model.layers.3.mlp.shared_experts.down_proj.weight",
                  "model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj",
                  "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight"):
         assert torch.equal(ours_sd[name], hf_sd[name]), name
@@ -396,7 +399,8 @@ def test_load_errors_name_the_tensor(hf_style):
     missing = {k: v for k, v in sd.items() if k != "model.layers.2.self_attn.compressor.position_bias"}
     with pytest.raises(ValueError, match="missing 1 tensor.*compressor.position_bias"):
         load(missing.items())
-    q = dict(sd, **{"model.layers.0.self_attn.kv_proj.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn)})
+    fp8 = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    q = dict(sd, **{"model.layers.0.self_attn.kv_proj.weight": fp8})
     with pytest.raises(ValueError, match="no scale tensor.*kv_proj.weight"):
         load(q.items())
 
@@ -516,8 +520,8 @@ def test_native_chunked_with_mtp_caches(native):
     one_shot = our_logits(ours, seqs)[0]
     ctx = ForwardContext.no_cache([139], CPU)
     with torch.no_grad():
-        mtp_one_shot = ours.compute_logits(ours.mtp_forward(ours.forward_streams(seqs[0][:-1], ctx), seqs[0][1:],
-                                                            ctx)[0])
+        streams = ours.forward_streams(seqs[0][:-1], ctx)
+        mtp_one_shot = ours.compute_logits(ours.mtp_forward(streams, seqs[0][1:], ctx)[0])
     harness = PagedHarness(ours, seqs, {"sliding": 8, "compressed": 4})
     assert {k for k in harness.keys} == {("sliding", 16, 1), ("sliding", 128, 1), ("compressed", None, 4),
                                          ("compressed", None, 128)}
@@ -552,7 +556,8 @@ def test_v4_flash_cache_specs():
     with torch.device("meta"):
         for layer_type in (SL, CSA, HCA):
             idx = args.layer_types.index(layer_type)
-            specs = [s.kv_spec for s in DeepseekV4Attention(args.attention_config(idx, torch.bfloat16)).cache_slots()]
+            attn = DeepseekV4Attention(args.attention_config(idx, torch.bfloat16))
+            specs = [s.kv_spec for s in attn.cache_slots()]
             per: dict[tuple, int] = {}
             for s in specs:
                 per[s.group_key] = per.get(s.group_key, 0) + s.entry_bytes // s.compress_ratio

@@ -77,7 +77,8 @@ def test_pair_scales_dequantises_and_passes_other_tensors():
     g = torch.Generator().manual_seed(3)
     q1, s1 = random_fp8((128, 128), g), random_e8m0((1, 1), g)
     q2, s2 = random_fp8((128, 256), g), torch.rand(1, 2, generator=g)
-    packed, s4 = torch.randint(0, 256, (8, 16), generator=g, dtype=torch.uint8).view(torch.int8), random_e8m0((8, 1), g)
+    packed = torch.randint(0, 256, (8, 16), generator=g, dtype=torch.uint8).view(torch.int8)
+    s4 = random_e8m0((8, 1), g)
     hc_scale = torch.rand(3)
     stream = [
         ("a.scale", s1), ("a.weight", q1),                     # scale first (safetensors' sorted order)
@@ -96,7 +97,7 @@ def test_pair_scales_dequantises_and_passes_other_tensors():
 
 def test_pair_scales_errors():
     q = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="1 quantised checkpoint weight.*'x.weight'|no scale tensor.*x.weight"):
+    with pytest.raises(ValueError, match="no scale tensor.*x.weight"):
         list(pair_scales([("x.weight", q)]))
     with pytest.raises(ValueError, match=r"'x.weight'.*needs a scale of shape \(1, 1\)"):
         list(pair_scales([("x.scale", torch.ones(2, 2)), ("x.weight", q)]))
