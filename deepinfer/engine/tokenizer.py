@@ -211,7 +211,8 @@ class IncrementalDetokenizer:
 
     Stop strings are searched only in newly produced text, and only once
     ``min_tokens`` tokens have been generated (text produced before that does not
-    count, as in vLLM). When several stop strings match, the earliest match wins.
+    count, as in vLLM). When several stop strings match, the earliest match wins
+    (the longest at a tie).
     After a stop string is hit the text is frozen; later tokens are still recorded
     in ``token_ids`` so the caller's bookkeeping stays aligned.
     """

@@ -290,6 +290,9 @@ _LAYER_RENAMES = (
     ("attn.wq_b", "self_attn.q_b_proj"),
     ("attn.wkv", "self_attn.kv_proj"),
     ("attn.kv_norm", "self_attn.kv_norm"),
+    # HF's save_pretrained writes the kv norm back as ``attn.norm`` (its load rule
+    # renames ``.norm.`` to ``.kv_norm.``).
+    ("attn.norm", "self_attn.kv_norm"),
     ("attn.wo_a", "self_attn.o_a_proj"),
     ("attn.wo_b", "self_attn.o_b_proj"),
     ("attn_norm", "input_layernorm"),

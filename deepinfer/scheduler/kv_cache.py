@@ -58,9 +58,16 @@ class KVCacheGroup:
         return self.block_size * sum(s.entry_bytes for s in self.specs)
 
 
+# A group's block may hold at most this many times ``block_size`` entries. Larger
+# blocks fill pages better but coarsen prefix caching: a hit is a whole number of
+# every group's blocks.
+MAX_BLOCK_SCALE = 4
+
+
 def build_groups(specs: Sequence[KVCacheSpec], block_size: int) -> list[KVCacheGroup]:
     """Group layers by spec kind and pick each group's block size so that every
-    group's block fits one page (the largest group's ``block_size`` block)."""
+    group's block fits one page (the largest group's ``block_size`` block), filling
+    it as far as ``MAX_BLOCK_SCALE`` allows."""
     by_key: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
         by_key.setdefault(spec.group_key, []).append(i)
@@ -69,7 +76,7 @@ def build_groups(specs: Sequence[KVCacheSpec], block_size: int) -> list[KVCacheG
     groups = []
     for key, ids in by_key.items():
         scale = 1
-        while block_size * scale * 2 * per_entry[key] <= page:
+        while scale < MAX_BLOCK_SCALE and block_size * scale * 2 * per_entry[key] <= page:
             scale *= 2
         kind, window, ratio = key
         groups.append(KVCacheGroup(kind=kind, layer_ids=tuple(ids),

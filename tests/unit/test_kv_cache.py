@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.scheduler.kv_cache import NULL_BLOCK, KVCacheManager, build_groups
+from deepinfer.scheduler.kv_cache import MAX_BLOCK_SCALE, NULL_BLOCK, KVCacheManager, build_groups
 
 F32 = torch.float32
 
@@ -28,11 +28,12 @@ def test_groups_and_page_sizes():
     assert kinds["full"].layer_ids == (0, 2)
     assert kinds["sliding"].layer_ids == (1,)
     # The full group (2 layers) sets the page; the 1-layer sliding group doubles its
-    # block, the compressed group (1/4 of the bytes per entry of one layer) takes 8x.
+    # block; the compressed group (1/4 of the bytes per entry of one layer) would fit
+    # 8x but is capped at MAX_BLOCK_SCALE.
     assert kinds["full"].block_size == 4
     assert kinds["sliding"].block_size == 8
-    assert kinds["compressed"].block_size == 32
-    assert kinds["compressed"].tokens_per_block == 128
+    assert kinds["compressed"].block_size == 4 * MAX_BLOCK_SCALE
+    assert kinds["compressed"].tokens_per_block == 4 * MAX_BLOCK_SCALE * 4
     page = max(g.bytes_per_block for g in groups)
     assert all(g.bytes_per_block <= page for g in groups)
 

@@ -175,14 +175,16 @@ def test_named_chat_templates(tmp_path):
     shutil.copy(Path(DEFAULT_MODEL) / "tokenizer.json", tmp_path / "tokenizer.json")
     cfg = json.loads((Path(DEFAULT_MODEL) / "tokenizer_config.json").read_text())
     cfg["chat_template"] = [
-        {"name": "default", "template": "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"},
+        # indented block tags on their own lines: trim_blocks and lstrip_blocks remove them
+        {"name": "default", "template": "{% for m in messages %}\n  {% if m['role'] == 'user' %}\n"
+                                        "[{{ m['content'] }}]\n  {% endif %}\n{% endfor %}"},
         {"name": "tool_use", "template": "{{ tools | length }} tools: {{ messages[0]['content'] }}"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     ours = Tokenizer(str(tmp_path))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     tools = [{"name": "f"}, {"name": "g"}]
-    assert ours.apply_chat_template(conv) == hf.apply_chat_template(conv, tokenize=False) == "[a][b]"
+    assert ours.apply_chat_template(conv) == hf.apply_chat_template(conv, tokenize=False) == "[a]\n"
     assert (ours.apply_chat_template(conv, tools=tools)
             == hf.apply_chat_template(conv, tools=tools, tokenize=False) == "2 tools: a")
     cfg["chat_template"] = cfg["chat_template"][1:]
