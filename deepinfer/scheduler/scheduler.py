@@ -74,9 +74,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens,
-                                       req.num_computed_tokens + n):
+            want = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not (n := self._allocate(req, req.num_computed_tokens, want)):
                 victim = self.running.pop()
                 preempted = True
                 if victim is req and not self.running:
@@ -106,7 +105,11 @@ class Scheduler:
                 break
             if hit:
                 self.kv.take_prefix_hit(req.request_id, tokens, hit)
-            if not self.kv.allocate(req.request_id, hit, hit + n):
+            # Shrinking a new request's chunk to squeeze it in would only thrash the
+            # running ones; it is done only when nothing runs.
+            n = self._allocate(req, hit, n) if not self.running else (
+                n if self.kv.allocate(req.request_id, hit, hit + n) else 0)
+            if not n:
                 self.kv.free(req.request_id)
                 if not self.running:
                     self.waiting.popleft()
@@ -129,6 +132,16 @@ class Scheduler:
         self._finished_for_runner = []
         self._pending_copies = []
         return plan
+
+    def _allocate(self, req: Request, start: int, n: int) -> int:
+        """Hold blocks for ``n`` more tokens from ``start``; with chunked prefill, shrink
+        the chunk (sliding-window layers need blocks for every token of a chunk) until
+        it fits. Returns the tokens granted, 0 if not even one fits."""
+        while not self.kv.allocate(req.request_id, start, start + n):
+            if n == 1 or not self.config.enable_chunked_prefill:
+                return 0
+            n //= 2
+        return n
 
     def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData]) -> ScheduledSeq:
         start = req.num_computed_tokens

@@ -62,12 +62,14 @@ def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Generate exactly as many tokens as the engine with ignore_eos (no EOS handling at all).
+    model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+                                 max_new_tokens=n, pad_token_id=0)
             out.append(gen[0, len(p):].tolist())
     return out
 
@@ -100,9 +102,11 @@ def test_deepseek_v4_engine_matches_hf(v4_dir):
 
 
 def test_deepseek_v4_engine_preemption(v4_dir):
-    ps = prompts([45, 9, 30])
-    reference, _ = run_engine(v4_dir, ps, 24, max_num_batched_tokens=256)
-    got, llm = run_engine(v4_dir, ps, 24, max_num_batched_tokens=32, block_size=4, num_kv_blocks=40)
+    # Short prompts admitted together, then long generations: the compressed groups
+    # grow until the pool runs out and sequences are preempted and recomputed.
+    ps = prompts([10, 12, 14, 16])
+    reference, _ = run_engine(v4_dir, ps, 130, max_num_batched_tokens=256)
+    got, llm = run_engine(v4_dir, ps, 130, max_num_batched_tokens=32, block_size=4, num_kv_blocks=14)
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == reference
 

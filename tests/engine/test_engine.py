@@ -74,7 +74,7 @@ def test_prefix_hit_equals_miss(reference_tokens):
 
 
 def test_preemption_keeps_output(reference_tokens):
-    llm = LLM(device="cpu", enable_prefix_caching=False, num_kv_blocks=14, block_size=4,
+    llm = LLM(device="cpu", enable_prefix_caching=False, num_kv_blocks=28, block_size=4,
               max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -109,17 +109,17 @@ def test_stop_strings_and_stop_tokens(tiny_llm):
     text = base.text
     assert len(text) > 10
     stop = text[5:9]  # a stop string that may span tokens
-    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
-                            use_tqdm=False)[0].outputs[0]
+    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[:text.index(stop)]
     incl = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
-                                                        include_stop_str_in_output=True),
+                                                        include_stop_str_in_output=True, ignore_eos=True),
                              use_tqdm=False)[0].outputs[0]
     assert incl.text == text[:text.index(stop) + len(stop)]
     tok = base.token_ids[3]
-    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok]),
-                            use_tqdm=False)[0].outputs[0]
+    out = tiny_llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[tok],
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == tok
     assert out.token_ids == base.token_ids[:base.token_ids.index(tok) + 1]
     assert pool_is_full(tiny_llm)

@@ -46,12 +46,14 @@ def hf_reference(path: Path, prompts: list[list[int]]):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Generate exactly as many tokens as the engine with ignore_eos (no EOS handling at all).
+    model.generation_config.eos_token_id = None
     tokens, logprobs = [], []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+                                 max_new_tokens=NEW, pad_token_id=0)
             tokens.append(gen[0, len(p):].tolist())
             logprobs.append(torch.log_softmax(model(ids).logits[0].float(), -1))
     return tokens, logprobs
