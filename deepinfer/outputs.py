@@ -28,6 +28,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    # Text new since this sequence's previous output, safe to stream: a possible
+    # beginning of a stop string and an unfinished character are held back.
+    delta_text: str = ""
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -148,7 +148,8 @@ class Engine:
                 index=req.index, text=detok.text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want_logprobs else None,
                 logprobs=self._with_text(req.logprobs) if want_logprobs else None,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason))
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                delta_text=detok.stream_delta(finished=req.is_finished)))
         finished = all(r.is_finished for r in user.seqs)
         first = user.seqs[0]
         prompt_lp = None

@@ -45,7 +45,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for prompt in args.prompt:
         rid = engine.add_request(prompt, params)
         sys.stdout.write(prompt)
-        printed = 0
         finished = False
         while not finished:
             for out in engine.step():
@@ -54,10 +53,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 if out.error:
                     print(f"\nerror: {out.error}", file=sys.stderr)
                     return 1
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed:])
+                sys.stdout.write(out.outputs[0].delta_text)
                 sys.stdout.flush()
-                printed = len(text)
                 finished = out.finished
         sys.stdout.write("\n")
     return 0

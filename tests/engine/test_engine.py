@@ -225,3 +225,27 @@ def test_impossible_request_fails_alone():
 def test_parallel_flags_raise():
     with pytest.raises(NotImplementedError, match="ep=2"):
         LLM(device="cpu", expert_parallel_size=2)
+
+
+def test_streamed_deltas_add_up_and_hold_back_stop_strings(tiny_llm):
+    engine = tiny_llm.engine
+    base = tiny_llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = base[6:10]
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=24, stop=[stop],
+                                                        ignore_eos=True))
+    deltas, final = [], None
+    while final is None:
+        for out in engine.step():
+            if out.request_id == rid:
+                deltas.append(out.outputs[0].delta_text)
+                assert stop not in "".join(deltas)
+                if out.finished:
+                    final = out
+    assert "".join(deltas) == final.outputs[0].text == base[:base.index(stop)]
+
+
+def test_cli_generate_streams(capsys):
+    from deepinfer.entrypoints.cli import main
+
+    assert main(["generate", "--device", "cpu", "--prompt", "The list type", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("The list type")
