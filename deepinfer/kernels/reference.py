@@ -79,9 +79,17 @@ def paged_attention(
     can see are gathered, so blocks that left the sliding window are never read.
     """
     out = torch.empty_like(q)
+    decodes = [b for b in range(len(seq_lens)) if query_start_loc[b + 1] - query_start_loc[b] == 1]
+    if len(decodes) > 1:
+        rows = torch.tensor([query_start_loc[b] for b in decodes], device=q.device)
+        out[rows] = paged_decode_attention(q[rows], cache, block_table[decodes],
+                                           [seq_lens[b] for b in decodes], scale, sliding_window, sinks)
+    else:
+        decodes = []
+    skip = set(decodes)
     for b in range(len(seq_lens)):
         s, e = query_start_loc[b], query_start_loc[b + 1]
-        if e == s:
+        if e == s or b in skip:
             continue
         ctx = seq_lens[b]
         first_q = ctx - (e - s)
@@ -92,6 +100,39 @@ def paged_attention(
         out[s:e] = causal_attention(q[s:e], kv[:, 0], kv[:, 1], q_pos, k_pos, scale,
                                     sliding_window, sinks)
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,               # [B, Hq, D] one query per sequence, at position seq_lens[b] - 1
+    cache: torch.Tensor,           # [NB, bs, 2, Hkv, D]
+    block_table: torch.Tensor,     # [B, M]
+    seq_lens: list[int],           # [B]
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:                 # [B, Hq, D]
+    """:func:`paged_attention` for a batch of single-token queries, in one batched
+    gather and two batched products (keys padded to the longest context, masked)."""
+    b, hq, d = q.shape
+    bs, hkv = cache.shape[1], cache.shape[3]
+    lens = torch.tensor(seq_lens, device=q.device)                          # [B]
+    starts = torch.zeros_like(lens) if sliding_window is None else (lens - sliding_window).clamp(min=0)
+    span = int((lens - starts).max())
+    pos = starts[:, None] + torch.arange(span, device=q.device)[None, :]   # [B, S]
+    valid = pos < lens[:, None]
+    pos = torch.where(valid, pos, starts[:, None])
+    blocks = torch.gather(block_table.long(), 1, torch.div(pos, bs, rounding_mode="floor"))
+    kv = cache[blocks, pos % bs].float()                                    # [B, S, 2, Hkv, D]
+    qg = q.float().view(b, hkv, hq // hkv, d)                               # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bshd->bhgs", qg, kv[:, :, 0]) * scale       # [B, Hkv, G, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, hkv, hq // hkv, 1).expand(b, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, kv[:, :, 1])               # [B, Hkv, G, D]
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
