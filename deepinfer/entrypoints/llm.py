@@ -29,35 +29,41 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def build_engine_config(model: str | None = None, *, dtype: str = "auto",
+                        max_model_len: int | None = None, max_num_seqs: int = 64,
+                        max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.9,
+                        cpu_kv_cache_bytes: int = 1 << 30, block_size: int = 16,
+                        num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                        enable_chunked_prefill: bool = True, seed: int = 0, device: str = "auto",
+                        tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+                        data_parallel_size: int = 1, context_parallel_size: int = 1) -> EngineConfig:
+    """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
+    ``model=None`` is the tiny model embedded in the package."""
+    dev = resolve_device(device)
+    model_cfg = ModelConfig.from_path(model or DEFAULT_MODEL, dtype, max_model_len, dev)
+    return EngineConfig(
+        model=model_cfg,
+        cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
+                          cpu_kv_cache_bytes=cpu_kv_cache_bytes,
+                          enable_prefix_caching=enable_prefix_caching,
+                          num_blocks_override=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  enable_chunked_prefill=enable_chunked_prefill),
+        parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
+                                dp=data_parallel_size, cp=context_parallel_size),
+        device=dev, seed=seed)
+
+
 class LLM:
     """An engine for offline generation.
 
     ``model=None`` loads the tiny model embedded in the package.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_bytes: int = 1 << 30, block_size: int = 16,
-                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, seed: int = 0, device: str = "auto",
-                 tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-                 data_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
-        dev = resolve_device(device)
-        model_cfg = ModelConfig.from_path(model or DEFAULT_MODEL, dtype, max_model_len, dev)
-        config = EngineConfig(
-            model=model_cfg,
-            cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                              cpu_kv_cache_bytes=cpu_kv_cache_bytes,
-                              enable_prefix_caching=enable_prefix_caching,
-                              num_blocks_override=num_kv_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
-                                    dp=data_parallel_size, cp=context_parallel_size),
-            device=dev, seed=seed)
-        self.engine = Engine(config)
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        """``engine_kwargs`` are those of :func:`build_engine_config`."""
+        self.engine = Engine(build_engine_config(model, **engine_kwargs))
 
     @property
     def tokenizer(self):

@@ -1,0 +1,102 @@
+"""Prometheus metrics with vLLM's names and meanings, in a registry owned by one app.
+
+Latencies are measured on the engine thread when outputs appear; arrival is
+when the server accepted the request (so queueing counts towards TTFT):
+
+- ``vllm:time_to_first_token_seconds``: arrival -> first generated token;
+- ``vllm:inter_token_latency_seconds``: between consecutive steps that gave a
+  request new tokens;
+- ``vllm:e2e_request_latency_seconds``: arrival -> finished.
+
+Gauges and the cumulative engine counters (prefix-cache queries/hits in tokens,
+preemptions) are refreshed from the engine after every step; prompt tokens
+count when a request's prefill completes, generation tokens as they arrive.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deepinfer.engine.engine import Engine
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+# vLLM's bucket boundaries, so dashboards built for it read the same.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, labels, name = self.registry, ["model_name"], model_name
+
+        def hist(metric: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(metric, doc, labels, buckets=buckets, registry=r).labels(name)
+
+        def gauge(metric: str, doc: str) -> Gauge:
+            return Gauge(metric, doc, labels, registry=r).labels(name)
+
+        def counter(metric: str, doc: str) -> Counter:
+            return Counter(metric, doc, labels, registry=r).labels(name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds",
+                         "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds",
+                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds",
+                        "Histogram of end to end request latency in seconds.", _E2E_BUCKETS)
+        self.running = gauge("vllm:num_requests_running",
+                             "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model_name = model_name
+        # Last seen values of the engine's own cumulative counters.
+        self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+
+    # -- called on the engine thread ---------------------------------------------------------------
+    def observe_engine(self, engine: Engine) -> None:
+        sched, kv = engine.scheduler, engine.kv
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.kv_usage.set(kv.usage)
+        self.prefix_queries.inc(kv.prefix_queries - self._seen_queries)
+        self.prefix_hits.inc(kv.prefix_hits - self._seen_hits)
+        self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
+        self._seen_queries, self._seen_hits = kv.prefix_queries, kv.prefix_hits
+        self._seen_preemptions = sched.num_preemptions
+
+    def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_inter_token(self, itl_s: float) -> None:
+        self.itl.observe(itl_s)
+
+    def on_generation_tokens(self, n: int) -> None:
+        self.generation_tokens.inc(n)
+
+    def on_finish(self, e2e_s: float, finish_reasons: Sequence[str | None]) -> None:
+        self.e2e.observe(e2e_s)
+        for reason in finish_reasons:
+            if reason is not None:
+                self._success.labels(self._model_name, reason).inc()
+
+    # -- called by the /metrics route ----------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
