@@ -12,8 +12,10 @@ This module imports no torch: ``from deepinfer import SamplingParams`` stays che
 from __future__ import annotations
 
 import copy
+import json as _json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 
 def _is_int(x: object) -> bool:
@@ -52,6 +54,82 @@ def _check_bool(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} must be True or False")
 
 
+_GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM names). Set exactly one of:
+
+    - ``json``: a JSON Schema, as a dict or a JSON string; the output is a JSON
+      document that satisfies it (as far as the grammar backend can express it).
+    - ``regex``: the output matches the regular expression in full.
+    - ``choice``: the output is exactly one of these strings.
+    - ``grammar``: an EBNF grammar (xgrammar / GBNF syntax, start rule ``root``).
+    - ``json_object``: any JSON object or array.
+
+    ``disable_any_whitespace`` (JSON only) allows no whitespace between JSON
+    tokens beyond single spaces after separators, which keeps small models from
+    drifting into endless whitespace. The grammar is compiled when the request is
+    added: a malformed or unsupported spec raises ValueError there.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: set exactly one of {', '.join(_GRAMMAR_KINDS)}; "
+                             f"got {', '.join(given) if given else 'none'}")
+        if isinstance(self.json, str):
+            try:
+                _json.loads(self.json)
+            except _json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        elif isinstance(self.json, dict):
+            try:
+                _json.dumps(self.json)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"structured_outputs.json is not JSON-serialisable: {exc}") from None
+        elif self.json is not None:
+            raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON Schema as a dict "
+                             "or a JSON string")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}={value!r} must be a non-empty str")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice:
+                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a non-empty "
+                                 "list of str")
+            self.choice = list(self.choice)
+            if not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice={self.choice!r}: every choice must be a str")
+        if self.json_object is not None:
+            _check_bool("structured_outputs.json_object", self.json_object)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """Which of json / regex / choice / grammar / json_object is set."""
+        return next(k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StructuredOutputsParams":
+        """From a request body's ``structured_outputs`` object; unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM names and defaults).
@@ -60,7 +138,8 @@ class SamplingParams:
     (stored as 0). ``stop`` and ``stop_token_ids`` are stored as lists.
     ``logprobs=N`` returns, for each generated token, the N most likely tokens
     plus the sampled one; ``prompt_logprobs=N`` does the same for prompt tokens.
-    Logprobs are those of the raw model distribution, before any processing.
+    Logprobs are those of the raw model distribution, before any processing
+    (the grammar mask of ``structured_outputs`` included).
     """
 
     n: int = 1
@@ -82,6 +161,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -129,6 +209,12 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a "
+                             "StructuredOutputsParams, a dict of its fields, or None")
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Checks that need the model: token ids inside the vocabulary and the

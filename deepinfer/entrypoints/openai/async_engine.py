@@ -5,8 +5,7 @@ thread below. The event loop talks to it through a command queue (add, abort,
 call) and gets results back through ``loop.call_soon_threadsafe``: each request's
 ``RequestOutput`` objects go to the asyncio queue given when it was added. While
 requests are in flight the thread steps the engine back to back; when idle it
-sleeps on the command queue, waking at least every ``idle_poll_s`` to beat its
-heartbeat. Per-request latency metrics are measured here, where outputs appear.
+sleeps on the command queue. Per-request latency metrics are measured here, where outputs appear.
 
 What does not belong here: HTTP, OpenAI shapes, tokenisation of user input.
 """
@@ -20,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from deepinfer.engine.engine import Engine
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
@@ -90,7 +89,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
-        self.heartbeat = time.monotonic()
 
     # -- lifecycle (event loop thread) -----------------------------------------------------------
     def start(self) -> None:
@@ -115,26 +113,40 @@ class AsyncEngine:
         return None
 
     # -- requests (event loop thread) --------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          out: asyncio.Queue) -> None:
-        """Queue a request whose outputs go to ``out``. Raises ValueError (from the
-        engine) for input it refuses, including a prompt that can never fit."""
+    async def add_requests(self, requests: Sequence[tuple[str, list[int], SamplingParams]],
+                           out: asyncio.Queue) -> None:
+        """Queue ``(request_id, prompt_token_ids, params)`` requests whose outputs all go
+        to ``out``; all or none are added. Raises ValueError (from the engine) for input
+        it refuses, including a prompt that can never fit; with several requests the
+        message names the failing one's position."""
         arrival = time.monotonic()
 
         def add() -> None:
-            reason = self.engine.scheduler.check_fits(len(prompt_token_ids))
-            if reason is not None:
-                raise ValueError(reason)
-            self.engine.add_request(prompt_token_ids, params, request_id)
-            self._tracked[request_id] = _Tracked(out=out, arrival=arrival,
-                                                 num_prompt_tokens=len(prompt_token_ids),
-                                                 tokens_seen=[0] * params.n)
+            added: list[str] = []
+            try:
+                for i, (request_id, ids, params) in enumerate(requests):
+                    try:
+                        reason = self.engine.scheduler.check_fits(len(ids))
+                        if reason is not None:
+                            raise ValueError(reason)
+                        self.engine.add_request(ids, params, request_id)
+                    except ValueError as exc:
+                        raise ValueError(f"prompt[{i}]: {exc}" if len(requests) > 1 else str(exc)) from exc
+                    added.append(request_id)
+                    self._tracked[request_id] = _Tracked(out=out, arrival=arrival,
+                                                         num_prompt_tokens=len(ids),
+                                                         tokens_seen=[0] * params.n)
+            except BaseException:
+                for request_id in added:
+                    self.engine.abort(request_id)
+                raise
 
         try:
             await self._submit(add)
         except asyncio.CancelledError:
             # The add may still run after the caller went away.
-            self.abort(request_id)
+            for request_id, _, _ in requests:
+                self.abort(request_id)
             raise
 
     def abort(self, request_id: str) -> None:
@@ -163,7 +175,6 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._run_commands():
-                self.heartbeat = time.monotonic()
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                 if self.metrics is not None:

@@ -63,7 +63,7 @@ class ServerMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+        self._success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         # Last seen values of the engine's own cumulative counters.
@@ -92,7 +92,9 @@ class ServerMetrics:
         self.generation_tokens.inc(n)
 
     def on_finish(self, e2e_s: float, finish_reasons: Sequence[str | None]) -> None:
-        self.e2e.observe(e2e_s)
+        # Latency of requests that ran to their end; aborted and failed ones only count.
+        if all(reason in ("stop", "length") for reason in finish_reasons):
+            self.e2e.observe(e2e_s)
         for reason in finish_reasons:
             if reason is not None:
                 self._success.labels(self._model_name, reason).inc()

@@ -1,0 +1,165 @@
+"""POST /v1/completions: prompts in, text (streamed or whole) out.
+
+A request with several prompts becomes one engine request per prompt; with
+``n`` sequences each, choice ``i * n + j`` is prompt i's sequence j. ``echo``
+prepends the prompt (and, with ``logprobs``, its prompt logprobs: the shape
+lm-evaluation-harness reads for loglikelihood).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from deepinfer.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
+                                                   UsageInfo)
+from deepinfer.entrypoints.openai.serving import (SSE_DONE, APIError, EngineStreamingResponse, ServerState,
+                                                  Submission, completion_logprobs, output_error,
+                                                  request_structured_outputs, build_sampling_params, sse,
+                                                  stream_error, submit, unless_disconnected)
+from deepinfer.outputs import RequestOutput
+
+_FIELDS = list(CompletionRequest.model_fields)
+
+
+class _Prompt:
+    """One prompt: its token ids and the text ``echo`` returns."""
+
+    def __init__(self, ids: list[int], text: str) -> None:
+        self.ids = ids
+        self.text = text
+
+
+async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
+    state.check_model(req.model)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(400, f"best_of={req.best_of} is not supported; it must be unset or equal n={n}",
+                       param="best_of")
+    prompts = _prompts(state, req)
+    state.check_length([p.ids for p in prompts], req.max_tokens, "max_tokens")
+    echo_logprobs = bool(req.echo) and req.logprobs is not None
+    params = build_sampling_params(
+        req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if echo_logprobs else req.prompt_logprobs,
+        structured=request_structured_outputs(req.structured_outputs))
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    sub = await submit(state.engine, request_id, [p.ids for p in prompts], params, _FIELDS)
+    if req.stream:
+        return EngineStreamingResponse(_stream(state, req, request_id, prompts, n, sub), sub)
+    try:
+        finals = await unless_disconnected(raw, sub.final_outputs())
+    finally:
+        sub.abort_unfinished()
+    if finals is None:     # the client went away; nobody reads this
+        return Response(status_code=499)
+    choices = []
+    for i, (prompt, out) in enumerate(zip(prompts, finals)):
+        error = output_error(out)
+        if error is not None:
+            raise APIError(500, f"generation failed: {error}")
+        for c in out.outputs:
+            choices.append(_choice(state, req, prompt, out, i * n + c.index, c.index, len(c.token_ids),
+                                   c.text, first=True, finished=True))
+    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    prompt_tokens = sum(len(p.ids) for p in prompts)
+    resp = CompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                              usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                              total_tokens=prompt_tokens + completion_tokens))
+    return JSONResponse(resp.model_dump(mode="json"))
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+    p = req.prompt
+    add_special = req.add_special_tokens if req.add_special_tokens is not None else True
+    if isinstance(p, str):
+        texts: list[str] | None = [p]
+    elif p and isinstance(p[0], str):
+        texts = list(p)     # type: ignore[arg-type]
+    else:
+        texts = None
+    if texts is not None:
+        return [_Prompt(state.tokenizer.encode(t, add_special_tokens=add_special), t) for t in texts]
+    if not p:
+        raise APIError(400, "prompt is empty: give a string, a list of strings, token ids or a list of "
+                            "token-id lists", param="prompt")
+    batches = [p] if isinstance(p[0], int) else p
+    prompts = []
+    for ids in batches:
+        ids = list(ids)     # type: ignore[arg-type]
+        bad = [t for t in ids if not 0 <= t < state.vocab_size]
+        # Checked here too (the engine would refuse it) because echo decodes the prompt first.
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is out of range [0, {state.vocab_size})",
+                           param="prompt")
+        prompts.append(_Prompt(ids, state.tokenizer.decode(ids, skip_special_tokens=False)))
+    return prompts
+
+
+def _choice(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: RequestOutput, index: int,
+            seq: int, num_tokens_to: int, text: str, *, first: bool, finished: bool,
+            num_tokens_from: int = 0) -> CompletionChoice:
+    """Choice ``index`` with ``text`` and the logprobs of generated tokens
+    [num_tokens_from, num_tokens_to); on a sequence's first choice ``echo`` prepends the prompt."""
+    c = out.outputs[seq]
+    logprobs = None
+    if req.logprobs is not None:
+        ids = c.token_ids[num_tokens_from:num_tokens_to]
+        entries: list = list((c.logprobs or [])[num_tokens_from:num_tokens_to])
+        if req.echo and first:
+            ids = out.prompt_token_ids + ids
+            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+        logprobs = completion_logprobs(state.tokenizer, ids, entries)
+    if req.echo and first:
+        text = prompt.text + text
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason=c.finish_reason if finished else None,
+                            stop_reason=c.stop_reason if finished else None)
+
+
+async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
+                  n: int, sub: Submission) -> AsyncIterator[str]:
+    created = int(time.time())
+    sent = [[0] * n for _ in prompts]          # tokens already streamed, per choice
+    started = [[False] * n for _ in prompts]
+    completion_tokens = 0
+    try:
+        async for i, out in sub.outputs():
+            error = output_error(out)
+            if error is not None:
+                yield stream_error(APIError(500, f"generation failed: {error}"))
+                break
+            choices = []
+            for c in out.outputs:
+                j = c.index
+                new_tokens = len(c.token_ids) - sent[i][j]
+                finished = c.finish_reason is not None
+                if not (c.delta_text or finished or (req.logprobs is not None and new_tokens)
+                        or (req.echo and not started[i][j])):
+                    continue
+                choices.append(_choice(state, req, prompts[i], out, i * n + j, j, len(c.token_ids),
+                                       c.delta_text, first=not started[i][j], finished=finished,
+                                       num_tokens_from=sent[i][j]))
+                started[i][j] = True
+                sent[i][j] = len(c.token_ids)
+                if finished:
+                    completion_tokens += len(c.token_ids)
+            if choices:
+                yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name,
+                                             choices=choices))
+        else:
+            if req.stream_options is not None and req.stream_options.include_usage:
+                prompt_tokens = sum(len(p.ids) for p in prompts)
+                yield sse(CompletionResponse(
+                    id=request_id, created=created, model=state.model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens)))
+    except Exception as exc:    # reported in-band: the status line has already gone out
+        yield stream_error(exc)
+    yield SSE_DONE

@@ -1,0 +1,336 @@
+"""What the OpenAI routes share: errors, sampling parameters, chat rendering,
+submission to the engine and the wait for its outputs, and logprob shapes.
+
+Route-specific response building lives in completions.py and chat.py; HTTP
+plumbing (app, middleware, routes) in api_server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import re
+from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+import jinja2
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
+from deepinfer.entrypoints.openai.protocol import (ChatMessage, CompletionLogprobs, ErrorInfo, ErrorResponse,
+                                                   StructuredOutputsRequest, TokenLogprob, TopLogprob,
+                                                   _SamplingFields)
+from deepinfer.outputs import PositionLogprobs, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# JSON has no -inf; like vLLM, a token with zero probability reports this logprob.
+_MIN_LOGPROB = -9999.0
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's ``{"error": {...}}`` body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: int | str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: int | str | None = None) -> dict[str, Any]:
+    info = ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"),
+                     param=param, code=code if code is not None else status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def bad_request(exc: Exception, fields: Sequence[str], rename: dict[str, str] | None = None) -> APIError:
+    """A 400 for a ValueError from SamplingParams or the engine. Their messages open
+    with the offending field's name, which becomes ``param`` when the request has it."""
+    message = str(exc)
+    match = re.match(r"(?:prompt\[\d+\]: )?([a-z_]+)", message)
+    name = match.group(1) if match else None
+    name = (rename or {}).get(name, name)
+    return APIError(400, message, param=name if name in fields else None)
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+# -- sampling parameters ---------------------------------------------------------------------------
+def structured_outputs_params(spec: dict[str, Any], field_name: str) -> Any:
+    """``StructuredOutputsParams(**spec)``, or a 400 when this build has no structured outputs."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    try:
+        from deepinfer.sampling_params import StructuredOutputsParams
+    except ImportError:
+        StructuredOutputsParams = None
+    if StructuredOutputsParams is None or "structured_outputs" not in names:
+        raise APIError(400, f"{field_name}: structured outputs are not supported yet", param=field_name)
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as exc:
+        raise APIError(400, f"{field_name}: {exc}", param=field_name) from exc
+
+
+def build_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                          prompt_logprobs: int | None = None,
+                          structured: Any = None, rename: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from the request's fields; an unset (None) field keeps
+    SamplingParams' default. Bad values are a 400 naming the field."""
+    logit_bias = None
+    if req.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError as exc:
+            raise APIError(400, f"logit_bias keys must be token ids (integers as strings): {exc}",
+                           param="logit_bias") from exc
+    values = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                  repetition_penalty=req.repetition_penalty, logit_bias=logit_bias, seed=req.seed,
+                  stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+                  min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  skip_special_tokens=req.skip_special_tokens,
+                  include_stop_str_in_output=req.include_stop_str_in_output)
+    # max_tokens=None is meaningful: generate up to max_model_len.
+    kwargs = {k: v for k, v in values.items() if v is not None} | {"max_tokens": max_tokens}
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise bad_request(exc, list(type(req).model_fields), rename) from exc
+
+
+def request_structured_outputs(spec: StructuredOutputsRequest | None) -> Any:
+    if spec is None:
+        return None
+    kwargs = spec.as_kwargs()
+    if len(kwargs) != 1:
+        raise APIError(400, "structured_outputs: set exactly one of json, regex, choice, grammar, "
+                            f"json_object (got {sorted(kwargs) or 'none'})", param="structured_outputs")
+    return structured_outputs_params(kwargs, "structured_outputs")
+
+
+# -- chat rendering ------------------------------------------------------------------------------
+def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                chat_template_kwargs: dict[str, Any] | None) -> str:
+    """The conversation rendered with the checkpoint's chat template. Content parts
+    must be text; they are joined with newlines, as vLLM does for string templates."""
+    conversation = []
+    for i, message in enumerate(messages):
+        entry = {**(message.model_extra or {}), "role": message.role, "name": message.name}
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content[{j}]: content parts of type {part.type!r} "
+                                        "are not supported; only 'text' parts with a 'text' field",
+                                   param="messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry["content"] = content
+        conversation.append(entry)
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                             **(chat_template_kwargs or {}))
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:
+        raise APIError(400, f"cannot render the chat template: {exc}", param="messages") from exc
+
+
+# -- per-server state ------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ServerState:
+    """What the route handlers share."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)}.",
+                           param="model", code="model_not_found")
+
+    def check_length(self, prompts: Sequence[list[int]], max_tokens: int | None, field: str) -> None:
+        """A 400 when a prompt plus the tokens asked for cannot fit in the model's context."""
+        if max_tokens is None:
+            return
+        for ids in prompts:
+            if len(ids) + max_tokens > self.max_model_len:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                    f"However, you requested {len(ids) + max_tokens} tokens ({len(ids)} in "
+                                    f"the prompt, {max_tokens} in the completion). Please reduce the length "
+                                    f"of the prompt or {field}.",
+                               param=field, code="context_length_exceeded")
+
+
+# -- submission ------------------------------------------------------------------------------------
+class Submission:
+    """The engine requests behind one HTTP request (one per prompt) and their outputs."""
+
+    def __init__(self, engine: AsyncEngine, base_id: str, num_prompts: int) -> None:
+        self.engine = engine
+        self.request_ids = [f"{base_id}-{i}" for i in range(num_prompts)]
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._done: set[str] = set()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) in arrival order until every request has finished."""
+        index = {rid: i for i, rid in enumerate(self.request_ids)}
+        while len(self._done) < len(self.request_ids):
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                self._done.add(item.request_id)
+            yield index[item.request_id], item
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in self.outputs():
+            if out.finished:
+                finals[i] = out
+        return [finals[i] for i in range(len(self.request_ids))]
+
+    def abort_unfinished(self) -> None:
+        for rid in self.request_ids:
+            if rid not in self._done:
+                self._done.add(rid)
+                self.engine.abort(rid)
+
+
+async def submit(engine: AsyncEngine, base_id: str, prompts: Sequence[list[int]], params: SamplingParams,
+                 fields: Sequence[str], rename: dict[str, str] | None = None) -> Submission:
+    sub = Submission(engine, base_id, len(prompts))
+    batch = [(rid, ids, params.clone()) for rid, ids in zip(sub.request_ids, prompts)]
+    try:
+        await engine.add_requests(batch, sub.queue)
+    except ValueError as exc:
+        raise bad_request(exc, fields, rename) from exc
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from exc
+    return sub
+
+
+def output_error(out: RequestOutput) -> str | None:
+    """Why the engine failed this request, if it did."""
+    if out.error is not None or any(c.finish_reason == "error" for c in out.outputs):
+        return out.error or "internal error"
+    return None
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however the response ends:
+    completed, failed, or cancelled because the client went away (even before the
+    body iterator first ran, when its own ``finally`` would never execute)."""
+
+    def __init__(self, content: AsyncIterator[str], submission: Submission) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._submission = submission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._submission.abort_unfinished()
+
+
+def stream_error(exc: BaseException) -> str:
+    """The SSE event that reports a failure after the stream started."""
+    status = exc.status if isinstance(exc, APIError) else 500
+    message = exc.message if isinstance(exc, APIError) else str(exc)
+    return sse(error_body(status, message))
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``, cancelling it if the client disconnects first (then None)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+    return None if task.cancelled() else task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read, so the next message is the disconnect.
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+def _clamp(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
+                        entries: Sequence[PositionLogprobs | None], text_offset: int = 0) -> CompletionLogprobs:
+    """The completions API's logprobs: one position per token; an entry of None (the
+    first prompt token has no logprob) gives nulls. ``top_logprobs`` maps token text
+    to logprob for the top-N plus the chosen token."""
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, entries):
+        if entry is None:
+            text = tokenizer.id_to_token_text(tok)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen = entry[tok]
+            text = chosen.decoded_token or ""
+            out.token_logprobs.append(_clamp(chosen.logprob))
+            out.top_logprobs.append({lp.decoded_token or "": _clamp(lp.logprob) for lp in entry.values()})
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs], top_n: int) -> list[TokenLogprob]:
+    """The chat API's logprobs content: the chosen token and the ``top_n`` most likely."""
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        chosen = entry[tok]
+        best = sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:top_n]
+        text = chosen.decoded_token or ""
+        content.append(TokenLogprob(
+            token=text, logprob=_clamp(chosen.logprob), bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=_clamp(lp.logprob),
+                                     bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in best]))
+    return content

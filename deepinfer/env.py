@@ -1,0 +1,32 @@
+"""The DEEPINFER_* environment switches: the only module that reads them.
+
+Configuration belongs in the frozen dataclasses of ``config.py``; the variables
+here are process-wide switches for debugging and benchmarking that no caller
+should have to thread through the engine. Each is read when asked for (so a
+test can set it with ``monkeypatch.setenv``) and validated: a bad value raises
+``ValueError`` naming the variable and the accepted values.
+
+DEEPINFER_KERNEL_BACKEND  auto | torch | triton  (default auto)
+    Which implementation runs the kernels that have both (RMSNorm, RoPE, KV-cache
+    store, paged attention). ``torch``: the pure-PyTorch references of
+    ``kernels/reference.py``, on any device. ``triton``: the Triton kernels of
+    ``kernels/``; their tensors must be on CUDA, or on the CPU with
+    ``TRITON_INTERPRET=1`` (Triton's interpreter, slow, for tests). ``auto``:
+    Triton for CUDA tensors when the ``triton`` package imports, torch otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, get_args
+
+KernelBackend = Literal["auto", "torch", "triton"]
+
+
+def kernel_backend() -> KernelBackend:
+    """DEEPINFER_KERNEL_BACKEND (see the module docstring)."""
+    value = os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto").strip().lower()
+    if value not in get_args(KernelBackend):
+        raise ValueError(f"DEEPINFER_KERNEL_BACKEND={value!r} is not valid; choose one of "
+                         f"{', '.join(get_args(KernelBackend))}")
+    return value  # type: ignore[return-value]
