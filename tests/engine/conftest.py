@@ -39,6 +39,27 @@ def make_checkpoint(tmp: Path, arch: str, **overrides) -> Path:
     return out
 
 
+def hf_greedy(path: Path, prompts: list[list[int]], n: int,
+              with_logprobs: bool = False) -> list[list[int]] | tuple[list[list[int]], list[torch.Tensor]]:
+    """HF transformers' greedy continuation of each prompt, exactly ``n`` tokens (EOS
+    handling off, like the engine's ``ignore_eos``); with ``with_logprobs`` also each
+    prompt's float32 log-softmax."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = [], []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=n, pad_token_id=0)
+            tokens.append(gen[0, len(p):].tolist())
+            if with_logprobs:
+                logprobs.append(torch.log_softmax(model(ids).logits[0].float(), -1))
+    return (tokens, logprobs) if with_logprobs else tokens
+
+
 @pytest.fixture(scope="session")
 def tiny_llm() -> LLM:
     return LLM(device="cpu", max_num_batched_tokens=256)

@@ -16,7 +16,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 
 from ..models.test_deepseek_v4 import HF_STYLE, randomize
-from .conftest import TOKENIZER_FILES
+from .conftest import TOKENIZER_FILES, hf_greedy
 
 VOCAB = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
 
@@ -56,22 +56,6 @@ def v3_dir(tmp_path_factory) -> Path:
         for name, p in model.state_dict().items():
             p.add_(torch.randn_like(p.float()).to(p.dtype) * 0.05)
     return save_with_tokenizer(model, tmp_path_factory.mktemp("v3") / "ckpt")
-
-
-def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # Generate exactly as many tokens as the engine with ignore_eos (no EOS handling at all).
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=n, pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
-    return out
 
 
 def run_engine(path: Path, prompts, n: int, **settings) -> tuple[list[list[int]], LLM]:

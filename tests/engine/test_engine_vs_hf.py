@@ -10,25 +10,9 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 
-from .conftest import make_checkpoint
+from .conftest import hf_greedy, make_checkpoint
 
 NEW_TOKENS = 32
-
-
-def hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # Generate exactly as many tokens as the engine with ignore_eos (no EOS handling at all).
-    model.generation_config.eos_token_id = None
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, pad_token_id=0)
-            out.append(gen[0, len(p):].tolist())
-    return out
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
@@ -47,7 +31,7 @@ def check(path, settings, expect_preemption=True):
     import json
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     prompts = prompts_for(vocab)
-    expected = hf_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm = LLM(model=str(path), device="cpu", **settings)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

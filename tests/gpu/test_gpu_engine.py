@@ -17,7 +17,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 
-from ..engine.conftest import make_checkpoint
+from ..engine.conftest import hf_greedy, make_checkpoint
 from ..engine.test_deepseek_engine import v3_dir, v4_dir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -42,23 +42,6 @@ def checkpoint(request, tmp_path_factory) -> Path:
     return request.getfixturevalue(f"{request.param}_dir")
 
 
-def hf_reference(path: Path, prompts: list[list[int]]):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # Generate exactly as many tokens as the engine with ignore_eos (no EOS handling at all).
-    model.generation_config.eos_token_id = None
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NEW, pad_token_id=0)
-            tokens.append(gen[0, len(p):].tolist())
-            logprobs.append(torch.log_softmax(model(ids).logits[0].float(), -1))
-    return tokens, logprobs
-
-
 def prompts_for(path: Path) -> list[list[int]]:
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(11)
@@ -67,7 +50,7 @@ def prompts_for(path: Path) -> list[list[int]]:
 
 def test_engine_on_cuda(checkpoint):
     prompts = prompts_for(checkpoint)
-    hf_tokens, hf_logprobs = hf_reference(checkpoint, prompts)
+    hf_tokens, hf_logprobs = hf_greedy(checkpoint, prompts, NEW, with_logprobs=True)
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
     fp32 = LLM(model=str(checkpoint), device=CUDA, dtype="float32", max_num_batched_tokens=64,
