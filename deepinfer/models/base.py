@@ -49,6 +49,10 @@ class CausalLM(nn.Module):
     checkpoint differs overrides :meth:`remap_weight_name`.
     """
 
+    # Submodules a checkpoint may leave out entirely (e.g. MTP layers, which HF's
+    # checkpoints drop); load_weights removes them instead of reporting them missing.
+    optional_modules: tuple[str, ...] = ()
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -134,6 +138,13 @@ class CausalLM(nn.Module):
             written.add(key)
             filled[pname] += dst.numel()
 
+        for prefix in self.optional_modules:
+            if not any(n for p, n in filled.items() if p.startswith(prefix + ".")):
+                # The checkpoint ships none of this module (HF drops MTP layers): drop it
+                # rather than keep random weights.
+                module = getattr(self, prefix)
+                setattr(self, prefix, nn.ModuleList() if isinstance(module, nn.ModuleList) else None)
+                filled = {p: n for p, n in filled.items() if not p.startswith(prefix + ".")}
         missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
                    for p, n in filled.items() if n != targets[p].numel()]
         if missing:

@@ -321,6 +321,8 @@ _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    optional_modules = ("mtp",)
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)
         self.args = DeepseekV4Args.from_hf(hf_config)
@@ -376,49 +378,7 @@ class DeepseekV4ForCausalLM(CausalLM):
                 return f"{prefix}.{ours}{rest[len(native):]}"
         return f"{prefix}.{rest}"
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales.
-
-        Like :meth:`CausalLM.load_weights`, but the MTP layers are optional: when the
-        checkpoint has no ``mtp.*`` tensor at all they are dropped.
-        """
-        targets: dict[str, torch.Tensor] = {}
-        aliases: set[str] = set()
-        seen: set[int] = set()
-        for pname, tensor in self.state_dict(keep_vars=True).items():
-            if id(tensor) in seen:
-                aliases.add(pname)      # tied weights load through their first name
-            else:
-                seen.add(id(tensor))
-                targets[pname] = tensor
-        filled = dict.fromkeys(targets, 0)
-        written: set[tuple[str, str]] = set()
-        for name, tensor in pair_scales(weights, fp8_block=self.args.fp8_block):
-            dest = self.remap_weight_name(name)
-            if isinstance(dest, str) and dest in aliases:
-                continue
-            pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
-            if pname not in targets:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter {pname!r} "
-                                 f"in {type(self).__name__}")
-            if (pname, repr(index)) in written:
-                raise ValueError(f"checkpoint tensor {name!r} writes {pname}{list(index) if index else ''}, "
-                                 "which an earlier tensor already wrote")
-            dst = targets[pname].data[index]
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, but "
-                                 f"{pname}{list(index) if index else ''} has shape {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            written.add((pname, repr(index)))
-            filled[pname] += dst.numel()
-
-        if len(self.mtp) and not any(n for p, n in filled.items() if p.startswith("mtp.")):
-            self.mtp = nn.ModuleList()
-            filled = {p: n for p, n in filled.items() if not p.startswith("mtp.")}
-        missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
-                   for p, n in filled.items() if n != targets[p].numel()]
-        if missing:
-            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of {type(self).__name__}: "
-                             f"{', '.join(missing[:10])}{more}")
+        """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales
+        (the loader already does; direct callers may pass a raw checkpoint stream)."""
+        super().load_weights(pair_scales(weights, fp8_block=self.args.fp8_block))
