@@ -13,15 +13,18 @@ import torch
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
-    """Write new entries: ``cache[slot // bs, slot % bs, i] = tensors[i]`` for each token.
+    """Write new entries: ``cache[slot // bs, slot % bs, i] = tensors[i]`` for each token
+    whose slot is not -1.
 
     cache: [NB, bs, nt, Hkv, D]; slot_mapping: [T] int64; tensors: nt x [T, Hkv, D].
     """
     bs = cache.shape[1]
-    blocks = torch.div(slot_mapping, bs, rounding_mode="floor")
-    offsets = slot_mapping % bs
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks = torch.div(slots, bs, rounding_mode="floor")
+    offsets = slots % bs
     for i, t in enumerate(tensors):
-        cache[blocks, offsets, i] = t.to(cache.dtype)
+        cache[blocks, offsets, i] = t[keep].to(cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_row: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -27,17 +27,17 @@ def _store_kv_kernel(
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)[:, None]                          # [BLOCK_H, 1]
-    dims = tl.arange(0, BLOCK_D)[None, :]                           # [1, BLOCK_D]
-    # A negative slot masks every element: nothing is read or written.
-    mask = (heads < num_heads) & (dims < head_dim) & (slot >= 0)
-    dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block
-           + (slot % BLOCK_SIZE) * stride_cache_offset + heads * stride_cache_head + dims)
-    k = tl.load(k_ptr + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    if NUM_TENSORS == 2:
-        v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
-        tl.store(dst + stride_cache_tensor, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if slot >= 0:
+        heads = tl.arange(0, BLOCK_H)[:, None]                      # [BLOCK_H, 1]
+        dims = tl.arange(0, BLOCK_D)[None, :]                       # [1, BLOCK_D]
+        mask = (heads < num_heads) & (dims < head_dim)
+        dst = (cache_ptr + (slot // BLOCK_SIZE) * stride_cache_block
+               + (slot % BLOCK_SIZE) * stride_cache_offset + heads * stride_cache_head + dims)
+        k = tl.load(k_ptr + token * stride_k_token + heads * stride_k_head + dims, mask=mask)
+        tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+        if NUM_TENSORS == 2:
+            v = tl.load(v_ptr + token * stride_v_token + heads * stride_v_head + dims, mask=mask)
+            tl.store(dst + stride_cache_tensor, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:

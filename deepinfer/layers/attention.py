@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext
-from deepinfer.kernels import reference
+from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 
 
@@ -53,7 +53,7 @@ class Attention(nn.Module):
                                                       self.scale, self.sliding_window)
             return out.view(t, -1)
         meta = ctx.groups[self.group_id]
-        reference.store_kv(self.kv_cache, meta.slot_mapping, k, v)
-        out = reference.paged_attention(q, self.kv_cache, meta.block_table, ctx.query_start_loc,
-                                        ctx.seq_lens, self.scale, self.sliding_window)
+        backend.store_kv(self.kv_cache, meta.slot_mapping, k, v)
+        out = backend.paged_attention(q, self.kv_cache, meta.block_table, ctx.query_start_loc,
+                                      ctx.seq_lens, self.scale, self.sliding_window)
         return out.view(t, -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import backend
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., D] -> [..., D]
-        return reference.rms_norm(x, self.weight, self.eps)
+        return backend.rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import backend
 
 _DEFAULT_THETA = 10000.0
 _SUPPORTED = ("default", "linear", "llama3")
@@ -84,4 +84,11 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D] -> [T, H, D]
-        return reference.apply_rope(x, cos, sin)
+        return backend.apply_rope(x, cos, sin)
+
+    @staticmethod
+    def apply_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hk, D] -> rotated (q, k); may rotate in place, so the
+        # caller must not read its q and k afterwards.
+        return backend.apply_rope_qk(q, k, cos, sin)

@@ -87,8 +87,7 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x)                                             # [T, Hkv*D]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        q, k = RotaryEmbedding.apply_qk(q, k, cos, sin)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, ctx)   # [T, Hq*D]
         return self.o_proj(out)                                        # [T, H]
 

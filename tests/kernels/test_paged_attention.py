@@ -1,9 +1,12 @@
-"""Paged attention references against dense causal attention on random data."""
+"""Paged attention on random data: the references against dense causal attention, and the
+Triton kernels against the references."""
 
 import pytest
 import torch
 
 from deepinfer.kernels import reference
+from deepinfer.kernels.paged_attention import paged_attention as triton_paged_attention
+from deepinfer.kernels.paged_attention import paged_decode_attention as triton_paged_decode
 
 
 def build_cache(lens, bs, hkv, d, gen):
@@ -53,3 +56,157 @@ def test_store_kv_writes_the_slots():
     torch.testing.assert_close(cache[1, 3, 1], v[1])
     torch.testing.assert_close(cache[4, 1, 0], k[2])
     assert torch.isnan(cache).sum() == cache.numel() - 3 * 2 * 2 * 3
+
+
+# --- Triton kernels (deepinfer/kernels/paged_attention.py) against the references --------------
+
+# float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
+KERNEL_TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+              torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+              torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+
+
+def build_layer_cache(lens, first_needed, bs, hkv, d, dtype, device, gen):
+    """A layer's paged cache as a strided view into a page buffer shared with another layer.
+
+    Sequence b's positions ``first_needed[b] .. lens[b] - 1`` hold random K/V in shuffled
+    blocks; everything a kernel must not read is NaN: the other layer's half of each page,
+    the null block 0 (which the table holds for blocks wholly before ``first_needed``, as
+    for blocks that left a sliding window) and the slots past each sequence's end.
+    """
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 2
+    n = bs * 2 * hkv * d
+    buffer = torch.full((nb, 2 * n), float("nan"), dtype=dtype)
+    cache = buffer[:, n:].view(nb, bs, 2, hkv, d)
+    perm = (torch.randperm(nb - 1, generator=gen) + 1).tolist()
+    rows = []
+    for b, L in enumerate(lens):
+        row = []
+        for j in range(need[b]):
+            if (j + 1) * bs <= first_needed[b]:
+                row.append(0)
+                continue
+            blk = perm.pop()
+            row.append(blk)
+            used = min(bs, L - j * bs)
+            cache[blk, :used] = torch.randn(used, 2, hkv, d, generator=gen).to(dtype)
+        rows.append(row)
+    width = max(need)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    return buffer.to(device)[:, n:].view(nb, bs, 2, hkv, d), table.to(device)
+
+
+def starts_of(q_lens):
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+DECODE_CASES = [
+    # bs, hq, hkv, d, lens, num_splits, window, sinks, dtype
+    (4, 6, 2, 16, [9, 1, 17, 6, 70], 3, None, False, torch.float32),
+    (4, 6, 2, 16, [9, 1, 17, 6, 70], 2, 5, True, torch.float32),
+    (16, 8, 8, 32, [100, 33], 1, 40, True, torch.float16),
+    (8, 16, 1, 24, [50, 3, 129], 4, None, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize("bs,hq,hkv,d,lens,num_splits,window,with_sinks,dtype", DECODE_CASES)
+def test_triton_paged_decode_matches_reference(bs, hq, hkv, d, lens, num_splits, window, with_sinks,
+                                               dtype, device, poison_empty):
+    gen = torch.Generator().manual_seed(0)
+    first = [0 if window is None else max(0, n - window) for n in lens]
+    cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, device, gen)
+    q = (torch.randn(len(lens), hq, d, generator=gen) * 2).to(dtype).to(device)
+    sinks = torch.randn(hq, generator=gen).to(device) if with_sinks else None
+    out = triton_paged_decode(q, cache, table, lens, 0.25, window, sinks, num_splits=num_splits)
+    ref = reference.paged_decode_attention(q, cache, table, lens, 0.25, window, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+PREFILL_CASES = [
+    # bs, hq, hkv, d, q_lens, lens, window, sinks, dtype
+    (4, 6, 2, 16, [1, 1, 5, 6, 30], [9, 1, 17, 6, 70], None, False, torch.float32),
+    (4, 6, 2, 16, [1, 1, 5, 6, 30], [9, 1, 17, 6, 70], 5, True, torch.float32),
+    (16, 4, 4, 32, [40, 3, 1], [100, 3, 20], 16, False, torch.float16),
+    (8, 16, 1, 24, [7, 70], [7, 90], None, True, torch.float16),
+    (4, 8, 2, 16, [1, 1, 1], [5, 40, 9], 8, True, torch.float32),      # all decode: dispatches
+]
+
+
+@pytest.mark.parametrize("bs,hq,hkv,d,q_lens,lens,window,with_sinks,dtype", PREFILL_CASES)
+def test_triton_paged_attention_matches_reference(bs, hq, hkv, d, q_lens, lens, window, with_sinks,
+                                                  dtype, device, poison_empty):
+    gen = torch.Generator().manual_seed(1)
+    first = [0 if window is None else max(0, L - n - window + 1) for n, L in zip(q_lens, lens)]
+    cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, device, gen)
+    starts = starts_of(q_lens)
+    q = (torch.randn(starts[-1], hq, d, generator=gen) * 2).to(dtype).to(device)
+    sinks = torch.randn(hq, generator=gen).to(device) if with_sinks else None
+    out = triton_paged_attention(q, cache, table, starts, lens, 0.25, window, sinks)
+    ref = reference.paged_attention(q, cache, table, starts, lens, 0.25, window, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+def test_triton_paged_attention_rejects_a_dtype_mismatch(device):
+    cache = torch.zeros(2, 4, 2, 1, 16, device=device)
+    q = torch.zeros(1, 2, 16, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="cache is"):
+        triton_paged_attention(q, cache, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                               [0, 1], [1], 1.0)
+
+
+GPU_DECODE_CASES = [
+    # batch, context, hq, hkv, d, bs, window, sinks, dtype
+    (64, 4096, 32, 8, 128, 16, None, False, torch.bfloat16),
+    (3, 8000, 64, 8, 128, 16, 1024, True, torch.bfloat16),
+    (8, 1000, 32, 8, 128, 16, None, True, torch.float32),
+    (16, 2048, 16, 2, 64, 32, None, False, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch,ctx,hq,hkv,d,bs,window,with_sinks,dtype", GPU_DECODE_CASES)
+def test_triton_paged_decode_gpu_sizes(batch, ctx, hq, hkv, d, bs, window, with_sinks, dtype,
+                                       poison_empty):
+    gen = torch.Generator().manual_seed(2)
+    lens = torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen).tolist()
+    first = [0 if window is None else max(0, n - window) for n in lens]
+    cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, torch.device("cuda"), gen)
+    q = (torch.randn(batch, hq, d, generator=gen) * 2).to("cuda", dtype)
+    sinks = torch.randn(hq, generator=gen).to("cuda") if with_sinks else None
+    starts = list(range(batch + 1))
+    out = triton_paged_attention(q, cache, table, starts, lens, d ** -0.5, window, sinks)
+    ref = reference.paged_decode_attention(q, cache, table, lens, d ** -0.5, window, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+GPU_PREFILL_CASES = [
+    # q_lens, contexts, hq, hkv, d, bs, window, sinks, dtype
+    ([2048, 512, 1, 1], [2048, 3000, 4096, 17], 32, 8, 128, 16, None, False, torch.bfloat16),
+    ([1000, 300], [1000, 5000], 64, 8, 128, 16, 512, True, torch.bfloat16),
+    ([300, 1], [700, 300], 16, 4, 64, 16, None, True, torch.float32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_lens,lens,hq,hkv,d,bs,window,with_sinks,dtype", GPU_PREFILL_CASES)
+def test_triton_paged_prefill_gpu_sizes(q_lens, lens, hq, hkv, d, bs, window, with_sinks, dtype,
+                                        poison_empty):
+    gen = torch.Generator().manual_seed(3)
+    first = [0 if window is None else max(0, L - n - window + 1) for n, L in zip(q_lens, lens)]
+    cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, torch.device("cuda"), gen)
+    starts = starts_of(q_lens)
+    q = (torch.randn(starts[-1], hq, d, generator=gen) * 2).to("cuda", dtype)
+    sinks = torch.randn(hq, generator=gen).to("cuda") if with_sinks else None
+    out = triton_paged_attention(q, cache, table, starts, lens, d ** -0.5, window, sinks)
+    ref = reference.paged_attention(q, cache, table, starts, lens, d ** -0.5, window, sinks)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])

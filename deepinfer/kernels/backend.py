@@ -1,0 +1,95 @@
+"""One interface over the two implementations of each kernel: the pure-PyTorch
+references (``reference.py``, any device) and the Triton kernels (CUDA).
+
+Layers call the functions here; each picks its implementation per call from
+DEEPINFER_KERNEL_BACKEND (``env.kernel_backend``) and the device of its first
+tensor argument. Triton modules are imported only when a Triton kernel is
+chosen, so a CPU-only install never needs them; both implementations take the
+same arguments and return the same result.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from deepinfer import env
+from deepinfer.kernels import reference
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the ``triton`` package imports (the CUDA wheels of torch ship it)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs for a call whose first tensor is ``x``."""
+    choice = env.kernel_backend()
+    if choice == "torch":
+        return False
+    if choice == "auto":
+        return x.is_cuda and triton_available()
+    if not triton_available():
+        raise RuntimeError("DEEPINFER_KERNEL_BACKEND=triton but the triton package does not import")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"DEEPINFER_KERNEL_BACKEND=triton needs CUDA tensors (got {x.device}) or "
+                           "TRITON_INTERPRET=1 to run the kernels in Triton's CPU interpreter")
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D]; weight: [D] -> [..., D] (see :func:`reference.rms_norm`)."""
+    if use_triton(x):
+        from deepinfer.kernels.rms_norm import rms_norm as kernel
+        return kernel(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D/2] float32 -> rotated copy [T, H, D]
+    (see :func:`reference.apply_rope`)."""
+    if use_triton(x):
+        from deepinfer.kernels.rope import apply_rope as kernel
+        return kernel(x, cos, sin)
+    return reference.apply_rope(x, cos, sin)
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (q [T, Hq, D], k [T, Hk, D]). Consumes its inputs: the Triton kernel
+    rotates them in place in one launch, so callers must not read q or k afterwards."""
+    if use_triton(q):
+        from deepinfer.kernels.rope import apply_rope_qk_ as kernel
+        kernel(q, k, cos, sin)
+        return q, k
+    return reference.apply_rope(q, cos, sin), reference.apply_rope(k, cos, sin)
+
+
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
+    """cache: [NB, bs, nt, Hkv, D]; slot_mapping: [T]; tensors: nt x [T, Hkv, D]
+    (see :func:`reference.store_kv`; the Triton kernel skips slots of -1)."""
+    if use_triton(cache):
+        from deepinfer.kernels.store_kv import store_kv as kernel
+        kernel(cache, slot_mapping, *tensors)
+        return
+    reference.store_kv(cache, slot_mapping, *tensors)
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                    query_start_loc: list[int], seq_lens: list[int], scale: float,
+                    sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] over cache [NB, bs, 2, Hkv, D] -> [T, Hq, D] (see :func:`reference.paged_attention`)."""
+    if use_triton(q):
+        from deepinfer.kernels.paged_attention import paged_attention as kernel
+        return kernel(q, cache, block_table, query_start_loc, seq_lens, scale, sliding_window, sinks)
+    return reference.paged_attention(q, cache, block_table, query_start_loc, seq_lens, scale,
+                                     sliding_window, sinks)

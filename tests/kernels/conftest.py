@@ -1,0 +1,39 @@
+"""Kernel tests run the Triton kernels on CUDA when there is a device, and
+otherwise in Triton's CPU interpreter (small shapes only).
+
+TRITON_INTERPRET is read when a kernel is decorated, i.e. when its module is
+first imported, so it is set here, before any test module imports one. The
+interpreter's limits shape the CPU sweep: it multiplies bfloat16 tiles as raw
+integers (so ``tl.dot`` kernels are swept in float32 and float16 there, bfloat16
+on the GPU) and its float32 -> bfloat16 casts truncate instead of rounding to
+nearest (so bfloat16 outputs get a two-ulp tolerance on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device("cuda" if ON_CUDA else "cpu")
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Fill every floating tensor from torch.empty / torch.empty_like with NaN, so an
+    output element (or partial result) a kernel fails to write shows up as NaN."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))

@@ -1,0 +1,54 @@
+"""The Triton RMSNorm kernel against reference.rms_norm on random data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import reference
+from deepinfer.kernels.rms_norm import rms_norm
+
+# bfloat16: two ulps (the CPU interpreter truncates where the GPU rounds).
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 3e-2, "atol": 1e-2}}
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (5, 3, 100), (7, 1024)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_reference(shape, dtype, device, poison_empty):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype).to(device)
+    out = rms_norm(x, weight, 1e-6)
+    ref = reference.rms_norm(x, weight, 1e-6)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_rms_norm_strided_rows_and_promoted_weight(device, poison_empty):
+    """Rows with a stride (a slice of a wider buffer) and a float32 weight on bfloat16 x:
+    the reference rounds the normalised row to bfloat16, then returns the product in float32."""
+    gen = torch.Generator().manual_seed(1)
+    buf = torch.randn(6, 80, generator=gen).to(torch.bfloat16).to(device)
+    x = buf[:, 8:72]                                                     # [6, 64], row stride 80
+    weight = torch.randn(64, generator=gen).to(device)
+    out = rms_norm(x, weight, 1e-5)
+    ref = reference.rms_norm(x, weight, 1e-5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
+
+
+def test_rms_norm_rejects_a_mis_shaped_weight(device):
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(torch.randn(2, 8, device=device), torch.randn(4, device=device), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(8192, 4096), (333, 7168), (4096, 128)])
+def test_rms_norm_gpu_sizes(shape, poison_empty):
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 3
+    weight = torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16)
+    out = rms_norm(x, weight, 1e-6)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-6), rtol=1.6e-2, atol=1e-2)
