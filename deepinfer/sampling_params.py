@@ -120,7 +120,7 @@ class StructuredOutputsParams:
         return next(k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StructuredOutputsParams":
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
         """From a request body's ``structured_outputs`` object; unknown keys raise ValueError."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)

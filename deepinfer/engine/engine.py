@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups
 from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Engine:
         self._ids = itertools.count()
         self._arrival = itertools.count()
         self._token_text: dict[int, str] = {}
+        self.structured: StructuredOutputBackend | None = None   # made by the first structured request
         logger.info("KV cache: %d blocks, groups %s", num_blocks,
                     [(g.kind, len(g.layer_ids), g.block_size) for g in groups])
 
@@ -68,6 +71,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        grammar = self._compile_grammar(params)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt)
@@ -96,8 +100,21 @@ class Engine:
                 s.status = RequestStatus.FINISHED_ERROR
                 s.error = reason
             return request_id
-        self.scheduler.add(seqs)
+        self.scheduler.add(seqs, grammar)
         return request_id
+
+    def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of a structured request (cached); ValueError for a bad spec."""
+        if params.structured_outputs is None:
+            return None
+        if self.structured is None:
+            # Imported here: xgrammar takes seconds to import, engines without structured
+            # requests never pay it.
+            from deepinfer.structured.xgrammar_backend import XGrammarBackend
+            self.structured = XGrammarBackend.from_tokenizer_file(
+                Path(self.config.model.path) / "tokenizer.json", self.config.model.vocab_size,
+                self.tokenizer.eos_token_ids, self.tokenizer.all_special_ids)
+        return self.structured.compile(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

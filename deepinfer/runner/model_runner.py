@@ -1,8 +1,8 @@
 """ModelRunner: StepPlan -> device tensors -> model forward -> sampler -> StepResult.
 
 What belongs here: the device state (KV-cache memory, per-request sampling
-state, input tensors), sizing the KV cache from the memory budget, and turning
-a plan into a forward. What does not: scheduling decisions (scheduler/),
+state and grammar matchers, input tensors), sizing the KV cache from the memory
+budget, and turning a plan into a forward. What does not: scheduling decisions (scheduler/),
 model math (models/, layers/), and sampling math (runner/sampler.py).
 """
 
@@ -20,6 +20,8 @@ from deepinfer.runner.sampler import Sampler, SamplingRow, prompt_logprobs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
 from deepinfer.scheduler.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
+from deepinfer.structured.base import CompiledGrammar, GrammarMatcher
+from deepinfer.structured.bitmask import allocate_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,9 @@ class _RunnerRequest:
     output_token_ids: list[int]
     params: SamplingParams
     stream_index: int
+    # Structured outputs: has accepted every token in output_token_ids. The state lives
+    # as long as the request (preemption keeps it), so no token is ever accepted twice.
+    matcher: GrammarMatcher | None = None
 
 
 class ModelRunner:
@@ -43,6 +48,7 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}
         self.groups: list[KVCacheGroup] = []
         self.kv_buffer: torch.Tensor | None = None
+        self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
 
     # -- KV cache memory -------------------------------------------------------
     def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
@@ -112,7 +118,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
             self.requests[new.req_id] = _RunnerRequest(
-                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.stream_index)
+                list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.stream_index,
+                self._new_matcher(new.grammar, new.output_token_ids) if new.grammar is not None else None)
         for src, dst in plan.block_copies:
             self.kv_buffer[dst].copy_(self.kv_buffer[src])
         if plan.is_empty:
@@ -134,6 +141,7 @@ class ModelRunner:
         result = StepResult()
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        sample_states: list[_RunnerRequest] = []
         sampling_rows: list[SamplingRow] = []
         r = 0
         for seq in plan.seqs:
@@ -149,16 +157,47 @@ class ModelRunner:
                     state = self.requests[req_id]
                     sample_rows.append(r)
                     sample_ids.append(req_id)
+                    sample_states.append(state)
                     sampling_rows.append(SamplingRow(state.params, state.prompt_token_ids,
-                                                     state.output_token_ids, state.stream_index))
+                                                     state.output_token_ids, state.stream_index,
+                                                     grammar=state.matcher is not None))
                 r += 1
         if sample_rows:
-            out = self.sampler(logits[torch.tensor(sample_rows, device=self.device)], sampling_rows)
-            for i, req_id in enumerate(sample_ids):
+            out = self.sampler(logits[torch.tensor(sample_rows, device=self.device)], sampling_rows,
+                               self._token_bitmask(sample_states))
+            for i, (req_id, state) in enumerate(zip(sample_ids, sample_states)):
                 token = out.token_ids[i]
-                self.requests[req_id].output_token_ids.append(token)
-                result.sampled[req_id] = SampledToken(token, out.sampled_logprobs[i], out.logprobs[i])
+                state.output_token_ids.append(token)
+                sampled = SampledToken(token, out.sampled_logprobs[i], out.logprobs[i])
+                if state.matcher is not None:
+                    if not state.matcher.accept_token(token):
+                        sampled.error = f"structured outputs: the grammar refused sampled token {token}"
+                    sampled.grammar_terminated = state.matcher.is_terminated()
+                result.sampled[req_id] = sampled
         return result
+
+    @staticmethod
+    def _new_matcher(grammar: CompiledGrammar, output_token_ids: list[int]) -> GrammarMatcher:
+        """A matcher that has accepted the tokens the sequence already generated."""
+        matcher = grammar.new_matcher()
+        for tok in output_token_ids:
+            if not matcher.accept_token(tok):
+                raise RuntimeError(f"structured outputs: the grammar refused already generated token {tok}")
+        return matcher
+
+    def _token_bitmask(self, states: list[_RunnerRequest]) -> torch.Tensor | None:
+        """The token bitmask of the sampled rows on the device ([N, ceil(V / 32)] int32), or
+        None when no row has a grammar. Rows without a grammar hold stale words the sampler
+        never reads."""
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not constrained:
+            return None
+        if self._bitmask is None or self._bitmask.shape[0] < len(states):
+            self._bitmask = allocate_token_bitmask(max(len(states), self.config.scheduler.max_num_seqs),
+                                                   self.config.model.vocab_size)
+        for i in constrained:
+            states[i].matcher.fill_bitmask(self._bitmask, i)
+        return self._bitmask[:len(states)].to(self.device)
 
     def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardContext]:
         ids: list[int] = []

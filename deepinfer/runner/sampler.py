@@ -1,14 +1,15 @@
 """Sampler: one row of logits per sequence -> its next token, plus logprobs.
 
-What belongs here: the logits processors (min_tokens, logit_bias, penalties),
-temperature and the min-p / top-k / top-p filters, the random draw, and the
-logprobs of the raw model distribution. What does not: which rows are sampled
-(the runner), stop conditions (the scheduler), grammar masks (structured/).
+What belongs here: applying the grammar token bitmask, the logits processors
+(min_tokens, logit_bias, penalties), temperature and the min-p / top-k / top-p
+filters, the random draw, and the logprobs of the raw model distribution. What
+does not: which rows are sampled (the runner), stop conditions (the scheduler),
+grammars and their matchers (structured/; the runner fills the bitmask).
 
 Semantics follow vLLM v1. Logprobs come from the raw logits (log-softmax before
-any processing); rank 1 is the most likely token. Processing order:
-min_tokens -> logit_bias -> penalties -> (greedy rows: argmax) -> temperature
--> min_p -> top_k -> top_p -> draw.
+any processing, the grammar mask included); rank 1 is the most likely token.
+Processing order: grammar mask -> min_tokens -> logit_bias -> penalties ->
+(greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
 
 The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per
 token picks token i with probability probs[i]. A seeded row draws its ``q``
@@ -30,6 +31,7 @@ import torch
 
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.bitmask import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,6 +44,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]    # generated so far: penalties, min_tokens, seed position
     stream_index: int = 0              # which of the request's n samples this is (keys the seeded generator)
+    grammar: bool = False              # structured outputs: this row of the token bitmask applies
 
 
 @dataclass
@@ -161,12 +164,15 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed & _MASK64)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: [N, V'] float32 with V' >= vocab_size; one SamplingRow per logits row."""
-        self._check(logits, rows)
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        """logits: [N, V'] float32 with V' >= vocab_size; one SamplingRow per logits row.
+        token_bitmask: [N, ceil(vocab_size / 32)] int32 on the logits' device (format of
+        structured/bitmask.py); its row i applies where ``rows[i].grammar`` is set."""
+        self._check(logits, rows, token_bitmask)
         raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
         lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
-        tokens = self._sample(self._process(raw, rows), rows)             # [N] int64
+        tokens = self._sample(self._process(raw, rows, token_bitmask), rows)  # [N] int64
 
         sampled = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse    # [N]
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -179,21 +185,28 @@ class Sampler:
                 logprobs[i] = d
         return SamplerOutput(token_ids=tokens.tolist(), sampled_logprobs=sampled.tolist(), logprobs=logprobs)
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The logits after min_tokens, logit_bias and penalties, before temperature:
-        what greedy rows take the argmax of. logits: [N, V'] -> [N, V] (padding dropped)."""
-        self._check(logits, rows)
-        return self._process(logits[:, :self.vocab_size].float(), rows)
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits after the grammar mask, min_tokens, logit_bias and penalties, before
+        temperature: what greedy rows take the argmax of. logits: [N, V'] -> [N, V] (padding dropped)."""
+        self._check(logits, rows, token_bitmask)
+        return self._process(logits[:, :self.vocab_size].float(), rows, token_bitmask)
 
-    def _check(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def _check(self, logits: torch.Tensor, rows: list[SamplingRow], token_bitmask: torch.Tensor | None) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(rows) or logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(rows)} rows: expected "
                              f"[{len(rows)}, >= vocab_size={self.vocab_size}]")
         if logits.device != self.device:
             raise ValueError(f"logits on {logits.device}, sampler built for {self.device}")
+        if token_bitmask is None and any(r.grammar for r in rows):
+            raise ValueError("rows with grammar=True need a token_bitmask")
 
-    def _process(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _process(self, raw: torch.Tensor, rows: list[SamplingRow],
+                 token_bitmask: torch.Tensor | None) -> torch.Tensor:
         work = raw.clone()                                                # [N, V] processed in place
+        masked = [i for i, r in enumerate(rows) if r.grammar]
+        if masked:
+            apply_token_bitmask(work, token_bitmask, masked)
         self._mask_min_tokens(work, rows)
         self._add_logit_bias(work, rows)
         self._apply_penalties(work, rows)
@@ -202,7 +215,9 @@ class Sampler:
     # -- logits processors (in place on work [N, V]) ------------------------------------------------
     def _mask_min_tokens(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Until min_tokens are generated, no token that would end the sequence may be drawn.
-        With ignore_eos, EOS does not end it (as in vLLM), so only stop_token_ids are masked."""
+        With ignore_eos, EOS does not end it (as in vLLM), so only stop_token_ids are masked.
+        A row left with nothing to draw keeps its stop tokens: a complete grammar allows only
+        those, and it ends the sequence before min_tokens."""
         r_idx: list[int] = []
         c_idx: list[int] = []
         for i, row in enumerate(rows):
@@ -213,7 +228,11 @@ class Sampler:
                 r_idx += [i] * len(ids)
                 c_idx += ids
         if r_idx:
-            work[self._long(r_idx, work), self._long(c_idx, work)] = float("-inf")
+            r, c = self._long(r_idx, work), self._long(c_idx, work)
+            kept = work[r, c]                                                      # [K] before masking
+            work[r, c] = float("-inf")
+            dead = torch.isneginf(work).all(-1)                                    # [N]
+            work[r, c] = torch.where(dead[r], kept, torch.full_like(kept, float("-inf")))
 
     def _add_logit_bias(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
         r_idx: list[int] = []

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.outputs import PositionLogprobs
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured.base import CompiledGrammar
 
 
 @dataclass
@@ -21,6 +22,7 @@ class NewRequestData:
     output_token_ids: list[int]
     params: SamplingParams
     stream_index: int
+    grammar: CompiledGrammar | None = None   # structured outputs: the runner makes the matcher
 
 
 @dataclass
@@ -55,6 +57,8 @@ class SampledToken:
     token_id: int
     logprob: float
     top_logprobs: PositionLogprobs | None
+    grammar_terminated: bool = False   # the grammar accepted a stop token: the sequence is done
+    error: str | None = None           # the sequence cannot continue (e.g. a token its grammar refused)
 
 
 @dataclass

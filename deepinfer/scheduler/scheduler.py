@@ -19,6 +19,7 @@ from deepinfer.config import SchedulerConfig
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler.kv_cache import KVCacheManager
 from deepinfer.scheduler.plan import NewRequestData, SampledToken, ScheduledSeq, StepPlan, StepResult
+from deepinfer.structured.base import CompiledGrammar
 
 
 class Scheduler:
@@ -37,6 +38,8 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []
         # Sequences ended since the engine last asked (see drain_ended).
         self._ended: list[Request] = []
+        # Compiled grammars of structured sequences, sent to the runner with their new-request data.
+        self._grammars: dict[str, CompiledGrammar] = {}
 
     # -- intake --------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> str | None:
@@ -50,11 +53,14 @@ class Scheduler:
                     f"the whole cache has {self.kv.pool.num_blocks - 1}")
         return None
 
-    def add(self, seqs: list[Request]) -> None:
-        """Queue a user request's sequences; siblings of ``seqs[0]`` wait to be forked."""
+    def add(self, seqs: list[Request], grammar: CompiledGrammar | None = None) -> None:
+        """Queue a user request's sequences; siblings of ``seqs[0]`` wait to be forked.
+        ``grammar`` (structured outputs) constrains every one of them."""
         first, rest = seqs[0], seqs[1:]
         for r in seqs:
             self.requests[r.request_id] = r
+            if grammar is not None:
+                self._grammars[r.request_id] = grammar
         for r in rest:
             r.status = RequestStatus.FORK_PENDING
         first.fork_children = list(rest)
@@ -158,7 +164,7 @@ class Scheduler:
                 new_requests.append(NewRequestData(
                     req_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                     output_token_ids=list(r.output_token_ids), params=r.params,
-                    stream_index=r.index))
+                    stream_index=r.index, grammar=self._grammars.get(r.request_id)))
         return ScheduledSeq(req_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
                             start_pos=start, block_tables=self.kv.block_tables(req.request_id),
                             sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids)
@@ -211,7 +217,11 @@ class Scheduler:
         if tok.top_logprobs is not None:
             req.logprobs.append(tok.top_logprobs)
         p = req.params
-        if not p.ignore_eos and tok.token_id in self.eos_token_ids and req.num_output_tokens >= p.min_tokens:
+        if tok.error is not None:
+            self._finish(req, RequestStatus.FINISHED_ERROR, error=tok.error)
+        elif tok.grammar_terminated:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif not p.ignore_eos and tok.token_id in self.eos_token_ids and req.num_output_tokens >= p.min_tokens:
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif tok.token_id in p.stop_token_ids and req.num_output_tokens >= p.min_tokens:
             self._finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=tok.token_id)
@@ -241,6 +251,7 @@ class Scheduler:
         req.stop_reason = stop_reason
         req.error = error
         self._ended.append(req)
+        self._grammars.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:

@@ -46,7 +46,7 @@ class GrammarSpec:
     any_whitespace: bool = True
 
     @classmethod
-    def from_params(cls, params: StructuredOutputsParams) -> "GrammarSpec":
+    def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
         kind = params.kind
         if kind == "json":
             spec = params.json if isinstance(params.json, str) else json.dumps(params.json, ensure_ascii=False)
