@@ -164,7 +164,7 @@ class Engine:
             outputs.append(CompletionOutput(
                 index=req.index, text=detok.text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want_logprobs else None,
-                logprobs=self._with_text(req.logprobs) if want_logprobs else None,
+                logprobs=self._with_text(list(req.logprobs)) if want_logprobs else None,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
                 delta_text=detok.stream_delta(finished=req.is_finished)))
         finished = all(r.is_finished for r in user.seqs)

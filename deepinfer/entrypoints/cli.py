@@ -61,7 +61,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    raise NotImplementedError("`deepinfer serve` (the OpenAI-compatible server) is not built yet")
+    from deepinfer.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -91,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on every route except /health")
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="model name(s) clients use; the first is reported (default: the --model value)")
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")

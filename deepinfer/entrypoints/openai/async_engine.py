@@ -4,8 +4,9 @@ The engine is not thread-safe, so exactly one thread touches it: the engine
 thread below. The event loop talks to it through a command queue (add, abort,
 call) and gets results back through ``loop.call_soon_threadsafe``: each request's
 ``RequestOutput`` objects go to the asyncio queue given when it was added. While
-requests are in flight the thread steps the engine back to back; when idle it
-sleeps on the command queue. Per-request latency metrics are measured here, where outputs appear.
+requests are in flight the thread steps the engine back to back, running the
+commands that arrived in between; when idle it sleeps on the command queue.
+Per-request latency metrics are measured here, where outputs appear.
 
 What does not belong here: HTTP, OpenAI shapes, tokenisation of user input.
 """
@@ -46,8 +47,7 @@ class _Tracked:
     arrival: float
     num_prompt_tokens: int
     tokens_seen: list[int] = field(default_factory=list)   # per sequence
-    first_token_at: float | None = None
-    last_token_at: float | None = None
+    last_token_at: float | None = None                      # None until the first token
 
 
 @dataclass
@@ -76,11 +76,9 @@ class AsyncEngine:
     """Owns the engine thread. ``start`` and the coroutines run on the event loop;
     ``abort`` may be called from anywhere (it only enqueues)."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None,
-                 idle_poll_s: float = 0.2) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         # Guards _closed so that no command is queued after the thread drained the queue.
         self._lock = threading.Lock()
@@ -175,10 +173,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._run_commands():
-                if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
-                if self.metrics is not None:
-                    self.metrics.observe_engine(self.engine)
+                outputs = self.engine.step() if self.engine.has_unfinished() else []
+                # Gauges first, so that a client that got its last output sees them settled.
+                self.metrics.observe_engine(self.engine)
+                self._dispatch(outputs)
         except BaseException as exc:
             logger.exception("the engine thread failed; the server can no longer generate")
             self._dead = exc
@@ -188,11 +186,13 @@ class AsyncEngine:
     def _run_commands(self) -> bool:
         """Run queued commands, waiting for one only while the engine is idle.
         Returns False once asked to stop."""
-        idle = not self.engine.has_unfinished()
-        try:
-            cmd = self._commands.get(timeout=self.idle_poll_s) if idle else self._commands.get_nowait()
-        except queue.Empty:
-            return True
+        if self.engine.has_unfinished():
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+        else:
+            cmd = self._commands.get()
         while cmd is not None:
             cmd.run()
             try:
@@ -241,16 +241,13 @@ class AsyncEngine:
             tracked.tokens_seen[c.index] = len(c.token_ids)
         m = self.metrics
         if new_tokens:
-            if tracked.first_token_at is None:
-                tracked.first_token_at = now
-                if m is not None:
-                    m.on_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
-            elif m is not None and tracked.last_token_at is not None:
+            if tracked.last_token_at is None:
+                m.on_first_token(now - tracked.arrival, tracked.num_prompt_tokens)
+            else:
                 m.on_inter_token(now - tracked.last_token_at)
             tracked.last_token_at = now
-            if m is not None:
-                m.on_generation_tokens(new_tokens)
-        if out.finished and m is not None:
+            m.on_generation_tokens(new_tokens)
+        if out.finished:
             m.on_finish(now - tracked.arrival, [c.finish_reason for c in out.outputs])
 
     def _deliver_threadsafe(self, batch: list[tuple[asyncio.Queue, QueueItem]]) -> None:

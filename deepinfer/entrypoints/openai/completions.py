@@ -10,28 +10,30 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deepinfer.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                                   UsageInfo)
+                                                   PromptLogprob, UsageInfo)
 from deepinfer.entrypoints.openai.serving import (SSE_DONE, APIError, EngineStreamingResponse, ServerState,
-                                                  Submission, completion_logprobs, output_error,
-                                                  request_structured_outputs, build_sampling_params, sse,
-                                                  stream_error, submit, unless_disconnected)
+                                                  Submission, build_sampling_params, clamp_logprob,
+                                                  completion_logprobs, output_error,
+                                                  request_structured_outputs, sse, stream_error, submit,
+                                                  unless_disconnected)
 from deepinfer.outputs import RequestOutput
 
 _FIELDS = list(CompletionRequest.model_fields)
 
 
+@dataclass
 class _Prompt:
     """One prompt: its token ids and the text ``echo`` returns."""
 
-    def __init__(self, ids: list[int], text: str) -> None:
-        self.ids = ids
-        self.text = text
+    ids: list[int]
+    text: str
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
@@ -69,15 +71,15 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                                    c.text, first=True, finished=True))
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     prompt_tokens = sum(len(p.ids) for p in prompts)
-    resp = CompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                              usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                              total_tokens=prompt_tokens + completion_tokens))
+    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+    resp = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
     return JSONResponse(resp.model_dump(mode="json"))
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     p = req.prompt
-    add_special = req.add_special_tokens if req.add_special_tokens is not None else True
+    add_special = req.add_special_tokens is not False
     if isinstance(p, str):
         texts: list[str] | None = [p]
     elif p and isinstance(p[0], str):
@@ -106,7 +108,8 @@ def _choice(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: Re
             seq: int, num_tokens_to: int, text: str, *, first: bool, finished: bool,
             num_tokens_from: int = 0) -> CompletionChoice:
     """Choice ``index`` with ``text`` and the logprobs of generated tokens
-    [num_tokens_from, num_tokens_to); on a sequence's first choice ``echo`` prepends the prompt."""
+    [num_tokens_from, num_tokens_to); a sequence's first choice also carries the
+    prompt (``echo``) and its prompt logprobs."""
     c = out.outputs[seq]
     logprobs = None
     if req.logprobs is not None:
@@ -118,9 +121,16 @@ def _choice(state: ServerState, req: CompletionRequest, prompt: _Prompt, out: Re
         logprobs = completion_logprobs(state.tokenizer, ids, entries)
     if req.echo and first:
         text = prompt.text + text
+    prompt_logprobs = None
+    if req.prompt_logprobs is not None and first and out.prompt_logprobs is not None:
+        prompt_logprobs = [None if e is None else {
+            tok: PromptLogprob(logprob=clamp_logprob(lp.logprob), rank=lp.rank,
+                               decoded_token=lp.decoded_token)
+            for tok, lp in e.items()} for e in out.prompt_logprobs]
     return CompletionChoice(index=index, text=text, logprobs=logprobs,
                             finish_reason=c.finish_reason if finished else None,
-                            stop_reason=c.stop_reason if finished else None)
+                            stop_reason=c.stop_reason if finished else None,
+                            prompt_logprobs=prompt_logprobs)
 
 
 async def _stream(state: ServerState, req: CompletionRequest, request_id: str, prompts: list[_Prompt],

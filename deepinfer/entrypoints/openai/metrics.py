@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
 
 from deepinfer.engine.engine import Engine
 

@@ -41,12 +41,13 @@ class ErrorResponse(BaseModel):
 
 
 # -- shared pieces --------------------------------------------------------------------------------
-class StreamOptions(_Body):
+class StreamOptions(_Request):
     include_usage: bool | None = False
 
 
 class StructuredOutputsRequest(_Body):
-    """vLLM's ``structured_outputs`` body field: set exactly one constraint."""
+    """vLLM's ``structured_outputs`` body field: exactly one of json, regex, choice,
+    grammar, json_object (see ``StructuredOutputsParams``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -55,6 +56,7 @@ class StructuredOutputsRequest(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``StructuredOutputsParams`` (vLLM names)."""
@@ -67,7 +69,7 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """Fields common to completions and chat completions."""
 
     model: str | None = None
@@ -95,7 +97,7 @@ class _SamplingFields(_Request):
 
 
 # -- /v1/completions -----------------------------------------------------------------------------
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool | None = False
@@ -114,12 +116,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's per-token prompt logprob (``prompt_logprobs`` field of a choice)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM extra: with the request's prompt_logprobs=N, token id -> logprob per prompt position
+    # (None for the first); sent once per choice.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -157,7 +170,7 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -278,12 +291,3 @@ class DetokenizeRequest(_Request):
 class DetokenizeResponse(BaseModel):
     prompt: str
 
-
-class TokenizerInfoResponse(BaseModel):
-    """What lm-evaluation-harness's remote tokenizer reads (vLLM's /tokenizer_info)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    tokenizer_class: str
-    chat_template: str | None = None
-    model_max_length: int

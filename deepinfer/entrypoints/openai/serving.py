@@ -23,10 +23,10 @@ from starlette.types import Receive, Scope, Send
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from deepinfer.entrypoints.openai.protocol import (ChatMessage, CompletionLogprobs, ErrorInfo, ErrorResponse,
-                                                   StructuredOutputsRequest, TokenLogprob, TopLogprob,
-                                                   _SamplingFields)
+                                                   SamplingFields, StructuredOutputsRequest, TokenLogprob,
+                                                   TopLogprob)
 from deepinfer.outputs import PositionLogprobs, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -78,24 +78,19 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 # -- sampling parameters ---------------------------------------------------------------------------
-def structured_outputs_params(spec: dict[str, Any], field_name: str) -> Any:
-    """``StructuredOutputsParams(**spec)``, or a 400 when this build has no structured outputs."""
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    try:
-        from deepinfer.sampling_params import StructuredOutputsParams
-    except ImportError:
-        StructuredOutputsParams = None
-    if StructuredOutputsParams is None or "structured_outputs" not in names:
-        raise APIError(400, f"{field_name}: structured outputs are not supported yet", param=field_name)
+def structured_outputs_params(spec: dict[str, Any], field_name: str) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(**spec)``; a bad spec is a 400 naming ``field_name``. (A spec
+    that is well formed but does not compile is refused by the engine when it is added.)"""
     try:
         return StructuredOutputsParams(**spec)
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise APIError(400, f"{field_name}: {exc}", param=field_name) from exc
 
 
-def build_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+def build_sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                           prompt_logprobs: int | None = None,
-                          structured: Any = None, rename: dict[str, str] | None = None) -> SamplingParams:
+                          structured: StructuredOutputsParams | None = None,
+                          rename: dict[str, str] | None = None) -> SamplingParams:
     """SamplingParams from the request's fields; an unset (None) field keeps
     SamplingParams' default. Bad values are a 400 naming the field."""
     logit_bias = None
@@ -122,14 +117,8 @@ def build_sampling_params(req: _SamplingFields, *, max_tokens: int | None, logpr
         raise bad_request(exc, list(type(req).model_fields), rename) from exc
 
 
-def request_structured_outputs(spec: StructuredOutputsRequest | None) -> Any:
-    if spec is None:
-        return None
-    kwargs = spec.as_kwargs()
-    if len(kwargs) != 1:
-        raise APIError(400, "structured_outputs: set exactly one of json, regex, choice, grammar, "
-                            f"json_object (got {sorted(kwargs) or 'none'})", param="structured_outputs")
-    return structured_outputs_params(kwargs, "structured_outputs")
+def request_structured_outputs(spec: StructuredOutputsRequest | None) -> StructuredOutputsParams | None:
+    return None if spec is None else structured_outputs_params(spec.as_kwargs(), "structured_outputs")
 
 
 # -- chat rendering ------------------------------------------------------------------------------
@@ -296,16 +285,18 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 
 # -- logprobs ------------------------------------------------------------------------------------
-def _clamp(logprob: float) -> float:
+def clamp_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _MIN_LOGPROB
 
 
 def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
-                        entries: Sequence[PositionLogprobs | None], text_offset: int = 0) -> CompletionLogprobs:
+                        entries: Sequence[PositionLogprobs | None]) -> CompletionLogprobs:
     """The completions API's logprobs: one position per token; an entry of None (the
     first prompt token has no logprob) gives nulls. ``top_logprobs`` maps token text
-    to logprob for the top-N plus the chosen token."""
+    to logprob for the top-N plus the chosen token; ``text_offset`` counts from the
+    first token given."""
     out = CompletionLogprobs()
+    text_offset = 0
     for tok, entry in zip(token_ids, entries):
         if entry is None:
             text = tokenizer.id_to_token_text(tok)
@@ -314,15 +305,17 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
         else:
             chosen = entry[tok]
             text = chosen.decoded_token or ""
-            out.token_logprobs.append(_clamp(chosen.logprob))
-            out.top_logprobs.append({lp.decoded_token or "": _clamp(lp.logprob) for lp in entry.values()})
+            out.token_logprobs.append(clamp_logprob(chosen.logprob))
+            out.top_logprobs.append({lp.decoded_token or "": clamp_logprob(lp.logprob)
+                                     for lp in entry.values()})
         out.tokens.append(text)
         out.text_offset.append(text_offset)
         text_offset += len(text)
     return out
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs], top_n: int) -> list[TokenLogprob]:
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs],
+                  top_n: int) -> list[TokenLogprob]:
     """The chat API's logprobs content: the chosen token and the ``top_n`` most likely."""
     content = []
     for tok, entry in zip(token_ids, entries):
@@ -330,7 +323,7 @@ def chat_logprobs(token_ids: Sequence[int], entries: Sequence[PositionLogprobs],
         best = sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:top_n]
         text = chosen.decoded_token or ""
         content.append(TokenLogprob(
-            token=text, logprob=_clamp(chosen.logprob), bytes=list(text.encode("utf-8")),
-            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=_clamp(lp.logprob),
+            token=text, logprob=clamp_logprob(chosen.logprob), bytes=list(text.encode("utf-8")),
+            top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=clamp_logprob(lp.logprob),
                                      bytes=list((lp.decoded_token or "").encode("utf-8"))) for lp in best]))
     return content

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``deepinfer serve``); see api_server.py."""
