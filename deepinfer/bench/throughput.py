@@ -34,8 +34,11 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict) -> dict:
                for _ in range(args.num_prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
 
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
+    # Warm-up: the same shapes on other prompts (so no prefix-cache hits later), which
+    # also compiles every kernel specialisation the timed run needs.
+    warm = [torch.randint(0, vocab, (args.input_len,), generator=gen).tolist()
+            for _ in range(args.num_prompts)]
+    llm.generate(warm, params, use_tqdm=False)
     _sync(device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -74,8 +77,8 @@ def _hf_throughput(path: str, dtype: torch.dtype, device: torch.device, prompts:
     kwargs = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
                   pad_token_id=0)
     with torch.inference_mode():
-        model.generate(batch[:2], attention_mask=mask[:2], **{**kwargs, "max_new_tokens": 4,
-                                                               "min_new_tokens": 4})
+        model.generate(torch.randint_like(batch, 0, model.config.vocab_size), attention_mask=mask,
+                       **kwargs)  # warm-up on other prompts of the same shape
         _sync(device)
         t0 = time.perf_counter()
         out = model.generate(batch, attention_mask=mask, **kwargs)
