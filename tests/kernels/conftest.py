@@ -1,9 +1,8 @@
 """Kernel tests run the Triton kernels on CUDA when there is a device, and
 otherwise in Triton's CPU interpreter (small shapes only).
 
-TRITON_INTERPRET is read when a kernel is decorated, i.e. when its module is
-first imported, so it is set here, before any test module imports one. The
-interpreter's limits shape the CPU sweep: it multiplies bfloat16 tiles as raw
+TRITON_INTERPRET is set in tests/conftest.py, before any test module imports a
+kernel (it is read when a kernel is decorated). The interpreter's limits shape the CPU sweep: it multiplies bfloat16 tiles as raw
 integers (so ``tl.dot`` kernels are swept in float32 and float16 there, bfloat16
 on the GPU) and its float32 -> bfloat16 casts truncate instead of rounding to
 nearest (so bfloat16 outputs get a two-ulp tolerance on the CPU).
@@ -11,14 +10,10 @@ nearest (so bfloat16 outputs get a two-ulp tolerance on the CPU).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
