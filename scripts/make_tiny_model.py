@@ -7,16 +7,23 @@ transformers (a test dependency) and no network. It
    same text on every machine with the same Python; sorted, so deterministic),
 2. trains a byte-level BPE tokenizer on it (~1000 tokens, with the ChatML
    special tokens <|endoftext|>, <|im_start|>, <|im_end|>),
-3. trains a tiny Qwen3ForCausalLM (hidden 128, 4 layers) for a fixed number of
-   steps with fixed seeds on plain docstrings plus ChatML question/answer pairs
-   built from them, so greedy generation reads as English and chat replies end
-   with <|im_end|>,
-4. writes config.json, generation_config.json, model.safetensors (float32),
-   tokenizer.json and tokenizer_config.json (with the chat template).
+3. trains a tiny DeepSeek-V4 with HF transformers' DeepseekV4ForCausalLM
+   (hidden 128, 4 layers: sliding, CSA, HCA, CSA; hyper-connections; 8 routed
+   experts top-2 plus a shared one, the first layer hash-routed) for a fixed
+   number of steps with fixed seeds on plain docstrings plus ChatML
+   question/answer pairs built from them, so greedy generation reads as English
+   and chat replies end with <|im_end|>,
+4. writes the model with transformers' save_pretrained (config.json in the
+   ``deepseek_v4`` format, model.safetensors in float32 with the tensor names
+   transformers saves), generation_config.json, tokenizer.json and
+   tokenizer_config.json (with the chat template).
+
+The shapes are chosen so that the engine's cache paths all run on short
+prompts: the sliding window is 32 tokens, CSA compresses every 4 tokens and its
+indexer keeps 8 entries, HCA compresses every 16 tokens.
 
 The output is bit-for-bit reproducible for the same Python, library versions
-and --threads (two runs here, one on a busy machine, gave identical files).
-About 3 minutes on 2 idle CPU cores.
+and --threads. About 5 minutes on 2 idle CPU cores.
 
 Run:  python scripts/make_tiny_model.py [--out DIR] [--steps N] [--threads N]
 """
@@ -70,12 +77,24 @@ _SKIP_MODULES = {
     "sunau", "uu", "xdrlib", "smtpd", "asynchat", "asyncore", "imp", "distutils",
 }
 
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 MODEL_CONFIG = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=2048,
-    tie_word_embeddings=True, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4,
+    layer_types=[SLIDING, CSA, HCA, CSA], compress_rates={CSA: 4, HCA: 16}, sliding_window=32,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=64, partial_rotary_factor=0.25,
+    q_lora_rank=64, o_groups=2, o_lora_rank=32,
+    index_n_heads=8, index_head_dim=32, index_topk=8,
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, num_experts_per_tok=2,
+    n_shared_experts=1, moe_intermediate_size=64,
+    hc_mult=4, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    rope_theta=10000.0, compress_rope_theta=160000.0,
+    # HF transformers builds no MTP layer, so none is trained or saved.
+    num_nextn_predict_layers=0,
 )
+# Speed of the auxiliary-loss-free load balancing (DeepSeek-V3 §2.1.2): after each
+# step a routed layer's bias on an overloaded expert goes down by this much, on an
+# underloaded one up.
+BIAS_UPDATE_RATE = 1e-3
 
 
 def collect_docstrings() -> list[tuple[str, str]]:
@@ -158,13 +177,32 @@ def token_stream(tok, documents: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def hash_table(vocab: int, num_experts: int, top_k: int) -> torch.Tensor:
+    """tid2eid for the hash-routed layers: top_k distinct experts per token id, [V, K] long."""
+    gen = torch.Generator().manual_seed(SEED)
+    return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(vocab)])
+
+
 def train_model(tok, stream: torch.Tensor, steps: int, batch: int, seq_len: int, lr: float):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
 
     torch.manual_seed(SEED)
-    config = Qwen3Config(**MODEL_CONFIG, architectures=["Qwen3ForCausalLM"], bos_token_id=None,
-                         eos_token_id=eos_ids(tok), pad_token_id=tok.token_to_id(ENDOFTEXT))
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    config = DeepseekV4Config(**MODEL_CONFIG, architectures=["DeepseekV4ForCausalLM"], bos_token_id=None,
+                              eos_token_id=eos_ids(tok), pad_token_id=tok.token_to_id(ENDOFTEXT))
+    # The grouped-matmul expert kernel is the same math as the default loop, faster on the CPU;
+    # it is a runtime choice and is not saved in config.json.
+    config._experts_implementation = "grouped_mm"
+    model = DeepseekV4ForCausalLM(config).to(torch.float32)
+    routers = [m for m in model.modules() if isinstance(m, DeepseekV4TopKRouter)]
+    with torch.no_grad():
+        table = hash_table(config.vocab_size, config.n_routed_experts, config.num_experts_per_tok)
+        for layer in model.model.layers:
+            if layer.mlp.is_hash:
+                layer.mlp.gate.tid2eid.copy_(table)
+    chosen: list[torch.Tensor] = []                 # each routed layer's expert ids of this step
+    for router in routers:
+        router.register_forward_hook(lambda _module, _args, out: chosen.append(out[2]))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, steps // 20)
@@ -176,13 +214,18 @@ def train_model(tok, stream: torch.Tensor, steps: int, batch: int, seq_len: int,
     for step in range(steps):
         starts = torch.randint(0, n, (batch,), generator=gen)                            # [B]
         x = torch.stack([stream[s:s + seq_len] for s in starts.tolist()])               # [B, S]
+        chosen.clear()
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 100 == 0 or step == steps - 1:
+        with torch.no_grad():
+            for router, ids in zip(routers, chosen):
+                load = torch.bincount(ids.flatten(), minlength=router.num_experts).float()   # [E]
+                router.e_score_correction_bias += BIAS_UPDATE_RATE * torch.sign(load.mean() - load)
+        if step % 50 == 0 or step == steps - 1:
             print(f"step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:6.1f}s", flush=True)
     model.eval()
     return model
@@ -206,14 +249,9 @@ def write_tokenizer_files(tok, out: Path) -> None:
 
 
 def write_model_files(model, tok, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    model.config.save_pretrained(out)
-    # Tied embeddings: lm_head.weight is the embedding, so it is not stored twice.
-    state = {k: v.detach().to(torch.float32).contiguous()
-             for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(out / "model.safetensors", 0o644)                 # save_file creates it owner-only
+    # Tied embeddings: transformers stores the embedding once (no lm_head.weight).
+    model.save_pretrained(out)
+    os.chmod(out / "model.safetensors", 0o644)                 # safetensors creates it owner-only
     gen = {"eos_token_id": eos_ids(tok),
            "pad_token_id": tok.token_to_id(ENDOFTEXT), "bos_token_id": None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
