@@ -408,7 +408,7 @@ def _scrape(server: RunningServer) -> dict[str, float]:
 def test_metrics_after_traffic(server, client):
     before = _scrape(server)
     for _ in range(2):   # the second round hits the prefix cache
-        client.completions.create(model=MODEL, prompt=PROMPT * 3, max_tokens=5, temperature=0,
+        client.completions.create(model=MODEL, prompt=PROMPT * 12, max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
     client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                    extra_body={"ignore_eos": True})
@@ -417,7 +417,7 @@ def test_metrics_after_traffic(server, client):
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    prompt_len = len(server.engine.tokenizer.encode(PROMPT * 3))
+    prompt_len = len(server.engine.tokenizer.encode(PROMPT * 12))
     assert delta("vllm:time_to_first_token_seconds_count") == 3
     assert delta("vllm:e2e_request_latency_seconds_count") == 3
     assert delta("vllm:inter_token_latency_seconds_count") == 2 * 4 + 3
