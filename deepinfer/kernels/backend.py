@@ -93,3 +93,24 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
         return kernel(q, cache, block_table, query_start_loc, seq_lens, scale, sliding_window, sinks)
     return reference.paged_attention(q, cache, block_table, query_start_loc, seq_lens, scale,
                                      sliding_window, sinks)
+
+
+def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
+                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; sources: (cache [NB, bs, nt, 1, D], slots [T, K]) pairs -> [T, H, D]
+    (see :func:`reference.sparse_attention`)."""
+    if use_triton(q):
+        from deepinfer.kernels.sparse_attention import sparse_attention as kernel
+        return kernel(q, sources, sinks, scale)
+    return reference.sparse_attention(q, sources, sinks, scale)
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
+                 scale: float, topk: int) -> torch.Tensor:
+    """[T, min(topk, N)] best candidate slots (see :func:`reference.indexer_topk`)."""
+    if use_triton(q):
+        from deepinfer.kernels.indexer import indexer_scores as kernel
+        scores = kernel(q, weights, key_cache, slots, scale)
+        best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
+        return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
+    return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)

@@ -239,3 +239,64 @@ def masked_sink_attention(
     logits = torch.cat([scores, sink], dim=-1)
     probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
     return torch.matmul(probs.to(kv.dtype), kv).transpose(0, 1)
+
+
+def _slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid [..] bool, block [..], offset [..]) of flat slots ``block * bs + offset`` (-1 = none)."""
+    bs = cache.shape[1]
+    valid = slots >= 0
+    s = torch.where(valid, slots.long(), 0)
+    return valid, torch.div(s, bs, rounding_mode="floor"), s % bs
+
+
+def sparse_attention(
+    q: torch.Tensor,                                   # [T, H, D]
+    sources: list[tuple[torch.Tensor, torch.Tensor]],  # (cache [NB, bs, nt, 1, D], slots [T, K_i])
+    sinks: torch.Tensor,                               # [H] float32 sink logits
+    scale: float,
+) -> torch.Tensor:                                     # [T, H, D]
+    """DeepSeek-V4 attention over keys picked per query token from paged caches.
+
+    Token t sees, for each source, the cache entries at flat slots
+    ``slots[t, j] = block * bs + offset`` (-1: no key; tensor 0 of the cache is
+    both K and V). Softmax in float32 over every visible key of every source
+    plus a per-head sink logit that takes probability mass and adds no value;
+    a token with no visible key gets zeros. Slots of one row must be distinct.
+    """
+    keys, valid = [], []
+    for cache, slots in sources:
+        ok, blk, off = _slot_rows(cache, slots)
+        keys.append(cache[blk, off, 0, 0])                                       # [T, K_i, D]
+        valid.append(ok)
+    kv = torch.cat(keys, dim=1).float()                                          # [T, K, D]
+    ok = torch.cat(valid, dim=1)                                                 # [T, K]
+    scores = torch.einsum("thd,tkd->thk", q.float(), kv) * scale                 # [T, H, K]
+    scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)                # [T, H, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, kv).to(q.dtype)
+
+
+def indexer_scores(
+    q: torch.Tensor,               # [T, Hi, Di] indexer queries
+    weights: torch.Tensor,         # [T, Hi] float32 per-head weights
+    key_cache: torch.Tensor,       # [NB, bs, nt, 1, Di] indexer keys (tensor 0)
+    slots: torch.Tensor,           # [T, N] candidate entry slots, -1 = none
+    scale: float,
+) -> torch.Tensor:                 # [T, N] float32, -inf where slot is -1
+    """Lightning-indexer scores ``sum_h weights[t,h] * relu(q[t,h] . k_s) * scale`` (float32)."""
+    ok, blk, off = _slot_rows(key_cache, slots)
+    keys = key_cache[blk, off, 0, 0].float()                                     # [T, N, Di]
+    dots = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)) * scale     # [T, Hi, N]
+    scores = (dots * weights.float()[:, :, None]).sum(dim=1)                     # [T, N]
+    return scores.masked_fill(~ok, float("-inf"))
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
+    scale: float, topk: int,
+) -> torch.Tensor:                 # [T, min(topk, N)] selected slots, -1 where fewer are visible
+    """The ``topk`` best candidate slots of each token by :func:`indexer_scores`."""
+    scores = indexer_scores(q, weights, key_cache, slots, scale)
+    best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
+    return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
