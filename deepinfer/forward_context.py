@@ -7,6 +7,15 @@ Attention layers find their KV-cache group's block table and slot mapping in
 ``groups[layer.group_id]``. With ``groups`` empty the forward runs without a
 cache (every sequence attends only to its own tokens in this batch): model
 tests use that mode to compare against reference implementations.
+
+Host and device copies. ``query_start_loc`` / ``seq_lens`` are host lists for
+code that sizes work on the CPU; ``query_start_loc_t`` / ``seq_lens_t`` /
+``token_seq`` hold the same facts on the device. A ``decode_only`` context
+(every sequence has exactly one new token) may be captured in a CUDA graph and
+replayed for other batches of the same size: layers must then read only the
+device tensors and derive shapes only from T, B and ``max_seq_len`` (an upper
+bound on every ``seq_lens[b]``), never from the host lists, and must not
+synchronise with the host (no ``.item()``, ``.tolist()``, ``nonzero``).
 """
 
 from __future__ import annotations
@@ -38,6 +47,24 @@ class ForwardContext:
     query_start_loc: list[int]         # [B+1] host ints, prefix sums of new tokens per sequence
     seq_lens: list[int]                # [B] host ints, tokens in context after this step
     groups: list[GroupMetadata] = field(default_factory=list)
+    query_start_loc_t: torch.Tensor | None = None   # [B+1] int32, device copy of query_start_loc
+    seq_lens_t: torch.Tensor | None = None          # [B] int32, device copy of seq_lens
+    token_seq: torch.Tensor | None = None           # [T] int32, sequence row b of each token
+    max_seq_len: int = 0                            # >= every seq_lens[b]; 0: max(seq_lens)
+    decode_only: bool = False                       # every sequence has exactly one new token
+
+    def __post_init__(self) -> None:
+        device = self.positions.device
+        if self.query_start_loc_t is None:
+            self.query_start_loc_t = torch.tensor(self.query_start_loc, dtype=torch.int32, device=device)
+        if self.seq_lens_t is None:
+            self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+        if self.token_seq is None:
+            self.token_seq = torch.repeat_interleave(
+                torch.arange(self.num_seqs, dtype=torch.int32),
+                torch.tensor(self.query_lens, dtype=torch.long)).to(device)
+        if self.max_seq_len == 0:
+            self.max_seq_len = max(self.seq_lens, default=0)
 
     @property
     def num_seqs(self) -> int:

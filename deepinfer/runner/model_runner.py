@@ -231,5 +231,6 @@ class ModelRunner:
                 block_table=torch.tensor(padded, dtype=torch.int32, device=self.device),
                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device)))
         ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-                             query_start_loc=starts, seq_lens=seq_lens, groups=groups)
+                             query_start_loc=starts, seq_lens=seq_lens, groups=groups,
+                             decode_only=all(len(seq.token_ids) == 1 for seq in seqs))
         return torch.tensor(ids, dtype=torch.long, device=self.device), ctx
