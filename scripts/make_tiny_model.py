@@ -14,8 +14,11 @@ transformers (a test dependency) and no network. It
    question/answer pairs built from them, so greedy generation reads as English
    and chat replies end with <|im_end|>,
 4. writes the model with transformers' save_pretrained (config.json in the
-   ``deepseek_v4`` format, model.safetensors in float32 with the tensor names
-   transformers saves), generation_config.json, tokenizer.json and
+   ``deepseek_v4`` format; model.safetensors in float32 under the names
+   transformers 5.23 saves, which are DeepSeek's own behind a ``model.`` prefix,
+   e.g. ``model.layers.0.attn.wq_a.weight``, ``model.layers.1.ffn.experts.3.w1.weight``,
+   ``model.layers.1.hc_attn_fn``; the loader maps them like the HF names),
+   generation_config.json, tokenizer.json and
    tokenizer_config.json (with the chat template).
 
 The shapes are chosen so that the engine's cache paths all run on short
