@@ -132,9 +132,11 @@ class SchedulerConfig:
                 raise ValueError("cuda_graph_sizes is empty: list at least one decode batch size, "
                                  "or pass enforce_eager=True to run without CUDA graphs")
             for n in sizes:
-                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_num_seqs:
-                    raise ValueError(f"cuda_graph_sizes entry {n!r} must be an int in [1, max_num_seqs="
-                                     f"{self.max_num_seqs}]: a decode batch never holds more sequences")
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"cuda_graph_sizes entry {n!r} must be an int >= 1")
+                if n > self.max_num_seqs:
+                    raise ValueError(f"cuda_graph_sizes entry {n} exceeds max_num_seqs={self.max_num_seqs}: "
+                                     "a decode batch never holds more sequences")
             if len(set(sizes)) != len(sizes):
                 raise ValueError(f"cuda_graph_sizes={list(sizes)} lists a batch size twice")
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(sizes)))
