@@ -100,19 +100,55 @@ class CacheConfig:
                              "(block 0 is reserved as the null block)")
 
 
+# The default CUDA-graph buckets stop here: larger decode batches are rare, and each
+# bucket costs start-up time and graph memory.
+MAX_DEFAULT_CUDA_GRAPH_SIZE = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits: sequences per step and tokens per step."""
+    """Continuous-batching limits: sequences per step and tokens per step.
+
+    ``cuda_graph_sizes``: the decode batch sizes that get a CUDA graph (vLLM's name;
+    here always the exact list: any sequence of ints, stored as a sorted tuple). A
+    decode batch of B sequences replays the smallest size >= B with padding rows;
+    larger batches run eagerly. None: 1, 2, 4, then multiples of 8, up to
+    ``min(max_num_seqs, max_num_batched_tokens, 256)`` (which is always included).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.cuda_graph_sizes is not None:
+            sizes = tuple(self.cuda_graph_sizes)
+            if not sizes:
+                raise ValueError("cuda_graph_sizes is empty: list at least one decode batch size, "
+                                 "or pass enforce_eager=True to run without CUDA graphs")
+            for n in sizes:
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"cuda_graph_sizes entry {n!r} must be an int >= 1")
+                if n > self.max_num_seqs:
+                    raise ValueError(f"cuda_graph_sizes entry {n} exceeds max_num_seqs={self.max_num_seqs}: "
+                                     "a decode batch never holds more sequences")
+            if len(set(sizes)) != len(sizes):
+                raise ValueError(f"cuda_graph_sizes={list(sizes)} lists a batch size twice")
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(sizes)))
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture, ascending (``cuda_graph_sizes`` or the default)."""
+        if self.cuda_graph_sizes is not None:
+            return self.cuda_graph_sizes
+        cap = min(self.max_num_seqs, self.max_num_batched_tokens, MAX_DEFAULT_CUDA_GRAPH_SIZE)
+        sizes = {n for n in (1, 2, 4) if n <= cap} | set(range(8, cap + 1, 8)) | {cap}
+        return tuple(sorted(sizes))
 
 
 @dataclass(frozen=True)
@@ -143,6 +179,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
+    # Run every forward eagerly: no CUDA graphs for decode steps (vLLM's name).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduler.max_num_batched_tokens < self.cache.block_size:

@@ -122,16 +122,18 @@ def decode_case(batch: int, ctx: int, window: int | None, with_sinks: bool,
     name = (f"B={batch} ctx={ctx}" + (f" window={window}" if window else "")
             + (" sinks" if with_sinks else ""))
     # The reference gathers every visible key as float32 (2 GiB at B=64, ctx 4096).
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
     ref = reference.paged_decode_attention(q, cache, table, lens, scale, window, sinks)
-    check(name, paged_decode_attention(q, cache, table, lens, scale, window, sinks), ref, 2e-2, 1e-2)
+    check(name, paged_decode_attention(q, cache, table, lens_t, ctx, scale, window, sinks), ref,
+          2e-2, 1e-2)
     bench(name + " auto splits",
-          lambda: paged_decode_attention(q, cache, table, lens, scale, window, sinks),
+          lambda: paged_decode_attention(q, cache, table, lens_t, ctx, scale, window, sinks),
           lambda: reference.paged_decode_attention(q, cache, table, lens, scale, window, sinks),
           kv_bytes)
     for splits in (1, 2, 4, 8, 16):
         bench(f"{name} splits={splits}",
-              lambda s=splits: paged_decode_attention(q, cache, table, lens, scale, window, sinks,
-                                                      num_splits=s), None, kv_bytes)
+              lambda s=splits: paged_decode_attention(q, cache, table, lens_t, ctx, scale, window,
+                                                      sinks, num_splits=s), None, kv_bytes)
 
 
 def prefill_case(q_lens: list[int], lens: list[int], window: int | None,

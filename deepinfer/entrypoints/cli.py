@@ -24,6 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--dp", type=int, default=1, help="data parallel size")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly (no CUDA graphs)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
+                   help="decode batch sizes to capture in CUDA graphs (default: 1 2 4 8 16 ... up to "
+                        "min(max-num-seqs, 256))")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +37,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
-                data_parallel_size=args.dp, context_parallel_size=args.cp)
+                data_parallel_size=args.dp, context_parallel_size=args.cp,
+                enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

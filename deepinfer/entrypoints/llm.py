@@ -36,7 +36,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                         enable_chunked_prefill: bool = True, seed: int = 0, device: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
-                        data_parallel_size: int = 1, context_parallel_size: int = 1) -> EngineConfig:
+                        data_parallel_size: int = 1, context_parallel_size: int = 1,
+                        enforce_eager: bool = False,
+                        cuda_graph_sizes: Sequence[int] | None = None) -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
     ``model=None`` is the tiny model embedded in the package."""
     dev = resolve_device(device)
@@ -49,10 +51,11 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                           num_blocks_override=num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
-                                  enable_chunked_prefill=enable_chunked_prefill),
+                                  enable_chunked_prefill=enable_chunked_prefill,
+                                  cuda_graph_sizes=cuda_graph_sizes),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
                                 dp=data_parallel_size, cp=context_parallel_size),
-        device=dev, seed=seed)
+        device=dev, seed=seed, enforce_eager=enforce_eager)
 
 
 class LLM:

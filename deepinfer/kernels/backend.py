@@ -114,3 +114,18 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
         best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
         return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
     return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
+
+
+def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                           sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], one query per sequence at position ``seq_lens[b] - 1`` (seq_lens: [B] int32
+    on q's device, each <= max_seq_len) over cache [NB, bs, 2, Hkv, D] -> [B, Hq, D]. The Triton
+    kernel never synchronises with the host (CUDA-graph safe); the reference reads the lengths
+    back (see :func:`reference.paged_decode_attention`)."""
+    if use_triton(q):
+        from deepinfer.kernels.paged_attention import paged_decode_attention as kernel
+        return kernel(q, cache, block_table, seq_lens, max_seq_len, scale, sliding_window, sinks)
+    return reference.paged_decode_attention(q, cache, block_table, seq_lens.tolist(), scale,
+                                            sliding_window, sinks)

@@ -12,7 +12,9 @@ Two kernels, both online-softmax (flash) over the sequence's keys in tiles of
   G = Hq/Hkv query heads that share one KV head as the rows of a tensor-core
   tile (padded to 16) and walks one split of the sequence's visible keys; a
   second kernel merges the splits' partial results and adds the sink. Splitting
-  the keys keeps the GPU busy when B * H_kv is small next to the SM count.
+  the keys keeps the GPU busy when B * H_kv is small next to the SM count. Its
+  launcher reads the lengths on the device and sizes the grid from B and a
+  bound ``max_seq_len``, so a decode step can be captured in a CUDA graph.
 * prefill (any number of new queries per sequence, chunked, causal): grid
   (query tiles, H_kv). A tile is up to ``BLOCK_M // G`` consecutive new tokens
   of one sequence times its G heads; it walks the keys from the first query's
@@ -245,36 +247,46 @@ def paged_decode_attention(
     q: torch.Tensor,               # [B, Hq, D] one query per sequence, at position seq_lens[b] - 1
     cache: torch.Tensor,           # [NB, bs, 2, Hkv, D]
     block_table: torch.Tensor,     # [B, M]
-    seq_lens: list[int],           # [B], each >= 1
+    seq_lens: torch.Tensor,        # [B] int32 on q's device, each in [1, max_seq_len]
+    max_seq_len: int,              # bound on every seq_lens[b]: sizes the key splits
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
     num_splits: int | None = None,
 ) -> torch.Tensor:                 # [B, Hq, D]
-    """Split-KV decode attention; ``num_splits`` overrides the launcher's choice."""
+    """Split-KV decode attention; ``num_splits`` overrides the launcher's choice.
+
+    CUDA-graph safe: the lengths are read on the device and the grid and buffers are
+    sized from B and ``max_seq_len`` only, with no host synchronisation, so a graph
+    captured with ``max_seq_len = max_model_len`` serves any lengths up to it (splits
+    past a short sequence's keys are empty and merge as nothing). A row of length 1
+    over a null-block table row (CUDA-graph padding) reads one finite entry."""
     g, bs = _check_inputs(q, cache, block_table, sinks)
     b, hq, d = q.shape
     hkv = cache.shape[3]
-    if len(seq_lens) != b or block_table.shape[0] != b:
-        raise ValueError(f"paged decode: q has {b} sequences, seq_lens {len(seq_lens)}, "
-                         f"block_table {block_table.shape[0]}")
+    if block_table.shape[0] != b:
+        raise ValueError(f"paged decode: q has {b} sequences, block_table {block_table.shape[0]}")
+    if (seq_lens.shape != (b,) or seq_lens.dtype != torch.int32 or seq_lens.device != q.device
+            or seq_lens.stride(0) != 1):
+        raise ValueError(f"paged decode: seq_lens must be a contiguous [B={b}] int32 tensor on "
+                         f"{q.device}, got {seq_lens.dtype} of shape {tuple(seq_lens.shape)} on "
+                         f"{seq_lens.device}")
+    if max_seq_len < 1:
+        raise ValueError(f"paged decode: max_seq_len={max_seq_len} must be >= 1")
     out = torch.empty_like(q)
     if b == 0:
         return out
-    if min(seq_lens) < 1:
-        raise ValueError(f"paged decode: every sequence needs >= 1 token, got seq_lens={seq_lens}")
     # Tile config: BLOCK_N = 64 key positions per step (several pages when bs < 64);
     # the G heads sharing a KV head padded to a 16-row tensor-core tile.
     block_n, block_d = 64, max(16, triton.next_power_of_2(d))
-    max_span = max(seq_lens) if sliding_window is None else min(max(seq_lens), sliding_window)
+    max_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window)
     if num_splits is None:
         num_splits = _decode_num_splits(q, hkv, max_span, block_n)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
     part_acc = torch.empty(b, hq, num_splits, block_d, dtype=torch.float32, device=q.device)
     part_max = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(b, hkv, num_splits)](
-        q, cache, block_table, lens, part_acc, part_max, part_sum,
+        q, cache, block_table, seq_lens, part_acc, part_max, part_sum,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
@@ -314,7 +326,12 @@ def paged_attention(
         raise ValueError(f"paged attention: a sequence has more new tokens than context "
                          f"(q_lens={q_lens}, seq_lens={seq_lens})")
     if num_seqs and all(n == 1 for n in q_lens):
-        return paged_decode_attention(q, cache, block_table, seq_lens, scale, sliding_window, sinks)
+        if block_table.shape[0] != num_seqs:
+            raise ValueError(f"paged attention: {num_seqs} sequences but block_table has "
+                             f"{block_table.shape[0]} rows")
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+        return paged_decode_attention(q, cache, block_table, lens, max(seq_lens), scale,
+                                      sliding_window, sinks)
     out = torch.empty_like(q)
     # Tile config: 64 query rows (BLOCK_M // G tokens x G heads) by 64 key positions;
     # at head dim 256 the key tile halves to stay within shared memory.

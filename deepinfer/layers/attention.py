@@ -5,6 +5,8 @@ this layer's paged cache and attends over each sequence's context. The cache
 tensor and group id are bound by the runner after the KV cache is allocated;
 until then (or when the context has no groups) the layer attends only within
 the batch, which is how models are compared against reference implementations.
+In a ``decode_only`` context the cached path is CUDA-graph safe with the Triton
+backend: it reads only device tensors of the context and ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class Attention(nn.Module):
             return out.view(t, -1)
         meta = ctx.groups[self.group_id]
         backend.store_kv(self.kv_cache, meta.slot_mapping, k, v)
-        out = backend.paged_attention(q, self.kv_cache, meta.block_table, ctx.query_start_loc,
-                                      ctx.seq_lens, self.scale, self.sliding_window)
+        if ctx.decode_only:
+            # Token b is sequence b's only query: the CUDA-graph-safe path, which reads the
+            # lengths on the device and sizes its work from B and ctx.max_seq_len.
+            out = backend.paged_decode_attention(q, self.kv_cache, meta.block_table, ctx.seq_lens_t,
+                                                 ctx.max_seq_len, self.scale, self.sliding_window)
+        else:
+            out = backend.paged_attention(q, self.kv_cache, meta.block_table, ctx.query_start_loc,
+                                          ctx.seq_lens, self.scale, self.sliding_window)
         return out.view(t, -1)

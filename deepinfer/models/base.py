@@ -53,6 +53,11 @@ class CausalLM(nn.Module):
     # checkpoints drop); load_weights removes them instead of reporting them missing.
     optional_modules: tuple[str, ...] = ()
 
+    # Whether the runner may capture decode steps in CUDA graphs: in a ``decode_only``
+    # context the forward (with the Triton kernel backend) never synchronises with the
+    # host and sizes its work from T, B and ctx.max_seq_len only (forward_context.py).
+    supports_cuda_graphs: bool = False
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.hf_config = hf_config

@@ -130,6 +130,8 @@ class LlamaForCausalLM(CausalLM):
     tied or untied embeddings. Subclasses change per-layer choices through
     :meth:`sliding_window_for`, :meth:`make_attention` and :meth:`make_mlp`."""
 
+    supports_cuda_graphs = True
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)
         self.args = DecoderArgs.from_hf(hf_config)

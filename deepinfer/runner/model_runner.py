@@ -1,9 +1,11 @@
-"""ModelRunner: StepPlan -> device tensors -> model forward -> sampler -> StepResult.
+"""ModelRunner: StepPlan -> device tensors -> model forward (eager or a decode CUDA
+graph) -> sampler -> StepResult.
 
 What belongs here: the device state (KV-cache memory, per-request sampling
-state and grammar matchers, input tensors), sizing the KV cache from the memory
-budget, and turning a plan into a forward. What does not: scheduling decisions (scheduler/),
-model math (models/, layers/), and sampling math (runner/sampler.py).
+state and grammar matchers, input tensors, decode graphs), sizing the KV cache
+from the memory budget, and turning a plan into a forward. What does not:
+scheduling decisions (scheduler/), model math (models/, layers/), sampling math
+(runner/sampler.py), and graph capture/replay mechanics (runner/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kernels import backend
 from deepinfer.models.base import CausalLM
+from deepinfer.runner.cuda_graph import DecodeGraphs
+from deepinfer.runner.inputs import StepInputs
 from deepinfer.runner.sampler import Sampler, SamplingRow, prompt_logprobs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
@@ -49,6 +54,7 @@ class ModelRunner:
         self.groups: list[KVCacheGroup] = []
         self.kv_buffer: torch.Tensor | None = None
         self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
+        self.decode_graphs: DecodeGraphs | None = None  # made once the KV cache is bound
 
     # -- KV cache memory -------------------------------------------------------
     def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
@@ -110,6 +116,38 @@ class ModelRunner:
                 layers[layer_id].group_id = gid
                 offset += n
         self.groups = list(groups)
+        # Graphs capture the caches' addresses, so they come after the layout.
+        reason = self._why_no_cuda_graphs()
+        if reason is None:
+            self.enable_decode_graphs(capture=True)
+        elif self.device.type == "cuda" and not self.config.enforce_eager:
+            logger.warning("decode steps run eagerly: %s", reason)
+        else:
+            logger.info("decode steps run eagerly: %s", reason)
+
+    # -- CUDA graphs -------------------------------------------------------------
+    def _why_no_cuda_graphs(self) -> str | None:
+        """Why decode steps may not be captured in CUDA graphs, or None when they may."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return f"CUDA graphs need a CUDA device (device={self.device})"
+        if not self.model.supports_cuda_graphs:
+            return (f"{type(self.model).__name__} does not declare supports_cuda_graphs (its decode "
+                    "forward may synchronise with the host)")
+        if not backend.use_triton(torch.empty(0, device=self.device)):
+            return ("the kernel backend is torch (DEEPINFER_KERNEL_BACKEND): the reference kernels "
+                    "synchronise with the host")
+        return None
+
+    def enable_decode_graphs(self, capture: bool) -> None:
+        """Route decode steps that fit a bucket (``scheduler.graph_batch_sizes``) through static,
+        padded input buffers; with ``capture`` (CUDA) each bucket's forward is captured now and
+        replayed, without it the padded forward runs eagerly (tests check padding that way)."""
+        if self.kv_buffer is None:
+            raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
+        self.decode_graphs = DecodeGraphs(self.model, self.groups, self.config.scheduler.graph_batch_sizes,
+                                          self.config.model.max_model_len, self.device, capture)
 
     # -- one step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -126,7 +164,7 @@ class ModelRunner:
             return StepResult()
 
         input_ids, ctx = self._prepare(plan.seqs)
-        hidden = self.model(input_ids, ctx)                               # [T, H]
+        hidden = self._forward(input_ids, ctx)                            # [T, H]
 
         # Rows whose logits are needed: prompt-logprob rows, then one row per sampled sequence.
         rows: list[int] = []
@@ -200,37 +238,29 @@ class ModelRunner:
         return self._bitmask[:len(states)].to(self.device)
 
     def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardContext]:
-        ids: list[int] = []
-        positions: list[int] = []
-        starts = [0]
-        seq_lens = []
-        for seq in seqs:
-            n = len(seq.token_ids)
-            ids.extend(seq.token_ids)
-            positions.extend(range(seq.start_pos, seq.start_pos + n))
-            starts.append(starts[-1] + n)
-            seq_lens.append(seq.start_pos + n)
+        """Input ids [T] and the forward context of a step. A decode step that a graph bucket
+        holds gets views of the decode graphs' static buffers, padded to the bucket's size
+        (T = bucket; rows past len(seqs) are padding, see runner/cuda_graph.py)."""
+        inputs = StepInputs.build(seqs, self.groups)
+        graphs = self.decode_graphs
+        if graphs is not None and inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
+            return graphs.prepare(inputs)
         groups = []
-        for gid, group in enumerate(self.groups):
-            tables = [seq.block_tables[gid] for seq in seqs]
+        for group, tables, slots in zip(self.groups, inputs.block_tables, inputs.slot_mappings):
             width = max(1, max(len(t) for t in tables))
             padded = [t + [0] * (width - len(t)) for t in tables]
-            slots = []
-            bs, ratio = group.block_size, group.compress_ratio
-            for seq, table in zip(seqs, tables):
-                for p in range(seq.start_pos, seq.start_pos + len(seq.token_ids)):
-                    if ratio == 1:
-                        slots.append(table[p // bs] * bs + p % bs)
-                    elif (p + 1) % ratio == 0:
-                        e = (p + 1) // ratio - 1       # this token completes compressed entry e
-                        slots.append(table[e // bs] * bs + e % bs)
-                    else:
-                        slots.append(-1)
             groups.append(GroupMetadata(
-                block_size=bs,
+                block_size=group.block_size,
                 block_table=torch.tensor(padded, dtype=torch.int32, device=self.device),
                 slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device)))
-        ctx = ForwardContext(positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-                             query_start_loc=starts, seq_lens=seq_lens, groups=groups,
-                             decode_only=all(len(seq.token_ids) == 1 for seq in seqs))
-        return torch.tensor(ids, dtype=torch.long, device=self.device), ctx
+        ctx = ForwardContext(positions=torch.tensor(inputs.positions, dtype=torch.long, device=self.device),
+                             query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
+                             groups=groups, decode_only=inputs.decode_only)
+        return torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device), ctx
+
+    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states [T, H]: a decode graph's replay when ``_prepare`` gave its static
+        buffers, the eager forward otherwise."""
+        if self.decode_graphs is not None and self.decode_graphs.holds(input_ids):
+            return self.decode_graphs.run(input_ids, ctx)
+        return self.model(input_ids, ctx)

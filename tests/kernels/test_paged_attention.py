@@ -121,10 +121,41 @@ def test_triton_paged_decode_matches_reference(bs, hq, hkv, d, lens, num_splits,
     cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, device, gen)
     q = (torch.randn(len(lens), hq, d, generator=gen) * 2).to(dtype).to(device)
     sinks = torch.randn(hq, generator=gen).to(device) if with_sinks else None
-    out = triton_paged_decode(q, cache, table, lens, 0.25, window, sinks, num_splits=num_splits)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = triton_paged_decode(q, cache, table, lens_t, max(lens), 0.25, window, sinks,
+                              num_splits=num_splits)
     ref = reference.paged_decode_attention(q, cache, table, lens, 0.25, window, sinks)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_paged_decode_graph_shapes(window, device, poison_empty):
+    """As a CUDA graph runs it: max_seq_len is a loose bound (many splits, most of them
+    empty for short rows) and padding rows (length 1 over a null-block table row) sit
+    beside real ones; real rows match the reference, padding rows stay finite."""
+    gen = torch.Generator().manual_seed(4)
+    bs, hq, hkv, d, dtype = 4, 4, 2, 16, torch.float32
+    lens = [13, 2, 30]
+    first = [0 if window is None else max(0, n - window) for n in lens]
+    cache, table = build_layer_cache(lens, first, bs, hkv, d, dtype, device, gen)
+    cache[0] = 0.0                      # the null block is never written: zeros
+    pad = 2
+    table = torch.cat([table, torch.zeros(pad, table.shape[1], dtype=table.dtype, device=device)])
+    q = (torch.randn(len(lens) + pad, hq, d, generator=gen) * 2).to(dtype).to(device)
+    lens_t = torch.tensor(lens + [1] * pad, dtype=torch.int32, device=device)
+    out = triton_paged_decode(q, cache, table, lens_t, 1024, 0.25, window, num_splits=5)
+    ref = reference.paged_decode_attention(q[:len(lens)], cache, table[:len(lens)], lens, 0.25, window)
+    torch.testing.assert_close(out[:len(lens)], ref, **KERNEL_TOL[dtype])
+    assert torch.isfinite(out[len(lens):]).all()
+
+
+def test_triton_paged_decode_rejects_host_lengths(device):
+    cache = torch.zeros(2, 4, 2, 1, 16, device=device)
+    q = torch.zeros(1, 2, 16, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        triton_paged_decode(q, cache, table, torch.tensor([1]), 1, 1.0)
 
 
 PREFILL_CASES = [
@@ -210,3 +241,40 @@ def test_triton_paged_prefill_gpu_sizes(q_lens, lens, hq, hkv, d, bs, window, wi
     ref = reference.paged_attention(q, cache, table, starts, lens, d ** -0.5, window, sinks)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+def test_attention_layer_decode_only_path(monkeypatch, device):
+    """The layer's graph-safe decode path (device lengths, a loose max_seq_len, a padding row)
+    gives the general path's result through either backend, and stores nothing for slot -1."""
+    from deepinfer.forward_context import ForwardContext, GroupMetadata
+    from deepinfer.layers.attention import Attention
+
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    cache0 = torch.randn(8, bs, 2, hkv, d, generator=gen)
+    cache0[0] = 0.0                                      # the null block
+    # Sequences at positions 9 and 2; row 2 is graph padding (seq_len 1, null blocks, slot -1).
+    table = torch.tensor([[1, 2, 6], [7, 0, 0], [0, 0, 0]], dtype=torch.int32, device=device)
+    slots = torch.tensor([6 * 4 + 1, 7 * 4 + 2, -1], device=device)
+    q = torch.randn(3, hq * d, generator=gen).to(device)
+    k = torch.randn(3, hkv * d, generator=gen).to(device)
+    v = torch.randn(3, hkv * d, generator=gen).to(device)
+
+    def run(decode_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        attn = Attention(hq, hkv, d, scale=0.25, dtype=torch.float32, sliding_window=6)
+        attn.kv_cache, attn.group_id = cache0.clone().to(device), 0
+        ctx = ForwardContext(positions=torch.tensor([9, 2, 0], device=device),
+                             query_start_loc=[0, 1, 2, 3], seq_lens=[10, 3, 1],
+                             groups=[GroupMetadata(block_size=bs, block_table=table, slot_mapping=slots)],
+                             max_seq_len=64 if decode_only else 0, decode_only=decode_only)
+        return attn(q, k, v, ctx), attn.kv_cache
+
+    results = []
+    for choice in ("torch", "triton"):
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", choice)
+        results += [run(True), run(False)]
+    ref_out, ref_cache = results[1]                      # torch backend, general path
+    for out, cache in results:
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache, ref_cache)
+    assert ref_cache[0].abs().max() == 0                 # padding stored nothing in the null block

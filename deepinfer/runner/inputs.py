@@ -1,0 +1,69 @@
+"""One step's model inputs as host lists, built from the scheduled sequences.
+
+What belongs here: flattening a StepPlan's sequences into token ids, positions,
+per-sequence lengths and, per KV-cache group, block tables and the slot each
+new token's entry goes to. What does not: device tensors (the runner's eager
+path turns these lists into fresh tensors; runner/cuda_graph.py writes them
+into the static buffers its graphs read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.scheduler.kv_cache import KVCacheGroup
+from deepinfer.scheduler.plan import ScheduledSeq
+
+
+def token_slot(table: Sequence[int], pos: int, block_size: int, compress_ratio: int) -> int:
+    """The flat cache slot (``block * block_size + offset``) the token at ``pos`` writes,
+    or -1. A compressed group (ratio r > 1) holds one entry per r tokens, written by
+    the token that completes it; every other token writes nothing there."""
+    if compress_ratio == 1:
+        return table[pos // block_size] * block_size + pos % block_size
+    if (pos + 1) % compress_ratio:
+        return -1
+    e = (pos + 1) // compress_ratio - 1           # this token completes compressed entry e
+    return table[e // block_size] * block_size + e % block_size
+
+
+@dataclass
+class StepInputs:
+    input_ids: list[int]                     # [T]
+    positions: list[int]                     # [T]
+    query_start_loc: list[int]               # [B+1] prefix sums of new tokens per sequence
+    seq_lens: list[int]                      # [B] tokens in context after this step
+    block_tables: list[list[list[int]]]      # per group: B rows of unequal length
+    slot_mappings: list[list[int]]           # per group: [T], -1 where nothing is written
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every sequence feeds exactly one token (the shape a decode CUDA graph serves)."""
+        q = self.query_start_loc
+        return all(q[i + 1] - q[i] == 1 for i in range(self.num_seqs))
+
+    @classmethod
+    def build(cls, seqs: Sequence[ScheduledSeq], groups: Sequence[KVCacheGroup]) -> "StepInputs":
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        seq_lens = []
+        for seq in seqs:
+            n = len(seq.token_ids)
+            ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.start_pos + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(seq.start_pos + n)
+        tables, slots = [], []
+        for gid, group in enumerate(groups):
+            rows = [seq.block_tables[gid] for seq in seqs]
+            tables.append(rows)
+            slots.append([token_slot(row, p, group.block_size, group.compress_ratio)
+                          for seq, row in zip(seqs, rows)
+                          for p in range(seq.start_pos, seq.start_pos + len(seq.token_ids))])
+        return cls(ids, positions, starts, seq_lens, tables, slots)
