@@ -10,7 +10,9 @@ Grid (T, splits). A program loads token t's Hi query heads once ([Hi, Di], padde
 to a tensor-core tile) and walks its run of the token's candidates in tiles of
 BLOCK_N slots: one gathered key tile [BLOCK_N, Di] times q^T gives all heads' dots
 [BLOCK_N, Hi] in one product; relu, the weighted head sum and the scale follow in
-registers. Splitting a token's candidates keeps the GPU busy when T is small
+registers. Tiles past the last real slot of a run are not gathered, only set to
+-inf, so rows padded to the longest context cost what their real candidates cost.
+Splitting a token's candidates keeps the GPU busy when T is small
 (decode over long contexts); for prefill one run per token loads q once.
 """
 
@@ -44,7 +46,14 @@ def _indexer_kernel(
     w = tl.load(w_ptr + token * stride_w_t + heads * stride_w_h, mask=head_ok, other=0.0) * scale
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, n)
+    # Candidates past the run's last real slot (rows padded to the longest context's
+    # entry count) only get -inf: find it first, a cheap scan next to gathering keys.
+    last = lo - 1
     for n0 in range(lo, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_n, mask=j < hi, other=-1)
+        last = tl.maximum(last, tl.max(tl.where(slot >= 0, j, lo - 1), axis=0))
+    for n0 in range(lo, last + 1, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
         in_run = j < hi
         slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_n,
@@ -58,6 +67,11 @@ def _indexer_kernel(
         score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)               # [BLOCK_N]
         score = tl.where(valid, score, float("-inf"))
         tl.store(out_ptr + token * stride_out_t + j, score, mask=in_run)
+    tail = tl.cdiv(last + 1 - lo, BLOCK_N) * BLOCK_N + lo                       # first tile not scored
+    for n0 in range(tail, hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + token * stride_out_t + j, tl.full([BLOCK_N], float("-inf"), tl.float32),
+                 mask=j < hi)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ tiles of BLOCK_N slots: source 0's tiles, then source 1's, as one sequence of
 tiles cut into ``splits`` equal runs. Each key tile is gathered once and used by
 all BLOCK_H heads for both products (S = Q K^T over all of D, then P @ K), with
 an online softmax in float32 and base-2 exponentials (log2(e) folded into the
-scale). The sink logit seeds the running max and sum of split 0 (max = sink,
+scale). Leading and trailing runs of -1 slots are skipped, not computed on: a
+row padded to a fixed width (top-k or every entry of the longest context) costs
+what its real keys cost. The sink logit seeds the running max and sum of split 0 (max = sink,
 sum = 1), so it takes probability mass and adds no value, and a token with no
 key gets 0 / 1 = 0, as in the reference.
 
@@ -45,10 +47,20 @@ def _attend_source(q, m, l, acc, cache_ptr, slots_ptr, token, k_lo, k_hi, dims, 
                    stride_slots_t, stride_slots_k, stride_cache_block, stride_cache_offset,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold keys ``k_lo .. k_hi - 1`` of one source's slot row into the running (m, l, acc)."""
+    # Trim the leading and trailing runs of -1 (window slots before position 0, top-k
+    # padding while a sequence has fewer entries than k): their tiles would cost two
+    # products on nothing. Scanning the slots is cheap next to gathering D-wide keys.
+    first = k_hi
+    last = k_lo - 1
     for n0 in range(k_lo, k_hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_k, mask=j < k_hi, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(slot >= 0, j, k_hi), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(slot >= 0, j, k_lo - 1), axis=0))
+    for n0 in range(first, last + 1, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
         slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_k,
-                       mask=j < k_hi, other=-1).to(tl.int64)
+                       mask=j <= last, other=-1).to(tl.int64)
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
         row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
@@ -166,16 +178,18 @@ def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> Spars
     """The launcher's choice for q [T, H, D]; ``num_tiles_at(block_n)`` counts key tiles per token.
 
     BLOCK_H: all heads up to 64 (one key gather serves them all; 64 rows fill a Hopper
-    warpgroup MMA), at least 16 (the smallest tensor-core tile). BLOCK_N: 32 keys at
-    D = 512 (q 64 KiB + two stages of 32 KiB key tiles in shared memory), 64 below.
-    Warps: 8 once the float32 accumulator [BLOCK_H, D] passes 64 KiB, so it needs at most
-    128 registers a thread. Splits: enough for about one program per SM, each with two
-    key tiles at least; none off CUDA (the CPU interpreter gains nothing from them).
+    warpgroup MMA), at least 16 (the smallest tensor-core tile); 16 for float32, whose exact
+    (non-TF32) products run on CUDA cores with both operands in registers. BLOCK_N: the key
+    tile stays within 32 KiB (32 bf16 keys at D = 512: with q's 64 KiB and two pipeline
+    stages, 128 KiB of shared memory). Warps: 8 once the float32 accumulator [BLOCK_H, D]
+    passes 64 KiB, so it needs at most 128 registers a thread. Splits: enough for about one
+    program per SM, each with two key tiles at least; none off CUDA (the CPU interpreter
+    gains nothing from them).
     """
     t, h, d = q.shape
     block_d = max(16, triton.next_power_of_2(d))
-    block_h = min(64, max(16, triton.next_power_of_2(h)))
-    block_n = 32 if block_d >= 512 else 64
+    block_h = min(64 if q.element_size() <= 2 else 16, max(16, triton.next_power_of_2(h)))
+    block_n = max(16, min(64, 32 * 1024 // (block_d * q.element_size())))
     num_warps = 8 if block_h * block_d * 4 > 64 * 1024 else 4
     num_splits = 1
     if q.is_cuda:

@@ -37,3 +37,16 @@ def random_slots(t: int, k: int, capacity: int, gen: torch.Generator, pad: float
     slots[torch.rand(t, k, generator=gen) < pad] = -1
     slots[list(empty_rows)] = -1
     return slots
+
+
+def pad_runs(slots: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A copy of ``slots`` with a random leading and trailing run of -1 in every row (as window
+    slots before position 0 and top-k padding give); some runs cover half the row or more."""
+    out = slots.clone()
+    k = slots.shape[1]
+    for row in out:
+        a = int(torch.randint(0, k // 2 + 1, (1,), generator=gen))
+        b = int(torch.randint(k // 2, k + 1, (1,), generator=gen))
+        row[:a] = -1
+        row[b:] = -1
+    return out

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.kernels import backend, reference
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
-from tests.kernels.paged_sources import page_buffer_caches, random_slots
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
 
 # float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
 # Kernel and reference multiply the same rounded inputs in float32, so even low-precision
@@ -60,6 +60,19 @@ def test_triton_indexer_matches_reference(t, hi, di, n, bs, nt, dtype, config, d
     assert torch.equal(out.isneginf(), slots < 0)
     assert out[1].isneginf().all()                              # row 1 has no candidate
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.parametrize("config", [None, IndexerConfig(16, 3, 4, 2)])
+def test_triton_indexer_skips_padding_runs(config, device, poison_empty):
+    """Trailing -1 runs (which the kernel fills with -inf without gathering) of every length."""
+    gen = torch.Generator().manual_seed(10)
+    q, w, cache, slots = make_inputs(6, 4, 32, 70, 8, 1, torch.float32, device, gen, empty_rows=())
+    slots = pad_runs(slots.cpu(), gen).to(device)
+    slots[2, 48:] = -1                                          # a run starting on a tile boundary
+    out = indexer_scores(q, w, cache, slots, 0.3, config)
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 0.3),
+                               **KERNEL_TOL[torch.float32])
 
 
 def test_triton_indexer_strided_inputs(device, poison_empty):

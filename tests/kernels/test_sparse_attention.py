@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.kernels import backend, reference
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
-from tests.kernels.paged_sources import page_buffer_caches, random_slots
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
 
 # float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
 KERNEL_TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5},
@@ -50,7 +50,8 @@ CASES = [
     (4, 4, 32, [(8, 1, 40)], torch.float32, None),
     (5, 4, 64, [(8, 1, 24), (4, 2, 17)], torch.float32, SparseAttentionConfig(16, 16, 4, 4, 2)),
     (4, 6, 48, [(16, 1, 20), (4, 1, 33)], torch.float16, SparseAttentionConfig(16, 16, 2, 4, 2)),
-    (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float16, None),                   # two head blocks
+    (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float16, None),                   # 20 of 32 rows
+    (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float32, None),                   # two head blocks
     (4, 4, 32, [(8, 1, 16), (4, 1, 0)], torch.float32, None),                    # empty second source
     (4, 4, 32, [(4, 1, 3), (8, 1, 37)], torch.float32, SparseAttentionConfig(16, 16, 3, 4, 2)),
 ]
@@ -65,6 +66,20 @@ def test_triton_sparse_attention_matches_reference(t, h, d, specs, dtype, config
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
     assert torch.equal(out[1], torch.zeros_like(out[1]))       # row 1 has no key in any source
+
+
+@pytest.mark.parametrize("config", [None, SparseAttentionConfig(16, 16, 3, 4, 2)])
+def test_triton_sparse_attention_skips_padding_runs(config, device, poison_empty):
+    """Leading and trailing -1 runs (which the kernel trims) of every length, tile-aligned or not."""
+    gen = torch.Generator().manual_seed(9)
+    q, sources, sinks = make_inputs(6, 4, 32, [(8, 1, 45), (4, 1, 37)], torch.float32, device, gen,
+                                    pad=0.1, empty_rows=())
+    sources = [(cache, pad_runs(slots.cpu(), gen).to(device)) for cache, slots in sources]
+    sources[0][1][2, :16] = -1                                  # a run ending on a tile boundary
+    sources[0][1][2, 32:] = -1
+    out = sparse_attention(q, sources, sinks, 0.2, config)
+    torch.testing.assert_close(out, reference.sparse_attention(q, sources, sinks, 0.2),
+                               **KERNEL_TOL[torch.float32])
 
 
 def test_triton_sparse_attention_strided_q_and_slots(device, poison_empty):
