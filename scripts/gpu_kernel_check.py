@@ -2,16 +2,16 @@
 
 A development tool for the GPU machine (CUDA, triton): for RMSNorm, RoPE, the
 KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
-attention and the lightning indexer at Llama/DeepSeek-like sizes it prints the
-largest error against ``kernels/reference.py``, the median time of kernel and
-reference (``triton.testing.do_bench``) and the kernel's achieved bandwidth:
-bytes that must move (read once, written once) / time, also as a fraction of the
-H200's measured ~4.3 TB/s copy bandwidth. Prefill also reports TFLOP/s (causal
-QK^T and PV only). For sparse attention and the indexer the bytes are those
-*gathered* (every key row a token reads, plus q and the output), so where tokens
-share keys (prefill) L2 hits can lift the figure past HBM bandwidth; both also
-sweep their tile configs, to pick the launchers' defaults from. Exit status 1 if
-any check fails.
+attention, the lightning indexer and DeepSeek-V3 MLA decode at Llama/DeepSeek-like
+sizes it prints the largest error against ``kernels/reference.py``, the median
+time of kernel and reference (``triton.testing.do_bench``) and the kernel's
+achieved bandwidth: bytes that must move (read once, written once) / time, also
+as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
+reports TFLOP/s (causal QK^T and PV only). For sparse attention and the indexer
+the bytes are those *gathered* (every key row a token reads, plus q and the
+output), so where tokens share keys (prefill) L2 hits can lift the figure past
+HBM bandwidth. These three also sweep their tile configs, to pick the launchers'
+defaults from. Exit status 1 if any check fails.
 
 Run:  python scripts/gpu_kernel_check.py        (a few minutes on an H200)
 """
@@ -27,6 +27,7 @@ from triton.testing import do_bench
 
 from deepinfer.kernels import reference
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
+from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.rope import apply_rope_qk_
@@ -278,6 +279,33 @@ def indexer_case(t: int, n: int, decode: bool, hi: int = 64, di: int = 128, bs: 
                          gathered, flops)
 
 
+def mla_decode_case(batch: int, ctx: int, nh: int = 128, r: int = 512, dr: int = 64, bs: int = 64) -> None:
+    """DeepSeek-V3 absorbed MLA decode: ``batch`` sequences of ``ctx`` tokens over a latent
+    cache view [NB, bs, 1, 1, R + Dr] into pages shared by 3 layers."""
+    need = -(-ctx // bs)
+    nb = batch * need + 1
+    width = r + dr
+    buffer = torch.randn(nb, 3 * bs * width, device=DEV, dtype=BF16)
+    cache = buffer[:, bs * width:2 * bs * width].view(nb, bs, 1, 1, width)
+    table = (torch.randperm(nb - 1, device=DEV) + 1).int()[:batch * need].view(batch, need)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, nh, width, device=DEV, dtype=BF16)
+    scale = 192 ** -0.5
+    moved = batch * ctx * width * 2 + q.numel() * 2 + batch * nh * r * 2
+    flops = 2 * batch * nh * ctx * (width + r)
+    name = f"B={batch} ctx={ctx}"
+    check(name, mla_decode(q, cache, table, seq_lens, scale, r, ctx),
+          reference.mla_decode(q, cache, table, seq_lens, scale, r, ctx), 2e-2, 1e-2)
+    bench(name + " default", lambda: mla_decode(q, cache, table, seq_lens, scale, r, ctx),
+          lambda: reference.mla_decode(q, cache, table, seq_lens, scale, r, ctx), moved, flops)
+    for block_h, block_n, warps in ((16, 32, 4), (32, 32, 4), (64, 32, 8)):
+        for splits in (1, 4, 16, 64):
+            config = MLADecodeConfig(block_h, block_n, splits, warps, num_stages=2)
+            bench_config(f"{name} H{block_h} N{block_n} w{warps} splits={splits}",
+                         lambda c=config: mla_decode(q, cache, table, seq_lens, scale, r, ctx, c),
+                         moved, flops)
+
+
 def run_all() -> None:
     print("RMSNorm (bf16, eps 1e-6)")
     rms_norm_case(8192, 4096)
@@ -310,6 +338,11 @@ def run_all() -> None:
     indexer_case(1, 16384, decode=True)
     indexer_case(64, 16384, decode=True)
     indexer_case(4096, 1024, decode=False)
+    torch.cuda.empty_cache()
+    print("DeepSeek-V3 MLA decode, absorbed (bf16, Nh 128, R 512, Dr 64, bs 64; 2*B*Nh*L*(R+Dr+R) flops)")
+    mla_decode_case(1, 32768)
+    mla_decode_case(16, 4096)
+    mla_decode_case(64, 4096)
 
 
 def main() -> int:

@@ -114,3 +114,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
         best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
         return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
     return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, kv_lora_rank: int, max_seq_len: int) -> torch.Tensor:
+    """Absorbed MLA decode: q [B, Nh, R + Dr] over latent cache [NB, bs, 1, 1, R + Dr]
+    -> [B, Nh, R] (see :func:`reference.mla_decode`)."""
+    if use_triton(q):
+        from deepinfer.kernels.mla_decode import mla_decode as kernel
+        return kernel(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
+    return reference.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)

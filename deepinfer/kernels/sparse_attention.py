@@ -136,7 +136,7 @@ def _sparse_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _merge_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     num_heads, head_dim, num_splits, stride_out_t, stride_out_h,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -149,13 +149,33 @@ def _combine_kernel(
     part = (token * num_heads + head) * num_splits + splits                      # [BLOCK_S]
     part_max = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
-    m = tl.max(part_max, axis=0)                     # finite: split 0 carries the sink
+    m = tl.max(part_max, axis=0)
+    # A row no split saw anything for (max -inf, sums 0) gets 0 / 1 = 0, not nan.
+    m = tl.where(m == float("-inf"), 0.0, m)
     weight = tl.exp2(part_max - m)                                               # [BLOCK_S]
     denom = tl.sum(part_sum * weight, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / denom                          # [BLOCK_D]
     tl.store(out_ptr + token * stride_out_t + head * stride_out_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def merge_splits(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """Merge split-K partial softmax results into ``out`` [T, H, D] (written in place).
+
+    part_acc: [T, H, S, BLOCK_D] float32 unnormalised sums of p * v; part_max, part_sum:
+    [T, H, S] float32 running max (base-2 logits) and sum of p of each split; a split
+    that saw no key holds max -inf, sum 0, acc 0. Shared by the split-K attention kernels.
+    """
+    t, h, num_splits, block_d = part_acc.shape
+    if out.shape[:2] != (t, h) or out.shape[2] > block_d or out.stride(2) != 1:
+        raise ValueError(f"merge_splits: out {tuple(out.shape)} does not match partials "
+                         f"{tuple(part_acc.shape)} or its last dim is not contiguous")
+    _merge_splits_kernel[(t, h)](
+        part_acc, part_max, part_sum, out, h, out.shape[2], num_splits, out.stride(0), out.stride(1),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
 
 
 @dataclass(frozen=True)
@@ -278,7 +298,5 @@ def sparse_attention(
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
         num_stages=config.num_stages)
     if split:
-        _combine_kernel[(t, h)](
-            part_acc, part_max, part_sum, out, h, d, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+        merge_splits(part_acc, part_max, part_sum, out)
     return out
