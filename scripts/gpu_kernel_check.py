@@ -1,14 +1,19 @@
 """Check each Triton kernel against its reference at real shapes, and time both.
 
 A development tool for the GPU machine (CUDA, triton): for RMSNorm, RoPE, the
-KV-cache store and paged attention (decode and chunked prefill) at Llama/DeepSeek-like
+KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
+attention, the lightning indexer and DeepSeek-V3 MLA decode at Llama/DeepSeek-like
 sizes it prints the largest error against ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
 as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
-reports TFLOP/s (causal QK^T and PV only). Exit status 1 if any check fails.
+reports TFLOP/s (causal QK^T and PV only). For sparse attention and the indexer
+the bytes are those *gathered* (every key row a token reads, plus q and the
+output), so where tokens share keys (prefill) L2 hits can lift the figure past
+HBM bandwidth. These three also sweep their tile configs, to pick the launchers'
+defaults from. Exit status 1 if any check fails.
 
-Run:  python scripts/gpu_kernel_check.py        (about a minute on an H200)
+Run:  python scripts/gpu_kernel_check.py        (a few minutes on an H200)
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import triton
 from triton.testing import do_bench
 
 from deepinfer.kernels import reference
+from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
+from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.rope import apply_rope_qk_
+from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from deepinfer.kernels.store_kv import store_kv
 
 H200_COPY_GBPS = 4300.0
@@ -158,6 +166,148 @@ def prefill_case(q_lens: list[int], lens: list[int], window: int | None,
           kv_bytes, flops)
 
 
+def bench_config(name: str, kernel: Callable[[], object], bytes_moved: int, flops: float) -> None:
+    """:func:`bench` for a tile config that may not fit the device (reported, not failed)."""
+    try:
+        bench(name, kernel, None, bytes_moved, flops)
+    except triton.runtime.errors.OutOfResources as e:
+        print(f"  time  {name}: does not fit ({e})")
+
+
+def v4_caches(num_blocks: int, bs: int, dims: list[int], layers: int = 3) -> list[torch.Tensor]:
+    """One middle layer's caches [NB, bs, 1, 1, D] of each head dim in ``dims``: views into pages
+    shared by ``layers`` layers, like ModelRunner.allocate_kv_cache makes them."""
+    sizes = [bs * dim for dim in dims]
+    buffer = torch.randn(num_blocks, layers * sum(sizes), device=DEV, dtype=BF16)
+    off = sum(sizes)
+    views = []
+    for n, dim in zip(sizes, dims):
+        views.append(buffer[:, off:off + n].view(num_blocks, bs, 1, 1, dim))
+        off += n
+    return views
+
+
+def v4_slots(positions: torch.Tensor, seq_of: torch.Tensor, window: int, ratio: int, topk: int,
+             bs: int, blocks_per_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(window slots [T, window], top-k entry slots [T, topk], all visible entry slots [T, N]) of
+    queries at ``positions`` of sequences ``seq_of``; sequence b owns a shuffled run of
+    ``blocks_per_seq`` blocks per cache. The top-k entries are random visible ones."""
+    t = positions.shape[0]
+    tables = torch.randperm(int(seq_of.max() + 1) * blocks_per_seq, device=DEV).view(-1, blocks_per_seq)
+    table = tables[seq_of]                                                       # [T, blocks]
+    pos = positions[:, None] - torch.arange(window - 1, -1, -1, device=DEV)[None, :]
+    p = pos.clamp(min=0)
+    win = torch.where(pos >= 0, table.gather(1, p // bs) * bs + p % bs, -1)
+    entries = (positions + 1) // ratio                                           # [T]
+    width = int(entries.max())
+    e = torch.arange(width, device=DEV)[None, :].expand(t, -1)
+    visible = e < entries[:, None]
+    all_entries = torch.where(visible, table.gather(1, e // bs) * bs + e % bs, -1)
+    score = torch.rand(t, width, device=DEV).masked_fill(~visible, -1)
+    picked = score.topk(min(topk, width), dim=1).indices
+    top = torch.where(picked < entries[:, None], all_entries.gather(1, picked), -1)
+    return win.int(), top.int(), all_entries.int()
+
+
+SPARSE_CONFIGS = [(16, 32, 4), (32, 32, 4), (32, 64, 8), (64, 32, 8), (64, 64, 8)]
+
+
+def sparse_attention_case(t: int, decode: bool, context: int = 8192, h: int = 64, d: int = 512,
+                          bs: int = 16) -> None:
+    """V4-Flash CSA layer: window 128 + top-512 of the ratio-4 entries. Decode: t sequences of
+    ``context`` tokens, one query each; prefill: one sequence's first t tokens."""
+    if decode:
+        positions = torch.full((t,), context - 1, device=DEV)
+        seq_of = torch.arange(t, device=DEV)
+    else:
+        positions = torch.arange(t, device=DEV)
+        seq_of = torch.zeros(t, dtype=torch.long, device=DEV)
+    span = int(positions.max()) + 1
+    blocks_per_seq = -(-span // bs)
+    win, top, _ = v4_slots(positions, seq_of, 128, 4, 512, bs, blocks_per_seq)
+    window_cache, entry_cache = v4_caches(int(seq_of.max() + 1) * blocks_per_seq, bs, [d, d])
+    sources = [(window_cache, win), (entry_cache, top)]
+    q = torch.randn(t, h, d, device=DEV, dtype=BF16)
+    sinks = torch.randn(h, device=DEV)
+    scale = d ** -0.5
+    k = win.shape[1] + top.shape[1]
+    gathered = t * k * d * 2 + 2 * q.numel() * 2
+    flops = 4 * t * h * k * d
+    name = f"{'decode' if decode else 'prefill'} T={t} K=128+512"
+    check(name, sparse_attention(q, sources, sinks, scale),
+          reference.sparse_attention(q, sources, sinks, scale), 2e-2, 1e-2)
+    bench(name + " default", lambda: sparse_attention(q, sources, sinks, scale),
+          lambda: reference.sparse_attention(q, sources, sinks, scale), gathered, flops)
+    for block_h, block_n, warps in SPARSE_CONFIGS:
+        for splits in ((1, 2, 4, 8, 16) if decode else (1,)):
+            config = SparseAttentionConfig(block_h, block_n, splits, warps, num_stages=2)
+            bench_config(f"{name} H{block_h} N{block_n} w{warps} splits={splits}",
+                         lambda c=config: sparse_attention(q, sources, sinks, scale, c), gathered, flops)
+
+
+def indexer_case(t: int, n: int, decode: bool, hi: int = 64, di: int = 128, bs: int = 16) -> None:
+    """V4-Flash indexer over every visible ratio-4 entry: decode, t sequences of 4n tokens;
+    prefill, one sequence's first t tokens (N = t / 4 slots a row; position p sees (p + 1) // 4
+    of them, the rest are -1)."""
+    if decode:
+        positions = torch.full((t,), 4 * n - 1, device=DEV)
+        seq_of = torch.arange(t, device=DEV)
+    else:
+        positions = torch.arange(t, device=DEV)
+        seq_of = torch.zeros(t, dtype=torch.long, device=DEV)
+    blocks_per_seq = -(-(int(positions.max()) + 1) // bs)
+    _, _, slots = v4_slots(positions, seq_of, 128, 4, 512, bs, blocks_per_seq)
+    (key_cache,) = v4_caches(int(seq_of.max() + 1) * blocks_per_seq, bs, [di])
+    q = torch.randn(t, hi, di, device=DEV, dtype=BF16)
+    w = torch.randn(t, hi, device=DEV)
+    scale = di ** -0.5
+    gathered = t * n * di * 2 + q.numel() * 2 + w.numel() * 4 + t * n * 4
+    flops = 2 * t * n * hi * di
+    name = f"{'decode' if decode else 'prefill'} T={t} N={n}"
+    out = indexer_scores(q, w, key_cache, slots, scale)
+    ref = reference.indexer_scores(q, w, key_cache, slots, scale)
+    none = ref.isneginf()                                                        # the -1 slots
+    if not torch.equal(out.isneginf(), none):
+        failures.append(name + " (-inf pattern)")
+        print(f"  check {name}: FAIL (-inf where the reference is finite, or the reverse)")
+    check(name, out.masked_fill(none, 0.0), ref.masked_fill(none, 0.0), 1e-3, 1e-3)
+    bench(name + " default", lambda: indexer_scores(q, w, key_cache, slots, scale),
+          lambda: reference.indexer_scores(q, w, key_cache, slots, scale), gathered, flops)
+    for block_n, warps in ((32, 4), (64, 4), (128, 8)):
+        for splits in ((4, 16, 64, 128) if decode else (1,)):
+            config = IndexerConfig(block_n, splits, warps, num_stages=3)
+            bench_config(f"{name} N{block_n} w{warps} splits={splits}",
+                         lambda c=config: indexer_scores(q, w, key_cache, slots, scale, c),
+                         gathered, flops)
+
+
+def mla_decode_case(batch: int, ctx: int, nh: int = 128, r: int = 512, dr: int = 64, bs: int = 64) -> None:
+    """DeepSeek-V3 absorbed MLA decode: ``batch`` sequences of ``ctx`` tokens over a latent
+    cache view [NB, bs, 1, 1, R + Dr] into pages shared by 3 layers."""
+    need = -(-ctx // bs)
+    nb = batch * need + 1
+    width = r + dr
+    buffer = torch.randn(nb, 3 * bs * width, device=DEV, dtype=BF16)
+    cache = buffer[:, bs * width:2 * bs * width].view(nb, bs, 1, 1, width)
+    table = (torch.randperm(nb - 1, device=DEV) + 1).int()[:batch * need].view(batch, need)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, nh, width, device=DEV, dtype=BF16)
+    scale = 192 ** -0.5
+    moved = batch * ctx * width * 2 + q.numel() * 2 + batch * nh * r * 2
+    flops = 2 * batch * nh * ctx * (width + r)
+    name = f"B={batch} ctx={ctx}"
+    check(name, mla_decode(q, cache, table, seq_lens, scale, r, ctx),
+          reference.mla_decode(q, cache, table, seq_lens, scale, r, ctx), 2e-2, 1e-2)
+    bench(name + " default", lambda: mla_decode(q, cache, table, seq_lens, scale, r, ctx),
+          lambda: reference.mla_decode(q, cache, table, seq_lens, scale, r, ctx), moved, flops)
+    for block_h, block_n, warps in ((16, 32, 4), (32, 32, 4), (64, 32, 8)):
+        for splits in (1, 4, 16, 64):
+            config = MLADecodeConfig(block_h, block_n, splits, warps, num_stages=2)
+            bench_config(f"{name} H{block_h} N{block_n} w{warps} splits={splits}",
+                         lambda c=config: mla_decode(q, cache, table, seq_lens, scale, r, ctx, c),
+                         moved, flops)
+
+
 def run_all() -> None:
     print("RMSNorm (bf16, eps 1e-6)")
     rms_norm_case(8192, 4096)
@@ -180,6 +330,21 @@ def run_all() -> None:
     prefill_case([2048] * 4, [2048] * 4, None)
     prefill_case([512] * 4, [8192] * 4, None)
     prefill_case([2048] * 4, [4096] * 4, 1024)
+    torch.cuda.empty_cache()
+    print("DeepSeek-V4 sparse attention (bf16, H 64, D 512, bs 16; bytes gathered, 4*T*H*K*D flops)")
+    for t in (1, 16, 64):
+        sparse_attention_case(t, decode=True)
+    sparse_attention_case(4096, decode=False)
+    torch.cuda.empty_cache()
+    print("Lightning indexer scores (bf16, Hi 64, Di 128, bs 16; bytes gathered, 2*T*N*Hi*Di flops)")
+    indexer_case(1, 16384, decode=True)
+    indexer_case(64, 16384, decode=True)
+    indexer_case(4096, 1024, decode=False)
+    torch.cuda.empty_cache()
+    print("DeepSeek-V3 MLA decode, absorbed (bf16, Nh 128, R 512, Dr 64, bs 64; 2*B*Nh*L*(R+Dr+R) flops)")
+    mla_decode_case(1, 32768)
+    mla_decode_case(16, 4096)
+    mla_decode_case(64, 4096)
 
 
 def main() -> int:

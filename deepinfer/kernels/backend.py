@@ -129,3 +129,13 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: to
         return kernel(q, cache, block_table, seq_lens, max_seq_len, scale, sliding_window, sinks)
     return reference.paged_decode_attention(q, cache, block_table, seq_lens.tolist(), scale,
                                             sliding_window, sinks)
+
+
+def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               scale: float, kv_lora_rank: int, max_seq_len: int) -> torch.Tensor:
+    """Absorbed MLA decode: q [B, Nh, R + Dr] over latent cache [NB, bs, 1, 1, R + Dr]
+    -> [B, Nh, R] (see :func:`reference.mla_decode`)."""
+    if use_triton(q):
+        from deepinfer.kernels.mla_decode import mla_decode as kernel
+        return kernel(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
+    return reference.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)

@@ -300,3 +300,34 @@ def indexer_topk(
     scores = indexer_scores(q, weights, key_cache, slots, scale)
     best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
     return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
+
+
+def mla_decode(
+    q: torch.Tensor,               # [B, Nh, R + Dr] absorbed queries: [W_uk^T q_nope, q_pe]
+    cache: torch.Tensor,           # [NB, bs, 1, 1, R + Dr] latent entries [c, k_pe]
+    block_table: torch.Tensor,     # [B, M]
+    seq_lens: torch.Tensor,        # [B] int, each <= max_seq_len; 0 = a padding row
+    scale: float,
+    kv_lora_rank: int,             # R
+    max_seq_len: int,
+) -> torch.Tensor:                 # [B, Nh, R] attention output in latent space
+    """MLA (DeepSeek-V2/V3) decode in the absorbed form: sequence b's one query, at
+    position ``seq_lens[b] - 1``, over its cached latent entries.
+
+    With W_uk / W_uv the key / value halves of kv_b_proj, per head
+    ``q_nope . (W_uk c) = (W_uk^T q_nope) . c`` and ``sum_j p_j W_uv c_j = W_uv sum_j p_j c_j``,
+    so attention runs over the R + Dr wide entries themselves (one KV "head" shared by
+    all Nh heads, values = the first R dims) and the caller applies W_uv to the result.
+    Softmax in float32; a padding row (length 0) gets zeros.
+    """
+    lens = seq_lens.tolist()
+    if max(lens, default=0) > max_seq_len:
+        raise ValueError(f"mla_decode: seq_lens {lens} exceed max_seq_len={max_seq_len}")
+    out = q.new_zeros(q.shape[0], q.shape[1], kv_lora_rank)
+    for b, length in enumerate(lens):
+        if length == 0:
+            continue
+        entries = gather_kv(cache, block_table[b], 0, length)[:, 0, 0].float()    # [L, R + Dr]
+        probs = torch.softmax(q[b].float() @ entries.t() * scale, dim=-1)        # [Nh, L]
+        out[b] = (probs @ entries[:, :kv_lora_rank]).to(q.dtype)
+    return out

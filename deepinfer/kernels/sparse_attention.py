@@ -1,0 +1,302 @@
+"""DeepSeek-V4 sparse attention over per-token key slots in paged caches;
+reference: :func:`reference.sparse_attention`.
+
+Each query token t attends to keys it names by flat slot (``block * bs + offset``,
+-1 = no key) in one or two sources: the layer's sliding-window cache and, on
+CSA/HCA layers, its compressed-entry cache. A cache is ``[NB, bs, nt, 1, D]``, a
+strided view into a page buffer shared by many layers, so a key sits at
+``base + block * stride(0) + offset * stride(1)`` (tensor 0, the one KV head);
+that one vector is both K and V for all H query heads (MQA).
+
+Grid (T, ceil(H / BLOCK_H), splits). A program holds BLOCK_H heads of one token
+as the rows of a tensor-core tile and walks its share of the token's keys in
+tiles of BLOCK_N slots: source 0's tiles, then source 1's, as one sequence of
+tiles cut into ``splits`` equal runs. Each key tile is gathered once and used by
+all BLOCK_H heads for both products (S = Q K^T over all of D, then P @ K), with
+an online softmax in float32 and base-2 exponentials (log2(e) folded into the
+scale). Leading and trailing runs of -1 slots are skipped, not computed on: a
+row padded to a fixed width (top-k or every entry of the longest context) costs
+what its real keys cost. The sink logit seeds the running max and sum of split 0 (max = sink,
+sum = 1), so it takes probability mass and adds no value, and a token with no
+key gets 0 / 1 = 0, as in the reference.
+
+Splitting the keys keeps the GPU busy at small T (decode): with one split there
+are only T * H / BLOCK_H programs. With several, each split writes its partial
+(max, sum, accumulator) and a second kernel merges them per (token, head).
+
+Scores and softmax run in float32; P is rounded to the cache dtype before the
+P @ V product (the flash-attention convention; exact for float32 caches).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _attend_source(q, m, l, acc, cache_ptr, slots_ptr, token, k_lo, k_hi, dims, head_dim, qk_scale,
+                   stride_slots_t, stride_slots_k, stride_cache_block, stride_cache_offset,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys ``k_lo .. k_hi - 1`` of one source's slot row into the running (m, l, acc)."""
+    # Trim the leading and trailing runs of -1 (window slots before position 0, top-k
+    # padding while a sequence has fewer entries than k): their tiles would cost two
+    # products on nothing. Scanning the slots is cheap next to gathering D-wide keys.
+    first = k_hi
+    last = k_lo - 1
+    for n0 in range(k_lo, k_hi, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)
+        slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_k, mask=j < k_hi, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(slot >= 0, j, k_hi), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(slot >= 0, j, k_lo - 1), axis=0))
+    for n0 in range(first, last + 1, BLOCK_N):
+        j = n0 + tl.arange(0, BLOCK_N)                                           # [BLOCK_N]
+        slot = tl.load(slots_ptr + token * stride_slots_t + j * stride_slots_k,
+                       mask=j <= last, other=-1).to(tl.int64)
+        valid = slot >= 0
+        slot = tl.where(valid, slot, 0)
+        row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+        kv = tl.load(cache_ptr + row[:, None] + dims[None, :],
+                     mask=valid[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row that has seen neither key nor sink keeps max -inf; shift by 0 so it
+        # gets exp2(-inf) = 0 instead of exp2(-inf - -inf) = nan.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    cache0_ptr, slots0_ptr, cache1_ptr, slots1_ptr,
+    k0, k1, num_heads, head_dim, tiles_per_split, qk_scale,
+    stride_q_t, stride_q_h, stride_out_t, stride_out_h,
+    stride_slots0_t, stride_slots0_k, stride_cache0_block, stride_cache0_offset,
+    stride_slots1_t, stride_slots1_k, stride_cache1_block, stride_cache1_offset,
+    BLOCK_SIZE0: tl.constexpr, BLOCK_SIZE1: tl.constexpr, TWO_SOURCES: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                   # [BLOCK_H]
+    split = tl.program_id(2)
+    head_ok = heads < num_heads
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + token * stride_q_t + heads[:, None] * stride_q_h + dims[None, :],
+                mask=head_ok[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_H, BLOCK_D]
+    sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m = tl.where(split == 0, sink, float("-inf"))                                # [BLOCK_H]
+    l = tl.where(split == 0, 1.0, 0.0) + tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    # This split's tiles [tile_lo, tile_hi) of the sequence: source 0's ceil(k0 / BLOCK_N)
+    # tiles, then source 1's.
+    tile_lo = split * tiles_per_split
+    tile_hi = tile_lo + tiles_per_split
+    m, l, acc = _attend_source(q, m, l, acc, cache0_ptr, slots0_ptr, token,
+                               tl.minimum(tile_lo * BLOCK_N, k0), tl.minimum(tile_hi * BLOCK_N, k0),
+                               dims, head_dim, qk_scale, stride_slots0_t, stride_slots0_k,
+                               stride_cache0_block, stride_cache0_offset,
+                               BLOCK_SIZE0, BLOCK_N, DOT_PRECISION)
+    if TWO_SOURCES:
+        tiles0 = tl.cdiv(k0, BLOCK_N)
+        lo1 = tl.minimum(tl.maximum(tile_lo - tiles0, 0) * BLOCK_N, k1)
+        hi1 = tl.minimum(tl.maximum(tile_hi - tiles0, 0) * BLOCK_N, k1)
+        m, l, acc = _attend_source(q, m, l, acc, cache1_ptr, slots1_ptr, token, lo1, hi1,
+                                   dims, head_dim, qk_scale, stride_slots1_t, stride_slots1_k,
+                                   stride_cache1_block, stride_cache1_offset,
+                                   BLOCK_SIZE1, BLOCK_N, DOT_PRECISION)
+
+    if SPLIT:
+        # Partials [T, H, splits(, BLOCK_D)]; a split that saw nothing leaves max -inf, sum 0.
+        part = (token * num_heads + heads) * tl.num_programs(2) + split          # [BLOCK_H]
+        tl.store(part_max_ptr + part, m, mask=head_ok)
+        tl.store(part_sum_ptr + part, l, mask=head_ok)
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc, mask=head_ok[:, None])
+    else:
+        # l >= 1: the sink's own term.
+        out = acc / l[:, None]
+        tl.store(out_ptr + token * stride_out_t + heads[:, None] * stride_out_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & (dims[None, :] < head_dim))
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    num_heads, head_dim, num_splits, stride_out_t, stride_out_h,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    ok = splits < num_splits
+    part = (token * num_heads + head) * num_splits + splits                      # [BLOCK_S]
+    part_max = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
+    m = tl.max(part_max, axis=0)
+    # A row no split saw anything for (max -inf, sums 0) gets 0 / 1 = 0, not nan.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp2(part_max - m)                                               # [BLOCK_S]
+    denom = tl.sum(part_sum * weight, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / denom                          # [BLOCK_D]
+    tl.store(out_ptr + token * stride_out_t + head * stride_out_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def merge_splits(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch.Tensor,
+                 out: torch.Tensor) -> None:
+    """Merge split-K partial softmax results into ``out`` [T, H, D] (written in place).
+
+    part_acc: [T, H, S, BLOCK_D] float32 unnormalised sums of p * v; part_max, part_sum:
+    [T, H, S] float32 running max (base-2 logits) and sum of p of each split; a split
+    that saw no key holds max -inf, sum 0, acc 0. Shared by the split-K attention kernels.
+    """
+    t, h, num_splits, block_d = part_acc.shape
+    if out.shape[:2] != (t, h) or out.shape[2] > block_d or out.stride(2) != 1:
+        raise ValueError(f"merge_splits: out {tuple(out.shape)} does not match partials "
+                         f"{tuple(part_acc.shape)} or its last dim is not contiguous")
+    _merge_splits_kernel[(t, h)](
+        part_acc, part_max, part_sum, out, h, out.shape[2], num_splits, out.stride(0), out.stride(1),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """Tile config of one launch: BLOCK_H heads x BLOCK_N keys per tile, ``num_splits`` runs of
+    key tiles per (token, head block), and the launch's warps and pipeline stages."""
+    block_h: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> SparseAttentionConfig:
+    """The launcher's choice for q [T, H, D]; ``num_tiles_at(block_n)`` counts key tiles per token.
+
+    BLOCK_H: all heads up to 64 (one key gather serves them all; 64 rows fill a Hopper
+    warpgroup MMA), at least 16 (the smallest tensor-core tile); 16 for float32, whose exact
+    (non-TF32) products run on CUDA cores with both operands in registers. BLOCK_N: the key
+    tile stays within 32 KiB (32 bf16 keys at D = 512: with q's 64 KiB and two pipeline
+    stages, 128 KiB of shared memory). Warps: 8 once the float32 accumulator [BLOCK_H, D]
+    passes 64 KiB, so it needs at most 128 registers a thread. Splits: enough for about one
+    program per SM, each with two key tiles at least; none off CUDA (the CPU interpreter
+    gains nothing from them).
+    """
+    t, h, d = q.shape
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = min(64 if q.element_size() <= 2 else 16, max(16, triton.next_power_of_2(h)))
+    block_n = max(16, min(64, 32 * 1024 // (block_d * q.element_size())))
+    num_warps = 8 if block_h * block_d * 4 > 64 * 1024 else 4
+    num_splits = 1
+    if q.is_cuda:
+        programs = t * triton.cdiv(h, block_h)
+        tiles = num_tiles_at(block_n)
+        num_splits = max(1, min(triton.cdiv(_sm_count(q.device), programs), tiles // 2))
+    return SparseAttentionConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 caches (tests, exactness) must not fall back to TF32 tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_inputs(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
+                  sinks: torch.Tensor) -> None:
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"sparse_attention: q must be [T, H, D] with D contiguous, got shape "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    t, h, d = q.shape
+    if not 1 <= len(sources) <= 2:
+        raise ValueError(f"sparse_attention: takes 1 or 2 (cache, slots) sources, got {len(sources)}")
+    for i, (cache, slots) in enumerate(sources):
+        if cache.dim() != 5 or cache.shape[3] != 1 or cache.shape[4] != d:
+            raise ValueError(f"sparse_attention: sources[{i}] cache must be [NB, bs, nt, 1, D={d}], "
+                             f"got {tuple(cache.shape)}")
+        if cache.stride(4) != 1:
+            raise ValueError(f"sparse_attention: sources[{i}] cache's last dim (D) must be contiguous, "
+                             f"got strides {cache.stride()}")
+        if cache.dtype != q.dtype or cache.device != q.device:
+            raise ValueError(f"sparse_attention: sources[{i}] cache is {cache.dtype} on {cache.device} "
+                             f"but q is {q.dtype} on {q.device}")
+        if slots.dim() != 2 or slots.shape[0] != t or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"sparse_attention: sources[{i}] slots must be [T={t}, K] int32/int64, "
+                             f"got {slots.dtype} of shape {tuple(slots.shape)}")
+        if slots.device != q.device:
+            raise ValueError(f"sparse_attention: sources[{i}] slots are on {slots.device}, q on {q.device}")
+    if sinks.shape != (h,) or sinks.dtype != torch.float32:
+        raise ValueError(f"sparse_attention: sinks must be [H={h}] float32, got {sinks.dtype} of "
+                         f"shape {tuple(sinks.shape)}")
+
+
+def sparse_attention(
+    q: torch.Tensor,                                   # [T, H, D]
+    sources: list[tuple[torch.Tensor, torch.Tensor]],  # (cache [NB, bs, nt, 1, D], slots [T, K_i])
+    sinks: torch.Tensor,                               # [H] float32 sink logits
+    scale: float,
+    config: SparseAttentionConfig | None = None,
+) -> torch.Tensor:                                     # [T, H, D]
+    """Softmax attention of each token over the keys its slot rows name (see the module
+    docstring); ``config`` overrides :func:`default_config`. No host synchronisation: the
+    launch depends only on shapes, so it can be captured in a CUDA graph."""
+    _check_inputs(q, sources, sinks)
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    sources = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
+    if not sources:
+        return out.zero_()
+    lens = [slots.shape[1] for _, slots in sources]
+    if config is None:
+        config = default_config(q, lambda bn: sum(triton.cdiv(k, bn) for k in lens))
+    block_d = max(16, triton.next_power_of_2(d))
+    tiles = sum(triton.cdiv(k, config.block_n) for k in lens)
+    tiles_per_split = triton.cdiv(tiles, config.num_splits)
+    num_splits = triton.cdiv(tiles, tiles_per_split)       # no split left without a tile
+    split = num_splits > 1
+    if split:
+        part_acc = torch.empty(t, h, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_max = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
+        part_sum = torch.empty(t, h, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_max = part_sum = sinks             # never touched
+    (cache0, slots0), (cache1, slots1) = sources[0], sources[-1]
+    grid = (t, triton.cdiv(h, config.block_h), num_splits)
+    _sparse_attention_kernel[grid](
+        q, sinks, out, part_acc, part_max, part_sum,
+        cache0, slots0, cache1, slots1,
+        lens[0], lens[-1], h, d, tiles_per_split, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        slots0.stride(0), slots0.stride(1), cache0.stride(0), cache0.stride(1),
+        slots1.stride(0), slots1.stride(1), cache1.stride(0), cache1.stride(1),
+        BLOCK_SIZE0=cache0.shape[1], BLOCK_SIZE1=cache1.shape[1], TWO_SOURCES=len(sources) == 2,
+        SPLIT=split, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    if split:
+        merge_splits(part_acc, part_max, part_sum, out)
+    return out

@@ -1,0 +1,147 @@
+"""Lightning-indexer scores: the Triton kernel (deepinfer/kernels/indexer.py) against
+:func:`reference.indexer_scores` on random data, and the reference against a direct sum."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import backend, reference
+from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
+
+# float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
+# Kernel and reference multiply the same rounded inputs in float32, so even low-precision
+# inputs agree to float32 summation order.
+KERNEL_TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+              torch.float16: {"rtol": 1e-3, "atol": 1e-3},
+              torch.bfloat16: {"rtol": 1e-3, "atol": 1e-3}}
+
+
+def make_inputs(t, hi, di, n, bs, nt, dtype, device, gen, num_blocks=10, empty_rows=(1,),
+                slot_dtype=torch.int32):
+    (cache,) = page_buffer_caches(num_blocks, [(bs, nt, di)], dtype, device, gen)
+    slots = random_slots(t, n, num_blocks * bs, gen, 0.25, empty_rows, slot_dtype).to(device)
+    q = torch.randn(t, hi, di, generator=gen).to(dtype).to(device)
+    weights = torch.randn(t, hi, generator=gen).to(device)
+    return q, weights, cache, slots
+
+
+def test_reference_is_weighted_relu_head_sum():
+    gen = torch.Generator().manual_seed(0)
+    q, w, cache, slots = make_inputs(3, 4, 8, 7, 4, 1, torch.float32, "cpu", gen)
+    scores = reference.indexer_scores(q, w, cache, slots, 0.5)
+    for t in range(3):
+        for j, s in enumerate(slots[t].tolist()):
+            if s < 0:
+                assert scores[t, j] == float("-inf")
+                continue
+            k = cache[s // 4, s % 4, 0, 0]
+            expected = sum(w[t, h] * torch.relu(q[t, h] @ k) * 0.5 for h in range(4))
+            torch.testing.assert_close(scores[t, j], expected)
+
+
+CASES = [
+    # t, hi, di, n, bs, nt, dtype, config (block_n, splits, warps, stages) or None
+    (4, 4, 32, 40, 8, 1, torch.float32, None),
+    (5, 6, 48, 37, 4, 2, torch.float32, IndexerConfig(16, 2, 4, 2)),
+    (4, 8, 64, 50, 8, 1, torch.float16, IndexerConfig(16, 3, 4, 2)),
+    (3, 20, 32, 17, 16, 2, torch.float16, None),
+]
+
+
+@pytest.mark.parametrize("t,hi,di,n,bs,nt,dtype,config", CASES)
+def test_triton_indexer_matches_reference(t, hi, di, n, bs, nt, dtype, config, device, poison_empty):
+    gen = torch.Generator().manual_seed(n)
+    q, w, cache, slots = make_inputs(t, hi, di, n, bs, nt, dtype, device, gen)
+    out = indexer_scores(q, w, cache, slots, 0.3, config)
+    ref = reference.indexer_scores(q, w, cache, slots, 0.3)
+    assert not out.isnan().any()
+    assert torch.equal(out.isneginf(), slots < 0)
+    assert out[1].isneginf().all()                              # row 1 has no candidate
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.parametrize("config", [None, IndexerConfig(16, 3, 4, 2)])
+def test_triton_indexer_skips_padding_runs(config, device, poison_empty):
+    """Trailing -1 runs (which the kernel fills with -inf without gathering) of every length."""
+    gen = torch.Generator().manual_seed(10)
+    q, w, cache, slots = make_inputs(6, 4, 32, 70, 8, 1, torch.float32, device, gen, empty_rows=())
+    slots = pad_runs(slots.cpu(), gen).to(device)
+    slots[2, 48:] = -1                                          # a run starting on a tile boundary
+    out = indexer_scores(q, w, cache, slots, 0.3, config)
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 0.3),
+                               **KERNEL_TOL[torch.float32])
+
+
+def test_triton_indexer_strided_inputs(device, poison_empty):
+    """q with a padded head stride, weights and int64 slots read through column slices."""
+    gen = torch.Generator().manual_seed(8)
+    t, hi, di = 3, 4, 32
+    q, w, cache, slots = make_inputs(t, hi, di, 20, 8, 1, torch.float32, device, gen,
+                                     slot_dtype=torch.int64)
+    q_wide = torch.randn(t, hi, 2 * di, generator=gen).to(device)
+    q_wide[:, :, :di] = q
+    w_wide = torch.randn(t, 2 * hi, generator=gen).to(device)
+    w_wide[:, hi:] = w
+    s_wide = torch.full((t, 25), -1, dtype=torch.int64, device=device)
+    s_wide[:, 5:] = slots
+    out = indexer_scores(q_wide[:, :, :di], w_wide[:, hi:], cache, s_wide[:, 5:], 0.3,
+                         IndexerConfig(16, 1, 4, 2))
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 0.3),
+                               **KERNEL_TOL[torch.float32])
+
+
+def test_triton_indexer_rejects_bad_inputs(device):
+    gen = torch.Generator().manual_seed(3)
+    q, w, cache, slots = make_inputs(2, 4, 16, 5, 4, 1, torch.float32, device, gen)
+    with pytest.raises(ValueError, match="weights must be"):
+        indexer_scores(q, w.half(), cache, slots, 1.0)
+    with pytest.raises(ValueError, match="key_cache is"):
+        indexer_scores(q.half(), w, cache, slots, 1.0)
+    with pytest.raises(ValueError, match="slots must be"):
+        indexer_scores(q, w, cache, slots.float(), 1.0)
+
+
+def test_backend_indexer_topk_uses_the_kernel(monkeypatch, device):
+    gen = torch.Generator().manual_seed(4)
+    q, w, cache, slots = make_inputs(3, 4, 32, 30, 8, 1, torch.float32, device, gen, empty_rows=(2,))
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    picked = backend.indexer_topk(q, w, cache, slots, 0.3, 8)
+    expected = reference.indexer_topk(q, w, cache, slots, 0.3, 8)
+    assert picked.shape == (3, 8)
+    assert (picked[2] == -1).all()
+    for row, ref_row in zip(picked.tolist(), expected.tolist()):
+        assert sorted(row) == sorted(ref_row)
+
+
+# --- real shapes (DeepSeek-V4-Flash indexer: Hi 64, Di 128) on the GPU ----------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,n,dtype", [(1, 16384, torch.bfloat16), (64, 16384, torch.bfloat16),
+                                       (4096, 1024, torch.bfloat16), (64, 4000, torch.float32)])
+def test_triton_indexer_gpu_sizes(t, n, dtype, poison_empty):
+    gen = torch.Generator().manual_seed(t)
+    bs = 16
+    q, w, cache, slots = make_inputs(t, 64, 128, n, bs, 1, dtype, torch.device("cuda"), gen,
+                                     num_blocks=-(-n // bs) * 2, empty_rows=(0,))
+    out = indexer_scores(q, w, cache, slots, 128 ** -0.5)
+    ref = reference.indexer_scores(q, w, cache, slots, 128 ** -0.5)
+    assert not out.isnan().any()
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_n,num_warps", [(32, 4), (64, 4), (128, 8)])
+def test_triton_indexer_gpu_configs(block_n, num_warps, poison_empty):
+    """Every tile config gpu_kernel_check.py times compiles and is exact."""
+    gen = torch.Generator().manual_seed(6)
+    q, w, cache, slots = make_inputs(16, 64, 128, 3000, 16, 1, torch.bfloat16, torch.device("cuda"),
+                                     gen, num_blocks=400)
+    out = indexer_scores(q, w, cache, slots, 128 ** -0.5, IndexerConfig(block_n, 4, num_warps, 3))
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 128 ** -0.5),
+                               **KERNEL_TOL[torch.bfloat16])

@@ -1,0 +1,200 @@
+"""DeepSeek-V4 sparse attention: the Triton kernel (deepinfer/kernels/sparse_attention.py)
+against :func:`reference.sparse_attention` on random data, and the reference against a
+direct softmax over the gathered keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import backend, reference
+from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
+
+# float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
+KERNEL_TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+              torch.float16: {"rtol": 2e-3, "atol": 2e-3},
+              torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+
+
+def make_inputs(t, h, d, specs, dtype, device, gen, num_blocks=12, empty_rows=(1,), pad=0.25,
+                slot_dtype=torch.int32):
+    """q [t, h, d], sources over caches of ``specs`` = [(bs, nt, K)], sinks [h]."""
+    caches = page_buffer_caches(num_blocks, [(bs, nt, d) for bs, nt, _ in specs], dtype, device, gen)
+    sources = [(cache, random_slots(t, k, num_blocks * bs, gen, pad, empty_rows, slot_dtype).to(device))
+               for cache, (bs, _, k) in zip(caches, specs)]
+    q = (torch.randn(t, h, d, generator=gen) * 2).to(dtype).to(device)
+    sinks = torch.randn(h, generator=gen).to(device)
+    return q, sources, sinks
+
+
+def test_reference_is_softmax_over_gathered_keys_and_sink():
+    gen = torch.Generator().manual_seed(0)
+    t, h, d = 3, 2, 8
+    q, sources, sinks = make_inputs(t, h, d, [(4, 1, 6), (2, 2, 5)], torch.float32, "cpu", gen)
+    out = reference.sparse_attention(q, sources, sinks, 0.3)
+    for i in range(t):
+        keys = [cache[s // cache.shape[1], s % cache.shape[1], 0, 0]
+                for cache, slots in sources for s in slots[i].tolist() if s >= 0]
+        if not keys:
+            assert torch.equal(out[i], torch.zeros(h, d))
+            continue
+        kv = torch.stack(keys)                                                   # [k, D]
+        logits = torch.cat([q[i] @ kv.t() * 0.3, sinks[:, None]], dim=1)        # [H, k + 1]
+        probs = torch.softmax(logits, dim=1)[:, :-1]
+        torch.testing.assert_close(out[i], probs @ kv)
+
+
+CASES = [
+    # t, h, d, sources [(bs, nt, K)], dtype, config (block_h, block_n, splits, warps, stages) or None
+    (4, 4, 32, [(8, 1, 40)], torch.float32, None),
+    (5, 4, 64, [(8, 1, 24), (4, 2, 17)], torch.float32, SparseAttentionConfig(16, 16, 4, 4, 2)),
+    (4, 6, 48, [(16, 1, 20), (4, 1, 33)], torch.float16, SparseAttentionConfig(16, 16, 2, 4, 2)),
+    (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float16, None),                   # 20 of 32 rows
+    (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float32, None),                   # two head blocks
+    (4, 4, 32, [(8, 1, 16), (4, 1, 0)], torch.float32, None),                    # empty second source
+    (4, 4, 32, [(4, 1, 3), (8, 1, 37)], torch.float32, SparseAttentionConfig(16, 16, 3, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("t,h,d,specs,dtype,config", CASES)
+def test_triton_sparse_attention_matches_reference(t, h, d, specs, dtype, config, device, poison_empty):
+    gen = torch.Generator().manual_seed(sum(k for _, _, k in specs))
+    q, sources, sinks = make_inputs(t, h, d, specs, dtype, device, gen)
+    out = sparse_attention(q, sources, sinks, 0.2, config)
+    ref = reference.sparse_attention(q, sources, sinks, 0.2)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))       # row 1 has no key in any source
+
+
+@pytest.mark.parametrize("config", [None, SparseAttentionConfig(16, 16, 3, 4, 2)])
+def test_triton_sparse_attention_skips_padding_runs(config, device, poison_empty):
+    """Leading and trailing -1 runs (which the kernel trims) of every length, tile-aligned or not."""
+    gen = torch.Generator().manual_seed(9)
+    q, sources, sinks = make_inputs(6, 4, 32, [(8, 1, 45), (4, 1, 37)], torch.float32, device, gen,
+                                    pad=0.1, empty_rows=())
+    sources = [(cache, pad_runs(slots.cpu(), gen).to(device)) for cache, slots in sources]
+    sources[0][1][2, :16] = -1                                  # a run ending on a tile boundary
+    sources[0][1][2, 32:] = -1
+    out = sparse_attention(q, sources, sinks, 0.2, config)
+    torch.testing.assert_close(out, reference.sparse_attention(q, sources, sinks, 0.2),
+                               **KERNEL_TOL[torch.float32])
+
+
+def test_triton_sparse_attention_strided_q_and_slots(device, poison_empty):
+    """q with a padded head stride and int64 slots read through a column slice."""
+    gen = torch.Generator().manual_seed(7)
+    t, h, d = 3, 4, 32
+    q, sources, sinks = make_inputs(t, h, d, [(8, 1, 24), (4, 1, 10)], torch.float32, device, gen,
+                                    slot_dtype=torch.int64)
+    q_wide = torch.randn(t, h, 2 * d, generator=gen).to(device)
+    q_wide[:, :, :d] = q
+    wide = torch.full((t, 30), -1, dtype=torch.int64, device=device)
+    wide[:, 3:27] = sources[0][1]
+    sources = [(sources[0][0], wide[:, 3:27]), sources[1]]
+    out = sparse_attention(q_wide[:, :, :d], sources, sinks, 0.2,
+                           SparseAttentionConfig(16, 16, 2, 4, 2))
+    torch.testing.assert_close(out, reference.sparse_attention(q, sources, sinks, 0.2),
+                               **KERNEL_TOL[torch.float32])
+
+
+def test_triton_sparse_attention_rejects_bad_inputs(device):
+    gen = torch.Generator().manual_seed(3)
+    q, sources, sinks = make_inputs(2, 4, 16, [(4, 1, 5)], torch.float32, device, gen)
+    with pytest.raises(ValueError, match="1 or 2"):
+        sparse_attention(q, sources * 3, sinks, 1.0)
+    with pytest.raises(ValueError, match="sinks must be"):
+        sparse_attention(q, sources, sinks[:3], 1.0)
+    with pytest.raises(ValueError, match="cache is torch.float32"):
+        sparse_attention(q.half(), sources, sinks, 1.0)
+    with pytest.raises(ValueError, match="slots must be"):
+        sparse_attention(q, [(sources[0][0], sources[0][1][:1])], sinks, 1.0)
+
+
+def test_backend_dispatches_to_the_kernel(monkeypatch, device):
+    gen = torch.Generator().manual_seed(4)
+    q, sources, sinks = make_inputs(3, 4, 32, [(8, 1, 12), (4, 1, 9)], torch.float32, device, gen)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    out = backend.sparse_attention(q, sources, sinks, 0.2)
+    torch.testing.assert_close(out, reference.sparse_attention(q, sources, sinks, 0.2),
+                               **KERNEL_TOL[torch.float32])
+
+
+# --- real shapes (DeepSeek-V4-Flash: H 64, D 512, window 128, top-k 512) on the GPU -------------
+
+def v4_slot_rows(positions: torch.Tensor, window: int, ratio: int, topk: int, bs: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(window slots [T, window], entry slots [T, topk], blocks needed) for queries at ``positions``
+    of one sequence: the last ``window`` positions and ``topk`` random visible compressed entries
+    (entry w is visible at position p when w < (p + 1) // ratio), each through a shuffled block table."""
+    t = positions.shape[0]
+    max_pos = int(positions.max()) + 1
+    n_blocks = -(-max_pos // bs) + -(-(max_pos // ratio) // bs) + 1
+    table = torch.randperm(n_blocks, generator=gen)
+    pos = positions[:, None] - torch.arange(window - 1, -1, -1)[None, :]          # [T, window]
+    win = torch.where(pos >= 0, table[pos.clamp(min=0) // bs] * bs + pos.clamp(min=0) % bs, -1)
+    entries = (positions + 1) // ratio                                           # [T] visible count
+    width = max(1, int(entries.max()))
+    score = torch.rand(t, width, generator=gen).masked_fill(torch.arange(width)[None] >= entries[:, None], -1)
+    picked = score.topk(min(topk, width), dim=1).indices                         # [T, k]
+    first_entry_block = -(-max_pos // bs)
+    ent = table[first_entry_block + picked // bs] * bs + picked % bs
+    ent = torch.where(picked < entries[:, None], ent, -1)
+    if ent.shape[1] < topk:
+        ent = torch.cat([ent, torch.full((t, topk - ent.shape[1]), -1)], dim=1)
+    return win, ent, n_blocks
+
+
+def v4_inputs(t: int, decode: bool, dtype: torch.dtype, gen: torch.Generator,
+              h: int = 64, d: int = 512, bs: int = 16, context: int = 8192):
+    """Decode: t sequences of ``context`` tokens, one query each; prefill: t queries at 0..t-1."""
+    if decode:
+        rows = [v4_slot_rows(torch.tensor([context - 1]), 128, 4, 512, bs, gen) for _ in range(t)]
+        offsets = torch.tensor([0] + [r[2] for r in rows]).cumsum(0)
+        win = torch.cat([torch.where(r[0] >= 0, r[0] + o * bs, -1) for r, o in zip(rows, offsets)])
+        ent = torch.cat([torch.where(r[1] >= 0, r[1] + o * bs, -1) for r, o in zip(rows, offsets)])
+        n_blocks = int(offsets[-1])
+    else:
+        win, ent, n_blocks = v4_slot_rows(torch.arange(t), 128, 4, 512, bs, gen)
+    window_cache, entry_cache = page_buffer_caches(n_blocks, [(bs, 1, d), (bs, 1, d)], dtype,
+                                                   torch.device("cuda"), gen)
+    q = torch.randn(t, h, d, generator=gen).to("cuda", dtype)
+    sinks = torch.randn(h, generator=gen).to("cuda")
+    sources = [(window_cache, win.int().cuda()), (entry_cache, ent.int().cuda())]
+    return q, sources, sinks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,decode,dtype", [(1, True, torch.bfloat16), (16, True, torch.bfloat16),
+                                            (64, True, torch.bfloat16), (256, True, torch.bfloat16),
+                                            (64, True, torch.float32), (4096, False, torch.bfloat16)])
+def test_triton_sparse_attention_gpu_sizes(t, decode, dtype, poison_empty):
+    gen = torch.Generator().manual_seed(t)
+    q, sources, sinks = v4_inputs(t, decode, dtype, gen)
+    out = sparse_attention(q, sources, sinks, 512 ** -0.5)
+    ref = reference.sparse_attention(q, sources, sinks, 512 ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+    # One window source only (SWA layers).
+    out = sparse_attention(q, sources[:1], sinks, 512 ** -0.5)
+    torch.testing.assert_close(out, reference.sparse_attention(q, sources[:1], sinks, 512 ** -0.5),
+                               **KERNEL_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_h,block_n,num_warps", [(16, 32, 4), (32, 32, 4), (32, 64, 8),
+                                                       (64, 32, 8)])
+@pytest.mark.parametrize("t,decode,splits", [(16, True, 4), (512, False, 1)])
+def test_triton_sparse_attention_gpu_configs(block_h, block_n, num_warps, t, decode, splits,
+                                             poison_empty):
+    """Every tile config gpu_kernel_check.py times compiles and is exact."""
+    gen = torch.Generator().manual_seed(5)
+    q, sources, sinks = v4_inputs(t, decode, torch.bfloat16, gen)
+    config = SparseAttentionConfig(block_h, block_n, splits, num_warps, num_stages=2)
+    out = sparse_attention(q, sources, sinks, 512 ** -0.5, config)
+    ref = reference.sparse_attention(q, sources, sinks, 512 ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[torch.bfloat16])
