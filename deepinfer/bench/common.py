@@ -1,5 +1,6 @@
-"""What ``deepinfer bench prefill | decode | curve`` share: the command-line options, the
-engine built on random weights, the measured floors, routing counts, the report.
+"""What ``deepinfer bench prefill | decode | curve`` share: the model under test and its
+accounting, the engine built on random weights, the measured floors, routing counts,
+the report (the command-line options are in bench/args.py).
 
 Each benchmark runs in one process: floors first (on an empty device), then the
 engine, then (after the engine is freed) the HF transformers baseline on the same
@@ -13,7 +14,6 @@ import datetime
 import gc
 import json
 import platform
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -186,8 +186,8 @@ def timestamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def header(kind: str, model: BenchModel, floors: dict[str, float]) -> dict[str, Any]:
-    return {"bench": kind, "date": timestamp(), "command": "deepinfer " + " ".join(sys.argv[1:]),
+def header(kind: str, model: BenchModel, floors: dict[str, float], argv: list[str]) -> dict[str, Any]:
+    return {"bench": kind, "date": timestamp(), "command": "deepinfer " + " ".join(argv),
             **model.describe(), "measured": floors, "nextn": NEXTN, "cp": CP, "num_gpus": 1}
 
 

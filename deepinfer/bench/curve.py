@@ -33,7 +33,7 @@ def run_curve(args: argparse.Namespace) -> dict[str, Any]:
     batches = parse_batches(args.batch_sizes)
     check_decode_args(args, batches)
     model = BenchModel.from_args(args)
-    result = header("curve", model, measure_floors(model, args))
+    result = header("curve", model, measure_floors(model, args), args.argv)
     budget = args.max_num_batched_tokens or max(4096, batches[-1])
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, context_len=args.context_len,
                   max_num_batched_tokens=budget)

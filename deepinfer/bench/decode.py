@@ -123,7 +123,7 @@ def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Names
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     check_decode_args(args, [args.batch_size])
     model = BenchModel.from_args(args)
-    result = header("decode", model, measure_floors(model, args))
+    result = header("decode", model, measure_floors(model, args), args.argv)
     budget = args.max_num_batched_tokens or max(4096, args.batch_size)
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,

@@ -21,6 +21,7 @@ result records the length actually used.
 from __future__ import annotations
 
 import copy
+import re
 import statistics
 import time
 from typing import Any
@@ -72,7 +73,19 @@ class HFBaseline:
         cfg = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
         with torch.device(device):
             self.model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        self._keep_fp32_as_from_pretrained(dtype)
         self._fill(hf_config, dtype, seed)
+
+    def _keep_fp32_as_from_pretrained(self, dtype: torch.dtype) -> None:
+        """``from_pretrained`` loads the tensors matching ``_keep_in_fp32_modules_strict`` (name
+        substrings) in float32 when asked for bf16/fp16; ``from_config`` does not, so do it here."""
+        keep = getattr(self.model, "_keep_in_fp32_modules_strict", None)
+        if not keep or dtype not in (torch.float16, torch.bfloat16):
+            return
+        pattern = re.compile("|".join(sorted(keep)))
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if pattern.search(name) and tensor.is_floating_point():
+                tensor.data = tensor.data.float()
 
     @torch.no_grad()
     def _fill(self, hf_config: dict[str, Any], dtype: torch.dtype, seed: int) -> None:

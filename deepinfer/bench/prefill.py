@@ -52,7 +52,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.prompt_len, args.batch_size, args.iters) < 1 or args.warmup < 0:
         raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
     model = BenchModel.from_args(args)
-    result = header("prefill", model, measure_floors(model, args))
+    result = header("prefill", model, measure_floors(model, args), args.argv)
     tokens = args.batch_size * args.prompt_len
     budget = args.max_num_batched_tokens or tokens
     result.update(batch=args.batch_size, prompt_len=args.prompt_len, warmup_rounds=args.warmup,

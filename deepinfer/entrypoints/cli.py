@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv          # benchmarks record the command they ran
     logging.basicConfig(level=args.log_level.upper())
     try:
         return args.func(args)
