@@ -113,7 +113,12 @@ class HFBaseline:
         free_memory(self.device)
 
     def max_context(self, batch: int, context: int) -> int:
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else _CPU_MEMORY_BUDGET
+        if self.device.type == "cuda":
+            # Memory the caching allocator holds but does not use is free for HF's temporaries.
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            free = torch.cuda.mem_get_info(self.device)[0] + cached
+        else:
+            free = _CPU_MEMORY_BUDGET
         return fit_context(batch, context, self.num_heads, free)
 
     @torch.inference_mode()
@@ -137,8 +142,11 @@ class HFBaseline:
         length = self.max_context(batch, prompt_len)
         if length == 0:
             return {"skipped": f"batch {batch} x {prompt_len} tokens of eager attention does not fit"}
-        self._generate_s(self._prompts(batch, length, gen), 1)
-        times = [self._generate_s(self._prompts(batch, length, gen), 1) for _ in range(iters)]
+        try:
+            self._generate_s(self._prompts(batch, length, gen), 1)
+            times = [self._generate_s(self._prompts(batch, length, gen), 1) for _ in range(iters)]
+        except torch.OutOfMemoryError as exc:
+            return self._out_of_memory(batch, length, exc)
         ms = statistics.median(times) * 1e3
         return {"prompt_len": length, "ms": ms, "input_tok_s": batch * length / (ms * 1e-3)}
 
@@ -147,9 +155,17 @@ class HFBaseline:
         length = self.max_context(batch, context)
         if length == 0:
             return {"skipped": f"batch {batch} x {context} tokens of eager attention does not fit"}
-        self._generate_s(self._prompts(batch, length, gen), 2)
-        short = self._generate_s(self._prompts(batch, length, gen), 2)
-        long = self._generate_s(self._prompts(batch, length, gen), 2 + steps)
+        try:
+            self._generate_s(self._prompts(batch, length, gen), 2)
+            short = self._generate_s(self._prompts(batch, length, gen), 2)
+            long = self._generate_s(self._prompts(batch, length, gen), 2 + steps)
+        except torch.OutOfMemoryError as exc:
+            return self._out_of_memory(batch, length, exc)
         ms = max(long - short, 0.0) / steps * 1e3
         return {"context_len": length, "ms_per_step": ms,
                 "tok_s": batch * 1e3 / ms if ms > 0 else None, "steps": steps}
+
+    def _out_of_memory(self, batch: int, length: int, exc: Exception) -> dict[str, Any]:
+        """A batch that does not fit is reported, not fatal: the engine's figures are already taken."""
+        free_memory(self.device)
+        return {"skipped": f"out of memory at batch {batch} x {length} tokens: {str(exc).splitlines()[0]}"}

@@ -53,8 +53,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
     model = BenchModel.from_args(args)
     result = header("prefill", model, measure_floors(model, args), args.argv)
-    tokens = args.batch_size * args.prompt_len
-    budget = args.max_num_batched_tokens or tokens
+    # Whole prompts per step, up to 4096 tokens: the engine sizes its KV cache after a profiling
+    # forward of this many tokens as one sequence, whose attention scores grow with its square.
+    budget = args.max_num_batched_tokens or min(args.batch_size * args.prompt_len, max(args.prompt_len, 4096))
     result.update(batch=args.batch_size, prompt_len=args.prompt_len, warmup_rounds=args.warmup,
                   timed_rounds=args.iters, max_num_batched_tokens=budget)
 
@@ -77,8 +78,10 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         from deepinfer.bench.hf_baseline import HFBaseline
 
         hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
-        result["hf"] = hf.prefill(args.batch_size, args.prompt_len, args.hf_iters, gen)
-        hf.close()
+        try:
+            result["hf"] = hf.prefill(args.batch_size, args.prompt_len, args.hf_iters, gen)
+        finally:
+            hf.close()
     report(result)
     write_json(args.output_json, result)
     return result
