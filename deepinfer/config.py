@@ -34,34 +34,54 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A checkpoint directory and the HF ``config.json`` read from it."""
+    """A checkpoint directory and the HF ``config.json`` read from it.
+
+    ``load_format="dummy"`` reads no weights: parameters are seeded random values
+    (models/dummy.py), for benchmarks at real widths without a checkpoint; ``path``
+    is then only a label. ``skip_tokenizer_init`` builds no tokenizer: prompts must
+    be token ids and outputs carry no text.
+    """
 
     path: str
     hf_config: dict[str, Any]
     dtype: torch.dtype
     max_model_len: int
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str | torch.dtype, max_model_len: int | None,
-                  device: torch.device) -> "ModelConfig":
+                  device: torch.device, **options: Any) -> "ModelConfig":
+        """``options``: ``load_format``, ``skip_tokenizer_init``."""
         p = Path(path)
         cfg_file = p / "config.json"
         if not cfg_file.is_file():
             raise FileNotFoundError(f"model={str(path)!r}: no config.json in that directory")
-        hf_config = json.loads(cfg_file.read_text())
-        limit = int(hf_config.get("max_position_embeddings", 2048))
+        return cls.from_hf_config(json.loads(cfg_file.read_text()), str(p), dtype, max_model_len, device,
+                                  **options)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict[str, Any], path: str, dtype: str | torch.dtype,
+                       max_model_len: int | None, device: torch.device, **options: Any) -> "ModelConfig":
+        """A config.json already in memory (``path`` names where it came from)."""
         if max_model_len is None:
-            max_model_len = limit
-        return cls(path=str(p), hf_config=hf_config, dtype=resolve_dtype(dtype, device),
-                   max_model_len=max_model_len)
+            max_model_len = int(hf_config.get("max_position_embeddings", 2048))
+        return cls(path=path, hf_config=hf_config, dtype=resolve_dtype(dtype, device),
+                   max_model_len=max_model_len, **options)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
         if not self.hf_config.get("architectures"):
             raise ValueError(f"{self.path}/config.json has no 'architectures' field")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r} is not supported; choose one of "
+                             f"{', '.join(LOAD_FORMATS)}")
 
     @property
     def architecture(self) -> str:
@@ -70,6 +90,12 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config["vocab_size"])
+
+    @property
+    def config_eos_token_ids(self) -> set[int]:
+        """config.json's ``eos_token_id`` (an int or a list), for engines without a tokenizer."""
+        eos = self.hf_config.get("eos_token_id")
+        return {int(t) for t in ([eos] if isinstance(eos, int) else eos or [])}
 
 
 @dataclass(frozen=True)

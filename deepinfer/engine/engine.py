@@ -34,7 +34,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Request]
-    detoks: list[IncrementalDetokenizer]
+    detoks: list[IncrementalDetokenizer]           # one per sequence; empty without a tokenizer
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = field(default=None)
 
@@ -43,16 +43,18 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.manual_seed(config.seed)
-        self.tokenizer = Tokenizer(config.model.path)
-        self.model = load_model(config.model, config.device)
-        self.runner = ModelRunner(config, self.model, self.tokenizer.eos_token_ids)
+        # Without a tokenizer (skip_tokenizer_init) prompts are token ids and outputs carry no text.
+        self.tokenizer = None if config.model.skip_tokenizer_init else Tokenizer(config.model.path)
+        eos_ids = (config.model.config_eos_token_ids if self.tokenizer is None
+                   else self.tokenizer.eos_token_ids)
+        self.model = load_model(config.model, config.device, config.seed)
+        self.runner = ModelRunner(config, self.model, eos_ids)
         specs = [layer.kv_spec for layer in self.model.kv_cache_layers()]
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)
         self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len,
-                                   self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -71,6 +73,10 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop
+                                       or params.structured_outputs is not None):
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): prompts must be token "
+                             "ids, and stop strings and structured outputs are unavailable")
         grammar = self._compile_grammar(params)
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -90,7 +96,7 @@ class Engine:
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                          params.stop, params.include_stop_str_in_output,
                                          min_tokens=params.min_tokens)
-                  for _ in seqs]
+                  for _ in seqs] if self.tokenizer is not None else []
         user = _UserRequest(prompt=text, prompt_token_ids=list(ids), seqs=seqs, detoks=detoks)
         self.requests[request_id] = user
         reason = self.scheduler.check_fits(len(ids))
@@ -151,6 +157,8 @@ class Engine:
 
     def _detokenize(self, req: Request) -> None:
         user = self.requests[req.parent_id]
+        if not user.detoks:
+            return
         detok = user.detoks[req.index]
         stop = detok.add_tokens(req.output_token_ids[len(detok.token_ids):])
         if stop is not None:
@@ -159,14 +167,15 @@ class Engine:
     def _output(self, parent_id: str) -> RequestOutput:
         user = self.requests[parent_id]
         outputs = []
-        for req, detok in zip(user.seqs, user.detoks):
+        for i, req in enumerate(user.seqs):
+            detok = user.detoks[i] if user.detoks else None
             want_logprobs = req.params.logprobs is not None
             outputs.append(CompletionOutput(
-                index=req.index, text=detok.text, token_ids=list(req.output_token_ids),
+                index=req.index, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want_logprobs else None,
                 logprobs=self._with_text(list(req.logprobs)) if want_logprobs else None,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
-                delta_text=detok.stream_delta(finished=req.is_finished)))
+                delta_text=detok.stream_delta(finished=req.is_finished) if detok else ""))
         finished = all(r.is_finished for r in user.seqs)
         first = user.seqs[0]
         prompt_lp = None
@@ -185,6 +194,8 @@ class Engine:
         return out
 
     def _with_text(self, entries: list[PositionLogprobs]) -> list[PositionLogprobs]:
+        if self.tokenizer is None:
+            return entries
         for entry in entries:
             for tid, lp in entry.items():
                 if lp.decoded_token is None:

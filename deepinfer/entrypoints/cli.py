@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
+from deepinfer.bench import args as bench_args
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -73,12 +74,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from deepinfer.bench.throughput import run_throughput
 
-    if args.kind != "throughput":
-        raise NotImplementedError(f"`deepinfer bench {args.kind}` is not built yet; available: throughput")
     run_throughput(args, engine_kwargs(args))
+    return 0
+
+
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from deepinfer.bench.prefill import run_prefill
+
+    run_prefill(args)
+    return 0
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from deepinfer.bench.decode import run_decode
+
+    run_decode(args)
+    return 0
+
+
+def cmd_bench_curve(args: argparse.Namespace) -> int:
+    from deepinfer.bench.curve import run_curve
+
+    run_curve(args)
     return 0
 
 
@@ -107,19 +127,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")
-    bench.add_argument("kind", choices=["throughput", "prefill", "decode", "curve"])
-    add_engine_args(bench)
-    bench.add_argument("--num-prompts", type=int, default=32)
-    bench.add_argument("--input-len", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=64)
-    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    bench.add_argument("--json", default=None, help="write the result as JSON to this path")
-    bench.set_defaults(func=cmd_bench)
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    tput = kinds.add_parser("throughput", help="offline generation throughput of a checkpoint, engine vs HF")
+    add_engine_args(tput)
+    tput.add_argument("--num-prompts", type=int, default=32)
+    tput.add_argument("--input-len", type=int, default=64)
+    tput.add_argument("--output-len", type=int, default=64)
+    tput.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    tput.add_argument("--json", default=None, help="write the result as JSON to this path")
+    tput.set_defaults(func=cmd_bench_throughput)
+    for name, add_args, func, text in (
+            ("prefill", bench_args.add_prefill_args, cmd_bench_prefill,
+             "input tokens/s/GPU of a prompt on random weights at real widths, floor and HF beside it"),
+            ("decode", bench_args.add_decode_args, cmd_bench_decode,
+             "decode steps/s at batch B and context L on random weights, floor and HF beside it"),
+            ("curve", bench_args.add_curve_args, cmd_bench_curve,
+             "decode over batch sizes: throughput per GPU vs per-user tokens/s, JSON and PNG")):
+        kind = kinds.add_parser(name, help=text, description=text)
+        add_args(kind)
+        kind.set_defaults(func=func)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv          # benchmarks record the command they ran
     logging.basicConfig(level=args.log_level.upper())
     try:
         return args.func(args)

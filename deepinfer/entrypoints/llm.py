@@ -38,11 +38,20 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                         data_parallel_size: int = 1, context_parallel_size: int = 1,
                         enforce_eager: bool = False,
-                        cuda_graph_sizes: Sequence[int] | None = None) -> EngineConfig:
+                        cuda_graph_sizes: Sequence[int] | None = None,
+                        hf_config: dict[str, Any] | None = None, load_format: str = "auto",
+                        skip_tokenizer_init: bool = False) -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
-    ``model=None`` is the tiny model embedded in the package."""
+    ``model=None`` is the tiny model embedded in the package. ``hf_config`` gives the
+    config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
+    for random weights and ``skip_tokenizer_init=True`` for token-id prompts)."""
     dev = resolve_device(device)
-    model_cfg = ModelConfig.from_path(model or DEFAULT_MODEL, dtype, max_model_len, dev)
+    options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init)
+    if hf_config is not None:
+        model_cfg = ModelConfig.from_hf_config(hf_config, model or "<in-memory config>", dtype,
+                                               max_model_len, dev, **options)
+    else:
+        model_cfg = ModelConfig.from_path(model or DEFAULT_MODEL, dtype, max_model_len, dev, **options)
     return EngineConfig(
         model=model_cfg,
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,

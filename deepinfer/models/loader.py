@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from deepinfer.config import ModelConfig
 from deepinfer.models.base import CausalLM
+from deepinfer.models.dummy import init_dummy_weights
 from deepinfer.models.quant import pair_scales
 from deepinfer.models.registry import get_model_class
 
@@ -78,12 +79,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> CausalLM:
+def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -> CausalLM:
     """Build the registered model for the checkpoint's architecture directly on
-    ``device`` in ``model_config.dtype``, load its weights, and put it in eval mode."""
+    ``device`` in ``model_config.dtype``, load its weights (or, with ``load_format="dummy"``,
+    fill them with random values from ``seed``), and put it in eval mode."""
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = model_cls(model_config.hf_config, model_config.dtype)
-    model.load_weights(iter_weights(model_config.path, model_config.hf_config))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_weights(model_config.path, model_config.hf_config))
     model.requires_grad_(False)
     return model.eval()

@@ -1,0 +1,56 @@
+"""Command-line options of ``deepinfer bench prefill | decode | curve`` (argparse only, so the
+CLI builds its parser without importing torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_CONFIG = "deepseek-v4-flash"
+DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help="model shapes: a preset (deepseek-v4-flash) or a config.json / model directory; "
+                        "weights are random, no checkpoint is read")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="decoder layers (default: 4 for the preset, the config's own otherwise)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="engine token budget per step (default: prefill batch x prompt; decode max(4096, B))")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps (prefill: rounds) first")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
+    p.add_argument("--floor-copy-mib", type=int, default=2048, help="size of the bandwidth probe's copy")
+    p.add_argument("--floor-matmul-n", type=int, default=8192, help="size of the matmul-rate probe (n^3)")
+
+
+def add_prefill_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per round")
+    p.add_argument("--iters", type=int, default=5, help="timed rounds after the warm-up")
+    p.add_argument("--hf-iters", type=int, default=3, help="timed HF generate calls")
+
+
+def _add_decode_common(p: argparse.ArgumentParser, context_len: int, steps: int) -> None:
+    add_model_args(p)
+    p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens of each request")
+    p.add_argument("--steps", type=int, default=steps, help="timed decode steps")
+    p.add_argument("--hf-steps", type=int, default=8,
+                   help="extra decode steps of the HF baseline's longer generate")
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    _add_decode_common(p, context_len=4096, steps=32)
+    p.add_argument("--batch-size", type=int, default=1, help="concurrent requests")
+
+
+def add_curve_args(p: argparse.ArgumentParser) -> None:
+    _add_decode_common(p, context_len=1024, steps=16)
+    p.add_argument("--batch-sizes", default=DEFAULT_BATCHES, help="comma-separated batch sizes")
+    p.add_argument("--output-png", default=None,
+                   help="plot path (default: the --output-json path with .png, when given)")

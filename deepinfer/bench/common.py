@@ -1,0 +1,241 @@
+"""What ``deepinfer bench prefill | decode | curve`` share: the model under test and its
+accounting, the engine built on random weights, the measured floors, routing counts,
+the report (the command-line options are in bench/args.py).
+
+Each benchmark runs in one process: floors first (on an empty device), then the
+engine, then (after the engine is freed) the HF transformers baseline on the same
+random weights (bench/hf_baseline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer.bench.floors import DeepseekV4Cost, measure_hbm_bandwidth, measure_matmul_tflops
+from deepinfer.bench.model_shapes import V4_ARCH, resolve_config
+from deepinfer.config import resolve_dtype
+from deepinfer.engine.engine import Engine
+from deepinfer.entrypoints.llm import build_engine_config, resolve_device
+from deepinfer.forward_context import ForwardContext
+from deepinfer.layers.deepseek_v4_moe import DeepseekV4Router
+from deepinfer.models.deepseek_v4 import DeepseekV4Args
+from deepinfer.outputs import RequestOutput
+
+# Speculative tokens per step: the engine has no speculative decoding yet, so every decode
+# step commits at most one token per request.
+NEXTN = 0
+# Context-parallel ranks: the benchmarks run on one device.
+CP = 1
+
+
+@dataclass
+class BenchModel:
+    """The model under test: its config, where it runs, and its byte/FLOP accounting."""
+
+    label: str
+    hf_config: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+    cost: DeepseekV4Cost
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchModel:
+        label, hf_config = resolve_config(args.config, args.num_layers)
+        arch = (hf_config.get("architectures") or ["<none>"])[0]
+        if arch != V4_ARCH:
+            raise NotImplementedError(f"bench prefill/decode/curve account bytes and FLOPs for {V4_ARCH} "
+                                      f"only; --config {args.config!r} is {arch}")
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        elem = torch.empty((), dtype=dtype).element_size()
+        cost = DeepseekV4Cost(DeepseekV4Args.from_hf(hf_config), elem, elem,
+                              bool(hf_config.get("tie_word_embeddings", False)))
+        return cls(label, hf_config, device, dtype, cost)
+
+    def describe(self) -> dict[str, Any]:
+        args = self.cost.args
+        return {"model": self.label, "num_layers": args.num_layers,
+                "layer_types": list(args.layer_types[: args.num_layers]),
+                "params": self.cost.num_params, "param_bytes": self.cost.param_bytes,
+                "device": device_name(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "torch": torch.__version__}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_floors(model: BenchModel, args: argparse.Namespace) -> dict[str, float]:
+    """HBM copy bandwidth and dense matmul rate of this device, measured now."""
+    hbm = measure_hbm_bandwidth(model.device, args.floor_copy_mib << 20)
+    mm = measure_matmul_tflops(model.device, args.floor_matmul_n, model.dtype)
+    free_memory(model.device)
+    return {"hbm_gb_s": hbm, "matmul_tflop_s": mm, "copy_bytes": args.floor_copy_mib << 20,
+            "matmul_n": args.floor_matmul_n}
+
+
+def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> Engine:
+    """An engine over ``model``'s shapes with random weights and no tokenizer; fails clearly
+    if the random weights give non-finite activations."""
+    config = build_engine_config(
+        model.label, hf_config=model.hf_config, load_format="dummy", skip_tokenizer_init=True,
+        dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = Engine(config)
+    check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
+    return engine
+
+
+@torch.inference_mode()
+def check_finite(model: torch.nn.Module, device: torch.device, vocab_size: int, seed: int,
+                 num_tokens: int = 32) -> None:
+    """Run ``num_tokens`` random tokens through the model (no cache) and raise RuntimeError
+    naming the first decoder layer whose output is not finite, or the logits."""
+    layers = [(n, m) for n, m in model.named_modules() if n.count(".") == 2 and n.startswith("model.layers.")]
+    finite: list[tuple[str, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: finite.append((n, torch.isfinite(out).all())))
+             for n, m in layers]
+    try:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (num_tokens,), generator=g).to(device)
+        logits = model.compute_logits(model(ids, ForwardContext.no_cache([num_tokens], device)))
+    finally:
+        for h in hooks:
+            h.remove()
+    for name, ok in finite:
+        if not bool(ok):
+            raise RuntimeError(f"random weights give non-finite activations at the output of {name}; "
+                               "the dummy weight scales (deepinfer/models/dummy.py) do not suit this config")
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError("random weights give non-finite logits; the dummy weight scales "
+                           "(deepinfer/models/dummy.py) do not suit this config")
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def random_prompts(n: int, length: int, vocab_size: int, gen: torch.Generator) -> list[list[int]]:
+    return [torch.randint(0, vocab_size, (length,), generator=gen).tolist() for _ in range(n)]
+
+
+def step_outputs(engine: Engine) -> list[RequestOutput]:
+    """One engine step; a request that ends in error stops the benchmark."""
+    outs = engine.step()
+    for out in outs:
+        if out.error:
+            raise RuntimeError(f"request {out.request_id} failed during the benchmark: {out.error}")
+    return outs
+
+
+def drain(engine: Engine, request_ids: list[str]) -> None:
+    """Abort ``request_ids`` and step until the engine holds nothing (their KV blocks are free)."""
+    for rid in request_ids:
+        engine.abort(rid)
+    while engine.has_unfinished() or engine.requests:
+        engine.step()
+
+
+class RoutingRecorder:
+    """Forward hooks on the MoE routers that keep each call's expert ids (device tensors, so
+    recording does not synchronise). Calls made by CUDA-graph replays are not seen; then
+    :meth:`distinct_per_layer` returns None and the caller falls back to the estimate."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = [m for m in model.modules() if isinstance(m, DeepseekV4Router)]
+        self.ids: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self._hooks = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+
+    def _hook(self, i: int):
+        def record(_module, _inputs, output) -> None:
+            self.ids[i].append(output[1])          # [T, K] expert ids
+        return record
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def distinct_per_layer(self) -> list[float] | None:
+        """Mean distinct experts per recorded call, per layer."""
+        if not self.routers or any(not calls for calls in self.ids):
+            return None
+        return [sum(c.unique().numel() for c in calls) / len(calls) for calls in self.ids]
+
+
+def timestamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def header(kind: str, model: BenchModel, floors: dict[str, float], argv: list[str]) -> dict[str, Any]:
+    return {"bench": kind, "date": timestamp(), "command": "deepinfer " + " ".join(argv),
+            **model.describe(), "measured": floors, "nextn": NEXTN, "cp": CP, "num_gpus": 1}
+
+
+def write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}")
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    cells = [columns] + [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    print(title)
+    for k, row in enumerate(cells):
+        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+
+
+def print_header(result: dict[str, Any]) -> None:
+    m = result["measured"]
+    print(f"deepinfer bench {result['bench']}: {result['model']}, {result['params'] / 1e9:.4g}B parameters "
+          f"({result['param_bytes'] / 1e9:.4g} GB), {result['dtype']} on {result['device']}")
+    print(f"measured: HBM copy {m['hbm_gb_s']:,.0f} GB/s, dense matmul {m['matmul_tflop_s']:,.1f} TFLOP/s")
+
+
+class Timer:
+    """Wall time between ``start`` and ``stop``, with the device synchronised at both ends."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        sync(self.device)
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        sync(self.device)
+        return time.perf_counter() - self._t0

@@ -1,0 +1,101 @@
+"""``deepinfer bench curve``: decode over batch sizes (1, 2, 4, ..., 256 by default).
+
+Each batch size is one ``bench decode`` measurement (bench/decode.py) on the same
+engine; the curve is effective throughput per GPU against per-user tokens/s, with
+the floor at each batch (the fastest any engine could go: ``B / floor`` and
+``1 / floor``) and HF transformers where it fits. The JSON is always written; the PNG
+needs matplotlib (the ``bench`` extra) and is skipped with a message without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.bench.common import BenchModel, build_engine, free_memory, header, measure_floors, write_json
+from deepinfer.bench.decode import add_hf, check_decode_args, decode_point, report
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes={text!r} must be comma-separated integers") from None
+    if not batches:
+        raise ValueError("--batch-sizes is empty")
+    return batches
+
+
+def run_curve(args: argparse.Namespace) -> dict[str, Any]:
+    batches = parse_batches(args.batch_sizes)
+    check_decode_args(args, batches)
+    model = BenchModel.from_args(args)
+    result = header("curve", model, measure_floors(model, args), args.argv)
+    budget = args.max_num_batched_tokens or max(4096, batches[-1])
+    result.update(warmup_steps=args.warmup, timed_steps=args.steps, context_len=args.context_len,
+                  max_num_batched_tokens=budget)
+    engine = build_engine(model, args, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
+                          max_model_len=args.context_len + args.warmup + args.steps + 16)
+    gen = torch.Generator().manual_seed(args.seed)
+    points = []
+    for b in batches:
+        points.append(decode_point(engine, model, result["measured"], b, args.context_len, args.warmup,
+                                   args.steps, gen))
+        print(f"B={b}: {points[-1]['engine']['ms_per_step']:.3f} ms/step", flush=True)
+    del engine
+    free_memory(model.device)
+    if not args.no_hf:
+        add_hf(points, model, args, gen)
+    result["points"] = points
+    result["curve"] = {
+        "batch": batches,
+        "tok_s_per_gpu": [p["engine"]["effective_tok_s_per_gpu"] for p in points],
+        "tok_s_per_user": [p["engine"]["per_user_tok_s"] for p in points],
+        "floor_tok_s_per_gpu": [p["batch"] * 1e3 / p["floor"]["floor_ms"] for p in points],
+        "floor_tok_s_per_user": [1e3 / p["floor"]["floor_ms"] for p in points],
+        "hf_tok_s_per_gpu": [(p["hf"] or {}).get("tok_s") for p in points],
+        "hf_tok_s_per_user": [1e3 / p["hf"]["ms_per_step"] if (p["hf"] or {}).get("ms_per_step") else None
+                              for p in points],
+    }
+    report(result, points)
+    write_json(args.output_json, result)
+    png = args.output_png or (str(Path(args.output_json).with_suffix(".png")) if args.output_json else None)
+    if png:
+        plot(result, png)
+    return result
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """Write the curve to ``path``; False (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"not writing {path}: the plot needs matplotlib (pip install 'deepinfer[bench]')")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["curve"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ax.plot(c["tok_s_per_user"], c["tok_s_per_gpu"], "o-", label="deepinfer")
+    for b, x, y in zip(c["batch"], c["tok_s_per_user"], c["tok_s_per_gpu"]):
+        ax.annotate(f"B={b}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.plot(c["floor_tok_s_per_user"], c["floor_tok_s_per_gpu"], "k--", label="floor (bytes / bandwidth, FLOPs / matmul rate)")
+    hf = [(x, y) for x, y in zip(c["hf_tok_s_per_user"], c["hf_tok_s_per_gpu"]) if x and y]
+    if hf:
+        ax.plot(*zip(*hf), "s-", label="HF transformers generate")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens/s per user")
+    ax.set_ylabel("tokens/s per GPU (effective)")
+    ax.set_title(f"{result['model']}, context {result['context_len']}, {result['device']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return True

@@ -1,0 +1,164 @@
+"""``deepinfer bench decode``: decode steps per second at batch B and context length L.
+
+B random prompts of L tokens are prefilled first (untimed, reported apart); once every
+request has its first token, ``--warmup`` decode steps run untimed (their routing is
+recorded to count the experts each layer touches), then ``--steps`` decode steps are
+timed as one window. Reported, never mixed:
+
+- full-acceptance throughput ``SPS x B x (1 + nextn) / cp`` (DeepSeek's convention);
+- effective throughput: tokens actually committed in the window / its time.
+
+Floor: the bytes one step must move (weights touched, with the counted distinct routed
+experts, plus KV cache; bench/floors.py) / measured HBM bandwidth, at the context length
+in the middle of the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from deepinfer.bench.common import (CP, NEXTN, BenchModel, RoutingRecorder, Timer, build_engine, drain,
+                                    free_memory, header, measure_floors, print_header, print_table,
+                                    random_prompts, step_outputs, write_json)
+from deepinfer.bench.floors import floor_ms
+from deepinfer.engine.engine import Engine
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+
+def check_decode_args(args: argparse.Namespace, batches: list[int]) -> None:
+    if min(batches) < 1 or args.context_len < 1 or args.steps < 1 or args.hf_steps < 1 or args.warmup < 0:
+        raise ValueError("batch sizes, --context-len, --steps and --hf-steps must be >= 1, --warmup >= 0")
+
+
+def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
+    """Tokens committed by these outputs since the last count (``produced`` is updated)."""
+    new = 0
+    for out in outs:
+        n = len(out.outputs[0].token_ids)
+        new += n - produced[out.request_id]
+        produced[out.request_id] = n
+    return new
+
+
+def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int,
+                   gen: torch.Generator) -> dict[str, Any]:
+    """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    timer = Timer(engine.config.device)
+    prompts = random_prompts(batch, context, engine.config.model.vocab_size, gen)
+    timer.start()
+    rids = [engine.add_request(p, params) for p in prompts]
+    produced = dict.fromkeys(rids, 0)
+    prefill_steps = 0
+    while min(produced.values()) < 1:
+        _collect(step_outputs(engine), produced)
+        prefill_steps += 1
+    prefill_s = timer.stop()
+
+    recorder = RoutingRecorder(engine.model)
+    try:
+        for _ in range(warmup):
+            _collect(step_outputs(engine), produced)
+    finally:
+        recorder.remove()
+
+    committed, step_ms = [], []
+    timer.start()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        committed.append(_collect(step_outputs(engine), produced))
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    window_s = timer.stop()
+    drain(engine, rids)
+
+    sps = steps / window_s
+    effective = sum(committed) / window_s
+    return {
+        "ms_per_step": 1e3 / sps, "steps_per_s": sps,
+        "full_acceptance_tok_s": sps * batch * (1 + NEXTN) / CP,
+        "effective_tok_s": effective, "effective_tok_s_per_gpu": effective,
+        "per_user_tok_s": effective / batch,
+        "step_ms_median": statistics.median(step_ms), "step_ms_max": max(step_ms),
+        "tokens_committed": sum(committed), "min_tokens_per_step": min(committed),
+        "prefill_s": prefill_s, "prefill_steps": prefill_steps,
+        "distinct_experts_counted": recorder.distinct_per_layer(),
+    }
+
+
+def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], batch: int, context: int,
+                 warmup: int, steps: int, gen: torch.Generator) -> dict[str, Any]:
+    """One (batch, context) measurement with its floor."""
+    eng = measure_decode(engine, batch, context, warmup, steps, gen)
+    counted = eng.pop("distinct_experts_counted")
+    mid = context + warmup + (steps + 1) // 2       # tokens per sequence after the window's middle step
+    work = model.cost.decode_step(batch, mid, counted)
+    floor = {**work, **floor_ms(work, measured["hbm_gb_s"], measured["matmul_tflop_s"]),
+             "context_at": mid, "distinct_experts_source": "counted" if counted else "estimate",
+             "distinct_experts_estimate": model.cost.estimated_distinct_experts(batch)[0]}
+    return {"batch": batch, "context_len": context, "engine": eng, "floor": floor,
+            "engine_over_floor": eng["ms_per_step"] / floor["floor_ms"], "hf": None}
+
+
+def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Namespace,
+           gen: torch.Generator) -> None:
+    """The HF baseline at each point's batch and context (the engine must be freed first)."""
+    from deepinfer.bench.hf_baseline import HFBaseline
+
+    hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
+    try:
+        for point in points:
+            point["hf"] = hf.decode(point["batch"], point["context_len"], args.hf_steps, gen)
+            if point["hf"].get("ms_per_step"):
+                point["engine_speedup_over_hf"] = point["hf"]["ms_per_step"] / point["engine"]["ms_per_step"]
+    finally:
+        hf.close()
+
+
+def run_decode(args: argparse.Namespace) -> dict[str, Any]:
+    check_decode_args(args, [args.batch_size])
+    model = BenchModel.from_args(args)
+    result = header("decode", model, measure_floors(model, args), args.argv)
+    budget = args.max_num_batched_tokens or max(4096, args.batch_size)
+    result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget)
+    engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
+                          max_model_len=args.context_len + args.warmup + args.steps + 16)
+    gen = torch.Generator().manual_seed(args.seed)
+    point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
+                         args.steps, gen)
+    del engine
+    free_memory(model.device)
+    if not args.no_hf:
+        add_hf([point], model, args, gen)
+    result.update(point)
+    report(result, [point])
+    write_json(args.output_json, result)
+    return result
+
+
+def report(result: dict[str, Any], points: list[dict[str, Any]]) -> None:
+    print_header(result)
+    rows = []
+    for p in points:
+        e, f, hf = p["engine"], p["floor"], p["hf"] or {}
+        rows.append([f"B={p['batch']}", p["context_len"], e["ms_per_step"], f["floor_ms"], p["engine_over_floor"],
+                     e["full_acceptance_tok_s"], e["effective_tok_s"], e["per_user_tok_s"],
+                     hf.get("ms_per_step"), hf.get("context_len"), p.get("engine_speedup_over_hf")])
+    print_table(f"decode ({result['timed_steps']} timed steps after {result['warmup_steps']} warm-up; "
+                f"nextn={result['nextn']}, cp={result['cp']})",
+                ["", "context", "ms/step", "floor ms", "x floor", "tok/s full", "tok/s eff.", "tok/s/user",
+                 "HF ms/step", "HF ctx", "vs HF"], rows)
+    for p in points:
+        f = p["floor"]
+        experts = ", ".join(f"{x:.1f}" for x in f["distinct_experts"])
+        print(f"B={p['batch']}: floor {f['bytes'] / 1e9:.3g} GB ({f['weight_bytes'] / 1e9:.3g} weights + "
+              f"{f['kv_bytes'] / 1e9:.3g} KV) -> {f['bytes_ms']:.3g} ms; {f['flops'] / 1e12:.3g} TFLOP -> "
+              f"{f['flops_ms']:.3g} ms; distinct experts/layer [{experts}] ({f['distinct_experts_source']}; "
+              f"uniform estimate {f['distinct_experts_estimate']:.1f})")
+        if p["hf"] and "skipped" in p["hf"]:
+            print(f"B={p['batch']}: HF transformers skipped ({p['hf']['skipped']})")

@@ -1,0 +1,106 @@
+"""``deepinfer bench prefill``: input tokens per second per GPU.
+
+One round adds ``batch`` fresh random prompts of ``prompt_len`` tokens (``max_tokens=1``,
+so each request ends when its prefill samples a token) and steps the engine until all
+finish. The first ``--warmup`` rounds are discarded (they compile kernels and warm
+allocators); the figure is ``batch x prompt_len / mean round time`` over the next
+``--iters`` rounds. Floor: the prefill's useful FLOPs / measured matmul rate (or its
+bytes / measured bandwidth, whichever is larger; bench/floors.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any
+
+import torch
+
+from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, measure_floors,
+                                    print_header, print_table, random_prompts, step_outputs, write_json)
+from deepinfer.bench.floors import floor_ms
+from deepinfer.engine.engine import Engine
+from deepinfer.sampling_params import SamplingParams
+
+
+def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, iters: int,
+                    gen: torch.Generator) -> dict[str, Any]:
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    timer = Timer(engine.config.device)
+    rounds, steps = [], []
+    for i in range(warmup + iters):
+        prompts = random_prompts(batch, prompt_len, vocab, gen)
+        timer.start()
+        pending = {engine.add_request(p, params) for p in prompts}
+        n_steps = 0
+        while pending:
+            for out in step_outputs(engine):
+                if out.finished:
+                    pending.discard(out.request_id)
+            n_steps += 1
+        elapsed = timer.stop()
+        if i >= warmup:
+            rounds.append(elapsed)
+            steps.append(n_steps)
+    mean_s = statistics.fmean(rounds)
+    return {"round_ms": [t * 1e3 for t in rounds], "ms": mean_s * 1e3, "steps_per_round": steps,
+            "input_tok_s": batch * prompt_len / mean_s, "input_tok_s_per_gpu": batch * prompt_len / mean_s}
+
+
+def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    if min(args.prompt_len, args.batch_size, args.iters) < 1 or args.warmup < 0:
+        raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
+    model = BenchModel.from_args(args)
+    result = header("prefill", model, measure_floors(model, args), args.argv)
+    # Whole prompts per step, up to 4096 tokens: the engine sizes its KV cache after a profiling
+    # forward of this many tokens as one sequence, whose attention scores grow with its square.
+    budget = args.max_num_batched_tokens or min(args.batch_size * args.prompt_len, max(args.prompt_len, 4096))
+    result.update(batch=args.batch_size, prompt_len=args.prompt_len, warmup_rounds=args.warmup,
+                  timed_rounds=args.iters, max_num_batched_tokens=budget)
+
+    engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
+                          max_model_len=args.prompt_len + 1)
+    gen = torch.Generator().manual_seed(args.seed)
+    result["engine"] = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters, gen)
+    del engine
+    free_memory(model.device)
+
+    work = model.cost.prefill(args.batch_size, args.prompt_len)
+    floor = {**work, **floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])}
+    result["floor"] = floor
+    result["engine_over_floor"] = result["engine"]["ms"] / floor["floor_ms"]
+    result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3) / (
+        result["measured"]["matmul_tflop_s"] * 1e12)
+
+    result["hf"] = None
+    if not args.no_hf:
+        from deepinfer.bench.hf_baseline import HFBaseline
+
+        hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
+        try:
+            result["hf"] = hf.prefill(args.batch_size, args.prompt_len, args.hf_iters, gen)
+        finally:
+            hf.close()
+    report(result)
+    write_json(args.output_json, result)
+    return result
+
+
+def report(result: dict[str, Any]) -> None:
+    print_header(result)
+    e, f, hf = result["engine"], result["floor"], result["hf"]
+    rows = [["engine", result["prompt_len"], e["ms"], e["input_tok_s_per_gpu"], result["engine_over_floor"]],
+            ["floor", result["prompt_len"], f["floor_ms"],
+             result["batch"] * result["prompt_len"] / (f["floor_ms"] * 1e-3), 1.0]]
+    if hf and "ms" in hf:
+        rows.append(["HF transformers", hf["prompt_len"], hf["ms"], hf["input_tok_s"],
+                     hf["ms"] / f["floor_ms"] if hf["prompt_len"] == result["prompt_len"] else None])
+    print_table(f"prefill, batch {result['batch']} x {result['prompt_len']} tokens "
+                f"({result['timed_rounds']} rounds after {result['warmup_rounds']} warm-up)",
+                ["", "prompt", "ms", "input tok/s/GPU", "x floor"], rows)
+    print(f"floor: {f['flops'] / 1e12:.3g} TFLOP -> {f['flops_ms']:.3g} ms; {f['bytes'] / 1e9:.3g} GB -> "
+          f"{f['bytes_ms']:.3g} ms ({f['bound']}-bound); engine at "
+          f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate")
+    if hf and "skipped" in hf:
+        print(f"HF transformers: skipped ({hf['skipped']})")

@@ -1,0 +1,123 @@
+"""``deepinfer bench prefill | decode | curve`` end to end on the CPU with a 2-layer tiny
+DeepSeek-V4 config (random weights): exit status, the printed table, and the JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer.entrypoints.cli import main
+from deepinfer.entrypoints.llm import DEFAULT_MODEL
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+# Small probes keep the floor measurement quick on the CPU.
+COMMON = ["--num-layers", "2", "--device", "cpu", "--warmup", "1", "--floor-copy-mib", "8",
+          "--floor-matmul-n", "128"]
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> str:
+    """The embedded model's config with one CSA and one HCA layer (ratio 16)."""
+    cfg = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())
+    cfg["layer_types"] = [CSA, HCA] + cfg["layer_types"][2:]
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def run(argv: list[str], out: Path) -> dict:
+    assert main(argv + ["--output-json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def positive(d: dict, *keys: str) -> None:
+    for k in keys:
+        assert isinstance(d[k], (int, float)) and d[k] > 0, (k, d[k])
+
+
+def check_header(result: dict, kind: str) -> None:
+    assert result["bench"] == kind and result["num_layers"] == 2
+    assert result["layer_types"] == [CSA, HCA]
+    positive(result, "params", "param_bytes")
+    positive(result["measured"], "hbm_gb_s", "matmul_tflop_s")
+    assert result["nextn"] == 0 and result["cp"] == 1
+
+
+def test_decode(tiny_config, tmp_path, capsys):
+    batch, steps = 3, 4
+    r = run(["bench", "decode", "--config", tiny_config, *COMMON, "--batch-size", str(batch),
+             "--context-len", "40", "--steps", str(steps), "--hf-steps", "2"], tmp_path / "d.json")
+    check_header(r, "decode")
+    e, f, hf = r["engine"], r["floor"], r["hf"]
+    positive(e, "ms_per_step", "steps_per_s", "full_acceptance_tok_s", "effective_tok_s", "per_user_tok_s",
+             "prefill_s")
+    # Full acceptance: SPS x requests x (1 + nextn) / cp; effective: tokens committed in the window.
+    assert e["full_acceptance_tok_s"] == pytest.approx(e["steps_per_s"] * batch)
+    assert e["tokens_committed"] == batch * steps and e["min_tokens_per_step"] == batch
+    assert e["ms_per_step"] == pytest.approx(1e3 / e["steps_per_s"])
+    positive(f, "weight_bytes", "kv_bytes", "bytes", "flops", "floor_ms")
+    assert f["distinct_experts_source"] == "counted"
+    assert all(1 <= x <= 8 for x in f["distinct_experts"])    # 8 experts, 2 per token
+    assert r["engine_over_floor"] == pytest.approx(e["ms_per_step"] / f["floor_ms"])
+    positive(hf, "ms_per_step")
+    assert hf["context_len"] == 40
+    table = capsys.readouterr().out
+    assert "ms/step" in table and "B=3" in table and "HF ms/step" in table
+
+
+def test_prefill(tiny_config, tmp_path, capsys):
+    r = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "48", "--batch-size", "2",
+             "--iters", "2", "--hf-iters", "1"], tmp_path / "p.json")
+    check_header(r, "prefill")
+    e, f = r["engine"], r["floor"]
+    assert len(e["round_ms"]) == 2 and e["steps_per_round"] == [1, 1]
+    positive(e, "ms", "input_tok_s", "input_tok_s_per_gpu")
+    assert e["input_tok_s"] == pytest.approx(2 * 48 / (e["ms"] * 1e-3))
+    positive(f, "flops", "bytes", "floor_ms")
+    positive(r, "engine_over_floor", "matmul_peak_share")
+    positive(r["hf"], "ms", "input_tok_s")
+    assert "input tok/s/GPU" in capsys.readouterr().out
+
+
+def test_prefill_chunked_over_steps(tiny_config, tmp_path):
+    r = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "48", "--iters", "1",
+             "--max-num-batched-tokens", "16", "--no-hf"], tmp_path / "p.json")
+    assert r["engine"]["steps_per_round"] == [3] and r["hf"] is None
+
+
+def test_curve(tiny_config, tmp_path):
+    out = tmp_path / "c.json"
+    r = run(["bench", "curve", "--config", tiny_config, *COMMON, "--batch-sizes", "4,1,2", "--context-len", "20",
+             "--steps", "2", "--no-hf"], out)
+    check_header(r, "curve")
+    assert [p["batch"] for p in r["points"]] == [1, 2, 4]
+    c = r["curve"]
+    assert c["batch"] == [1, 2, 4]
+    for key in ("tok_s_per_gpu", "tok_s_per_user", "floor_tok_s_per_gpu", "floor_tok_s_per_user"):
+        assert len(c[key]) == 3 and all(v > 0 for v in c[key]), key
+    assert c["hf_tok_s_per_gpu"] == [None] * 3
+    for p in r["points"]:
+        assert p["engine"]["tokens_committed"] == 2 * p["batch"]
+    png = out.with_suffix(".png")
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists()
+
+
+def test_bad_arguments_fail_clearly(tiny_config, tmp_path, capsys):
+    assert main(["bench", "decode", "--config", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                    "num_hidden_layers": 2}))
+    assert main(["bench", "prefill", "--config", str(llama), "--device", "cpu"]) == 2
+    assert "DeepseekV4ForCausalLM only" in capsys.readouterr().err
+    assert main(["bench", "curve", "--config", tiny_config, "--batch-sizes", "1,x", "--device", "cpu"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err
+    assert main(["bench", "decode", "--config", tiny_config, "--steps", "0", "--device", "cpu"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
