@@ -5,15 +5,16 @@ DeepSeek-V3) and :func:`reference.clamped_moe_experts` (DeepSeek-V4).
 Three kernels, no host synchronisation (the grids are sized from T, K and E
 alone, so the whole forward can be captured in a CUDA graph):
 
-* align (grid E): program e counts the (token, slot) pairs routed to expert e,
-  claims a ``BLOCK_M``-aligned run of the sorted array with one atomic add on a
-  cursor, and writes its pair ids there (padding = T*K, "no pair") and e as the
-  expert of those M-blocks (one more program zeroes the output rows of pairs
-  whose id is outside [0, E), e.g. -1). Runs land in whatever order the atomics resolve;
-  each row of a GEMM tile is computed independently of its neighbours, so a
-  token's output does not depend on where its run landed. The cursor ends as
-  the padded total; the padded total is at most ``T*K + min(T*K, E)*(BLOCK_M-1)``,
-  which bounds the GEMM grids, and M-blocks past the total exit at once.
+* align (grid E + 1): program e counts the (token, slot) pairs routed to
+  expert e, claims a ``BLOCK_M``-aligned run of the sorted array with one atomic
+  add on a cursor, and writes its pair ids there in pair order (padding = T*K,
+  "no pair") and e as the expert of those M-blocks; the last program zeroes the
+  output rows of pairs whose id is outside [0, E) (e.g. -1). Runs land in
+  whatever order the atomics resolve, but a pair's row within its M-block is
+  fixed and each row of a GEMM tile is computed independently of the others, so
+  outputs are bitwise reproducible. The cursor ends as the padded total, at most
+  ``T*K + min(T*K, E)*(BLOCK_M-1)``; that bound sizes the GEMM grids, and
+  M-blocks past the total exit at once.
 * gate_up (grid M-blocks x I/BLOCK_N): rows of x gathered by pair, times the
   block's expert's gate rows and up rows (two float32 accumulators), SwiGLU
   with the optional clamp in the epilogue; writes act [T*K, I] by pair.
