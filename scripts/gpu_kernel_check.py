@@ -11,7 +11,12 @@ reports TFLOP/s (causal QK^T and PV only). For sparse attention and the indexer
 the bytes are those *gathered* (every key row a token reads, plus q and the
 output), so where tokens share keys (prefill) L2 hits can lift the figure past
 HBM bandwidth. These three also sweep their tile configs, to pick the launchers'
-defaults from. Exit status 1 if any check fails.
+defaults from. The fused MoE (DeepSeek-V4-Flash widths:
+E=256, K=6, H=4096, I=2048, bf16) reports, per token count, the bytes of the experts
+actually touched / time (decode is bound by streaming them), TFLOP/s of the useful
+expert FLOPs (prefill is compute bound), eager and CUDA-graph times, and a sweep of
+tile configs beside the one :func:`fused_moe.pick_config` chooses. Exit status 1 if
+any check fails.
 
 Run:  python scripts/gpu_kernel_check.py        (a few minutes on an H200)
 """
@@ -28,6 +33,8 @@ from triton.testing import do_bench
 from deepinfer.kernels import reference
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
+from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, pick_config
+from deepinfer.kernels.moe_routing import grouped_topk_sigmoid, topk_route
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.rope import apply_rope_qk_
@@ -306,6 +313,77 @@ def mla_decode_case(batch: int, ctx: int, nh: int = 128, r: int = 512, dr: int =
             bench_config(f"{name} H{block_h} N{block_n} w{warps} splits={splits}",
                          lambda c=config: mla_decode(q, cache, table, seq_lens, scale, r, ctx, c),
                          moved, flops)
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+def routing_case(t: int) -> None:
+    logits = torch.randn(t, 256, device=DEV) * 2
+    bias = torch.randn(256, device=DEV) * 0.1
+    for name, kernel, ref in (
+        (f"V4 sqrtsoftplus+bias top-6 T={t}", lambda: topk_route(logits, 6, "sqrtsoftplus", 1.5, True, bias),
+         lambda: reference.biased_topk(logits, bias, 6, "sqrtsoftplus", 1.5)),
+        (f"V3 grouped sigmoid top-8 T={t}", lambda: grouped_topk_sigmoid(logits, bias, 8, 4, 8, True, 2.5),
+         lambda: reference.grouped_topk_sigmoid(logits, bias, 8, 4, 8, True, 2.5)),
+    ):
+        w, ids = by_expert(*kernel())
+        ref_w, ref_ids = by_expert(*ref())
+        if not torch.equal(ids, ref_ids):
+            failures.append(name)
+            print(f"  check {name}: FAIL (different experts chosen)")
+        check(name, w, ref_w, 1e-5, 1e-6)
+        bench(name, kernel, ref, logits.numel() * 4 + ids.numel() * 12)
+
+
+MOE_SWEEP_DECODE = [
+    MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=3),
+    MoEConfig(16, 32, 256, 64, 256, 1, num_warps=4, num_stages=3),
+    MoEConfig(16, 16, 256, 32, 256, 1, num_warps=4, num_stages=4),
+    MoEConfig(16, 64, 128, 128, 128, 1, num_warps=4, num_stages=4),
+    MoEConfig(16, 32, 64, 64, 64, 1, num_warps=2, num_stages=6),
+]
+MOE_SWEEP_PREFILL = [
+    MoEConfig(128, 64, 64, 128, 64, 8, num_warps=8, num_stages=3),
+    MoEConfig(128, 64, 64, 128, 64, 8, num_warps=4, num_stages=4),
+    MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=3),
+    MoEConfig(64, 128, 64, 128, 64, 8, num_warps=4, num_stages=3),
+    MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4),
+    MoEConfig(128, 64, 128, 128, 128, 8, num_warps=8, num_stages=2),
+]
+
+
+def moe_case(t: int, gate_up: torch.Tensor, down: torch.Tensor, sweep: list[MoEConfig],
+             limit: float = 10.0, top_k: int = 6) -> None:
+    e, two_i, h = gate_up.shape
+    i = two_i // 2
+    x = torch.randn(t, h, device=DEV, dtype=BF16)
+    weights, ids = topk_route(torch.randn(t, e, device=DEV), top_k, "sqrtsoftplus", 1.5, True,
+                              torch.randn(e, device=DEV) * 0.1)
+    touched = ids.unique().numel()
+    bytes_moved = touched * 3 * h * i * 2 + 2 * x.numel() * 2      # touched experts' weights, x in, out
+    flops = 2 * t * top_k * 3 * h * i
+    name = f"T={t} ({touched} experts touched, {touched * 3 * h * i * 2 / 1e9:.2f} GB)"
+
+    def run(cfg: MoEConfig | None = None) -> torch.Tensor:
+        return fused_moe(x, gate_up, down, weights, ids, limit, config=cfg)
+
+    ref = reference.clamped_moe_experts(x, gate_up, down, weights, ids, limit)
+    check(name, run(), ref, 2e-2, 2e-2 * ref.float().abs().max().item())
+    print(f"  config {pick_config(t, top_k, e, h, i)}")
+    bench(name + " eager", run, lambda: reference.clamped_moe_experts(x, gate_up, down, weights, ids, limit),
+          bytes_moved, flops)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    bench(name + " graph", graph.replay, None, bytes_moved, flops)
+    for cfg in sweep:
+        bench(f"T={t} {cfg}", lambda c=cfg: run(c), None, bytes_moved, flops)
 
 
 def run_all() -> None:
@@ -345,6 +423,15 @@ def run_all() -> None:
     mla_decode_case(1, 32768)
     mla_decode_case(16, 4096)
     mla_decode_case(64, 4096)
+    print("MoE routing (float32 logits, E=256)")
+    routing_case(64)
+    routing_case(4096)
+    print("Fused MoE, DeepSeek-V4-Flash widths (E=256, K=6, H=4096, I=2048, bf16, swiglu_limit 10)")
+    gate_up = torch.randn(256, 4096, 4096, device=DEV, dtype=BF16) / 64
+    down = torch.randn(256, 4096, 2048, device=DEV, dtype=BF16) / 45
+    for t in (1, 16, 64):
+        moe_case(t, gate_up, down, MOE_SWEEP_DECODE)
+    moe_case(4096, gate_up, down, MOE_SWEEP_PREFILL)
 
 
 def main() -> int:

@@ -139,3 +139,66 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         from deepinfer.kernels.mla_decode import mla_decode as kernel
         return kernel(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
     return reference.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits: [T, E] -> (weights [T, K] float32, ids [T, K] int64)
+    (see :func:`reference.softmax_topk`)."""
+    if use_triton(router_logits):
+        from deepinfer.kernels.moe_routing import softmax_topk as kernel
+        return kernel(router_logits, top_k, renormalize)
+    return reference.softmax_topk(router_logits, top_k, renormalize)
+
+
+def biased_topk(router_logits: torch.Tensor, bias: torch.Tensor, top_k: int, scoring_func: str,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing: router_logits [T, E], bias [E] -> (weights [T, K] float32,
+    ids [T, K] int64) (see :func:`reference.biased_topk`)."""
+    if use_triton(router_logits):
+        from deepinfer.kernels.moe_routing import topk_route as kernel
+        return kernel(router_logits, top_k, scoring_func, scaling, renormalize=True, bias=bias)
+    return reference.biased_topk(router_logits, bias, top_k, scoring_func, scaling)
+
+
+def hash_route(router_logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+               scoring_func: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 hash layers: router_logits [T, E], tid2eid [V, K], input_ids [T] ->
+    (weights [T, K] float32, ids [T, K] int64) (see :func:`reference.hash_route`)."""
+    if use_triton(router_logits):
+        from deepinfer.kernels.moe_routing import hash_route as kernel
+        return kernel(router_logits, tid2eid, input_ids, scoring_func, scaling)
+    return reference.hash_route(router_logits, tid2eid, input_ids, scoring_func, scaling)
+
+
+def grouped_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, num_groups: int,
+                         topk_groups: int, top_k: int, renormalize: bool,
+                         scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64)
+    (see :func:`reference.grouped_topk_sigmoid`)."""
+    if use_triton(router_logits):
+        from deepinfer.kernels.moe_routing import grouped_topk_sigmoid as kernel
+        return kernel(router_logits, correction_bias, num_groups, topk_groups, top_k, renormalize, scaling)
+    return reference.grouped_topk_sigmoid(router_logits, correction_bias, num_groups, topk_groups, top_k,
+                                          renormalize, scaling)
+
+
+def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Routed SwiGLU experts: x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I],
+    topk_weights / topk_ids [T, K] -> [T, H] (see :func:`reference.moe_experts`)."""
+    if use_triton(x):
+        from deepinfer.kernels.fused_moe import fused_moe as kernel
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    return reference.moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
+def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        swiglu_limit: float) -> torch.Tensor:
+    """DeepSeek-V4 routed experts (SwiGLU clamped at swiglu_limit, 0 = no clamp): shapes as
+    :func:`moe_experts` (see :func:`reference.clamped_moe_experts`)."""
+    if use_triton(x):
+        from deepinfer.kernels.fused_moe import fused_moe as kernel
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
+    return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)

@@ -330,4 +330,70 @@ def mla_decode(
         entries = gather_kv(cache, block_table[b], 0, length)[:, 0, 0].float()    # [L, R + Dr]
         probs = torch.softmax(q[b].float() @ entries.t() * scale, dim=-1)        # [Nh, L]
         out[b] = (probs @ entries[:, :kv_lora_rank]).to(q.dtype)
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Per-expert router scores in float32: ``sqrtsoftplus`` (DeepSeek-V4), ``sigmoid`` or ``softmax``.
+
+    logits: [T, E] -> [T, E] float32.
+    """
+    logits = logits.float()
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"scoring_func={scoring_func!r}; supported: sqrtsoftplus, sigmoid, softmax")
+
+
+def biased_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scoring_func: str,
+                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 routing: the top_k experts by ``score + bias``; weights are the unbiased
+    scores renormalised over the K chosen, times ``scaling`` (routed_scaling_factor).
+
+    logits: [T, E]; bias: [E] -> (weights [T, K] float32, expert ids [T, K] int64).
+    """
+    scores = router_scores(logits, scoring_func)                            # [T, E]
+    ids = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices  # [T, K]
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling, ids
+
+
+def hash_route(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Tensor,
+               scoring_func: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4 hash layers: token t goes to the experts ``tid2eid[input_ids[t]]`` (a frozen
+    table); weights are their scores renormalised, times ``scaling``.
+
+    logits: [T, E]; tid2eid: [V, K]; input_ids: [T] -> (weights [T, K] float32, ids [T, K] int64).
+    """
+    scores = router_scores(logits, scoring_func)                            # [T, E]
+    ids = tid2eid[input_ids].long()                                         # [T, K]
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling, ids
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``; no clamp when ``limit`` is 0."""
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        swiglu_limit: float) -> torch.Tensor:
+    """DeepSeek-V4 routed experts (HF ``DeepseekV4Experts.forward``): :func:`moe_experts` with
+    :func:`clamped_swiglu`, and each expert's output multiplied by its float32 weight before
+    it is rounded to x's dtype and summed.
+
+    x: [T, H]; gate_up_proj: [E, 2I, H]; down_proj: [E, H, I]; topk_weights, topk_ids: [T, K] -> [T, H].
+    """
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():                                       # ascending
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)              # [n] tokens routed to e
+        gate, up = (x[tok] @ gate_up_proj[e].t()).chunk(2, dim=-1)           # [n, I] each
+        h = clamped_swiglu(gate, up, swiglu_limit) @ down_proj[e].t()         # [n, H]
+        out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
     return out

@@ -6,6 +6,8 @@ Routing (float32): scores ``s = sqrt(softplus(x @ W_gate^T))``; the top-K
 experts by ``s + bias`` are chosen (hash layers: ``tid2eid[token]``); their
 weights are ``s`` renormalised over the K chosen, times ``routed_scaling_factor``.
 Experts: ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
+Routing and experts run through ``kernels/backend.py`` (references on the CPU,
+fused Triton kernels on CUDA).
 
 Shapes: T tokens, H hidden, E routed experts, K experts per token, I expert width.
 """
@@ -16,20 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import backend
+from deepinfer.kernels.reference import clamped_swiglu
 from deepinfer.layers.moe import FusedMoE
 
-_SCORE_FUNCS = {
-    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
-    "sigmoid": torch.sigmoid,
-}
-
-
-def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(gate) * up`` with gate clamped above and up clamped on both sides at ``limit`` (if > 0)."""
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+_SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
 
 
 class DeepseekV4Router(nn.Module):
@@ -44,7 +37,7 @@ class DeepseekV4Router(nn.Module):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, n_routed_experts={num_experts}]")
         self.top_k = top_k
-        self.score = _SCORE_FUNCS[scoring_func]
+        self.scoring_func = scoring_func
         self.routed_scaling_factor = routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
         self.is_hash = hash_vocab_size is not None
@@ -55,14 +48,12 @@ class DeepseekV4Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H], input_ids: [T] -> weights [T, K] float32, expert ids [T, K] int64
-        scores = self.score(F.linear(x.float(), self.weight))                     # [T, E]
+        logits = F.linear(x.float(), self.weight)                                 # [T, E]
         if self.is_hash:
-            ids = self.tid2eid[input_ids].long()
-        else:
-            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+            return backend.hash_route(logits, self.tid2eid, input_ids, self.scoring_func,
+                                      self.routed_scaling_factor)
+        return backend.biased_topk(logits, self.e_score_correction_bias, self.top_k, self.scoring_func,
+                                   self.routed_scaling_factor)
 
 
 class DeepseekV4Experts(FusedMoE):
@@ -76,13 +67,8 @@ class DeepseekV4Experts(FusedMoE):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
-        out = torch.zeros_like(x)
-        for e in topk_ids.unique().tolist():                                       # ascending
-            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)              # [n]
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)    # [n, I] each
-            h = F.linear(swiglu_clamped(gate, up, self.swiglu_limit), self.down_proj[e])  # [n, H]
-            out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
-        return out
+        return backend.clamped_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                                           self.swiglu_limit)
 
 
 class DeepseekV4SharedExpert(nn.Module):
@@ -95,7 +81,7 @@ class DeepseekV4SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
 
 class DeepseekV4MoE(nn.Module):

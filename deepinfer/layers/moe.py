@@ -6,6 +6,10 @@ grouped-GEMM kernel wants). Checkpoints that store one tensor per expert
 (``experts.{e}.gate_proj.weight``) load into slices of them; see
 :meth:`FusedMoE.expert_weight_index` and ``CausalLM.remap_weight_name``.
 
+Both run through ``kernels/backend.py``: the pure-PyTorch references on the CPU,
+the fused Triton kernels (``kernels/moe_routing.py``, ``kernels/fused_moe.py``) on
+CUDA, which never synchronise with the host (CUDA-graph safe).
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert intermediate size.
 """
 
@@ -15,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels import reference
+from deepinfer.kernels import backend
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -32,7 +36,7 @@ class SoftmaxTopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] float32, ids [T, K] int64
         logits = F.linear(x, self.weight)                         # [T, E]
-        return reference.softmax_topk(logits, self.top_k, self.renormalize)
+        return backend.softmax_topk(logits, self.top_k, self.renormalize)
 
 
 class FusedMoE(nn.Module):
@@ -48,7 +52,7 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
-        return reference.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return backend.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]]:
         """Where one expert's ``{proj}.weight`` lives: (parameter name, index into it)."""

@@ -1,0 +1,320 @@
+"""Fused mixture-of-experts: routed SwiGLU experts as two grouped GEMMs over
+tokens sorted by expert; references: :func:`reference.moe_experts` (Qwen3-MoE,
+DeepSeek-V3) and :func:`reference.clamped_moe_experts` (DeepSeek-V4).
+
+Three kernels, no host synchronisation (the grids are sized from T, K and E
+alone, so the whole forward can be captured in a CUDA graph):
+
+* align (grid E + 1): program e counts the (token, slot) pairs routed to
+  expert e, claims a ``BLOCK_M``-aligned run of the sorted array with one atomic
+  add on a cursor, and writes its pair ids there in pair order (padding = T*K,
+  "no pair") and e as the expert of those M-blocks; the last program zeroes the
+  output rows of pairs whose id is outside [0, E) (e.g. -1). Runs land in
+  whatever order the atomics resolve, but a pair's row within its M-block is
+  fixed and each row of a GEMM tile is computed independently of the others, so
+  outputs are bitwise reproducible. The cursor ends as the padded total, at most
+  ``T*K + min(T*K, E)*(BLOCK_M-1)``; that bound sizes the GEMM grids, and
+  M-blocks past the total exit at once.
+* gate_up (grid M-blocks x I/BLOCK_N): rows of x gathered by pair, times the
+  block's expert's gate rows and up rows (two float32 accumulators), SwiGLU
+  with the optional clamp in the epilogue; writes act [T*K, I] by pair.
+* down (grid M-blocks x H/BLOCK_N): act rows times the expert's down_proj,
+  multiplied by the pair's float32 routing weight in the epilogue (the order of
+  DeepSeek-V4's reference: clamp, then weight in float32); writes [T*K, H] by
+  pair, rounded once to x's dtype. A torch sum over K (float32 accumulation,
+  one launch) combines each token's K experts.
+
+Only the weights of experts that received tokens are read. Decode (few tokens
+per expert) is weight-bandwidth bound: small M-blocks (16 rows, tensor-core
+minimum) and narrow N-tiles give each touched expert many programs, so even one
+token's 6 experts spread over the SMs. Prefill is compute bound: 64/128-row
+M-blocks, grouped program order so M-blocks of one expert reuse its weight
+tiles from L2. :func:`pick_config` holds the choice.
+
+Shapes: T tokens, H hidden, E experts, K experts per token, I expert width,
+P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile shapes of the two grouped GEMMs (GEMM1: gate_up, GEMM2: down)."""
+
+    block_m: int        # pairs per M-block (one expert per block)
+    block_n1: int       # GEMM1 output columns of I per program (each of gate and up)
+    block_k1: int       # GEMM1 reduction step over H
+    block_n2: int       # GEMM2 output columns of H per program
+    block_k2: int       # GEMM2 reduction step over I
+    group_m: int        # M-blocks that walk the N-tiles together (L2 reuse of weight tiles)
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
+    """Tile config by the mean number of pairs per expert (T*K/E).
+
+    <= 4 (decode, T <= 170 at K=6, E=256): weight streaming. 16-row blocks; GEMM1
+      tiles of 32 gate + 32 up columns, so one token's 6 experts at I=2048 make
+      6 * 64 = 384 programs (about 3 per SM), each streaming 512 KB.
+    <= 48: medium batches, 32-row blocks.
+    <= 128: 64-row blocks (T=4096 at K=6, E=256 averages 96 pairs per expert).
+    above: 128-row blocks.
+    Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
+    """
+    per_expert = num_tokens * top_k / max(num_experts, 1)
+    if per_expert <= 4:
+        cfg = MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=4)
+    elif per_expert <= 48:
+        cfg = MoEConfig(32, 64, 128, 64, 128, 4, num_warps=4, num_stages=4)
+    elif per_expert <= 128:
+        cfg = MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4)
+    else:
+        cfg = MoEConfig(128, 64, 64, 128, 64, 8, num_warps=8, num_stages=3)
+    h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
+    return MoEConfig(cfg.block_m, min(cfg.block_n1, i), min(cfg.block_k1, h), min(cfg.block_n2, h),
+                     min(cfg.block_k2, i), cfg.group_m, cfg.num_warps, cfg.num_stages)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the padded length of the sorted pairs, a multiple of ``block_m``: every
+    touched expert (at most min(P, E)) pads its run by at most block_m - 1."""
+    bound = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, out_ptr,
+                  num_pairs, num_experts, out_cols, stride_out,
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if e == num_experts:
+        # The last program zeroes the output rows of pairs no expert takes (ids outside
+        # [0, E): expert parallelism marks non-local experts -1).
+        cols = tl.arange(0, BLOCK_COLS)
+        for start in range(0, num_pairs, BLOCK):
+            pair = start + offs
+            ids = tl.load(ids_ptr + pair, mask=pair < num_pairs, other=0)
+            skip = (pair < num_pairs) & ((ids < 0) | (ids >= num_experts))
+            if tl.sum(skip.to(tl.int32), axis=0) > 0:
+                rows = out_ptr + pair[:, None].to(tl.int64) * stride_out
+                for c in range(0, out_cols, BLOCK_COLS):
+                    tl.store(rows + c + cols[None, :], tl.zeros([BLOCK, BLOCK_COLS], tl.float32),
+                             mask=skip[:, None] & (c + cols[None, :] < out_cols))
+        return
+    hits = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        hits += (ids == e).to(tl.int32)
+    count = tl.sum(hits, axis=0)
+    if count > 0:
+        padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
+        base = tl.atomic_add(cursor_ptr, padded)
+        seen = tl.zeros([], tl.int32)
+        for start in range(0, num_pairs, BLOCK):
+            pair = start + offs
+            hit = (tl.load(ids_ptr + pair, mask=pair < num_pairs, other=-1) == e).to(tl.int32)
+            rank = seen + tl.cumsum(hit, axis=0) - 1                       # stable: pair order
+            tl.store(sorted_ptr + base + rank, pair, mask=hit > 0)
+            seen += tl.sum(hit, axis=0)
+        pad = count + tl.arange(0, BLOCK_M)
+        tl.store(sorted_ptr + base + pad, num_pairs, mask=pad < padded)
+        num_blocks = padded // BLOCK_M
+        for b in range(0, num_blocks, BLOCK):
+            tl.store(block_expert_ptr + base // BLOCK_M + b + offs, e, mask=b + offs < num_blocks)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+              out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the P = T*K (token, slot) pairs by expert into ``block_m``-row blocks, on the device.
+
+    topk_ids: [T, K] integer; out: [P, W], whose rows for pairs with ids outside [0, E)
+    (taken by no expert) are zeroed. Returns (sorted_pairs [L] int32: pair ids
+    p = t*K + k grouped by expert, each expert's run padded to a multiple of block_m
+    with P; block_expert [L / block_m] int32: the expert of each block; num_padded [1]
+    int32: the used length). L = :func:`max_padded_pairs`; entries past num_padded are
+    unspecified.
+    """
+    pairs = topk_ids.numel()
+    if out.dim() != 2 or out.shape[0] != pairs or out.stride(1) != 1:
+        raise ValueError(f"moe_align: out must be [P={pairs}, W] with unit column stride, "
+                         f"got shape {tuple(out.shape)} strides {out.stride()}")
+    length = max_padded_pairs(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(length, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(length // block_m, dtype=torch.int32, device=topk_ids.device)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=topk_ids.device)
+    if pairs:
+        # BLOCK ids per loop step; 1024 keeps a decode batch in one step.
+        block = min(1024, max(16, triton.next_power_of_2(pairs)))
+        _align_kernel[(num_experts + 1,)](
+            topk_ids.reshape(-1), sorted_pairs, block_expert, num_padded, out,
+            pairs, num_experts, out.shape[1], out.stride(0),
+            BLOCK_M=block_m, BLOCK=block, BLOCK_COLS=max(16, min(64, 4096 // block)), num_warps=4)
+    return sorted_pairs, block_expert, num_padded
+
+
+@triton.jit
+def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a 1-D program id, GROUP_M M-blocks at a time along N."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, num_pid_m, limit,
+    stride_x, stride_we, stride_wn, stride_act,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))     # [BLOCK_M]
+    valid = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # [BLOCK_N] of I
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]                 # [BLOCK_M, BLOCK_K]
+    g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + inter * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(tl.cdiv(hidden, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < hidden - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(a, wu, up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up                                      # silu(gate) * up, float32
+    tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_act + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, num_pid_m,
+    stride_act, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))     # [BLOCK_M]
+    valid = pair < num_pairs
+    rows = pair.to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # [BLOCK_N] of H
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * stride_act + ks[None, :]              # [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(tl.cdiv(inter, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < inter - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 experts (tests, exactness) must not fall back to TF32 tensor cores.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t),
+    e = ids[t,k], L = swiglu_limit (0: no clamp).
+
+    x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I];
+    topk_weights: [T, K] (float32); topk_ids: [T, K] integer -> [T, H] in x's dtype.
+    A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
+    ``config`` overrides :func:`pick_config` (benchmarks sweep it).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
+        raise ValueError(f"fused_moe: gate_up_proj has shape {tuple(gate_up_proj.shape)}, "
+                         f"expected [E, 2I, H={h}]")
+    e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    if down_proj.shape != (e, h, i):
+        raise ValueError(f"fused_moe: down_proj has shape {tuple(down_proj.shape)}, expected ({e}, {h}, {i})")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must both be [T={t}, K]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if x.dtype != gate_up_proj.dtype or x.dtype != down_proj.dtype:
+        raise ValueError(f"fused_moe: x ({x.dtype}), gate_up_proj ({gate_up_proj.dtype}) and "
+                         f"down_proj ({down_proj.dtype}) must share a dtype")
+    for name, w in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"fused_moe: {name} must have unit stride in its last dim")
+    if swiglu_limit < 0:
+        raise ValueError(f"fused_moe: swiglu_limit={swiglu_limit} must be >= 0 (0: no clamp)")
+    k = topk_ids.shape[1]
+    pairs = t * k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    cfg = config or pick_config(t, k, e, h, i)
+    out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
+    sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
+    num_pid_m = block_expert.shape[0]
+    precision = _dot_precision(x.dtype)
+
+    act = torch.empty(pairs, i, dtype=x.dtype, device=x.device)             # [P, I]
+    _gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
+        x, gate_up_proj, act, sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m, float(swiglu_limit),
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
+        act, down_proj, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m,
+        act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0,
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.view(t, k, h).sum(dim=1)                                     # [T, H]

@@ -1,0 +1,225 @@
+"""The fused MoE kernels (align by expert, gate_up + SwiGLU, down + weight) against
+reference.moe_experts / reference.clamped_moe_experts on random data.
+
+The CPU interpreter multiplies bfloat16 tiles wrongly (see tests/kernels/conftest.py),
+so the CPU sweep runs float32 and float16; bfloat16 runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import reference
+from deepinfer.kernels.fused_moe import (
+    MoEConfig,
+    fused_moe,
+    max_padded_pairs,
+    moe_align,
+    pick_config,
+)
+from deepinfer.layers.deepseek_v4_moe import DeepseekV4Experts, DeepseekV4Router
+from deepinfer.layers.moe import FusedMoE, SoftmaxTopKRouter
+
+ON_CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 1e-2, "atol": 2e-3},
+       torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+
+
+def make_experts(e: int, h: int, i: int, dtype: torch.dtype, device, seed: int = 0):
+    """Expert weights scaled so gate/up/down outputs are O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5
+    down = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    return gate_up.to(dtype).to(device), down.to(dtype).to(device)
+
+
+def make_routing(t: int, k: int, experts: list[int], device, seed: int = 0):
+    """Each token picks k distinct experts from ``experts`` (the others get no tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(experts), generator=gen)[:k]] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen) + 0.1
+    return weights.to(device), ids.to(device)
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_align_sorts_every_pair_into_its_experts_blocks(t, block_m, device):
+    e, k = 8, 2
+    _, ids = make_routing(t, k, [0, 2, 3, 5, 6], device, seed=t)      # experts 1, 4, 7 get nothing
+    ids[0, 1] = -1                                                     # taken by no expert
+    pairs = t * k
+    out = torch.full((pairs, 24), 7.0, device=device)
+    sorted_pairs, block_expert, num_padded = moe_align(ids, e, block_m, out)
+    n = int(num_padded)
+    flat = ids.reshape(-1).cpu()
+    counts = torch.bincount(flat[flat >= 0], minlength=e)
+    assert n == int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert n <= sorted_pairs.numel() == max_padded_pairs(pairs, e, block_m)
+    used = sorted_pairs[:n].cpu()
+    real = used[used < pairs]
+    assert sorted(real.tolist()) == [p for p in range(pairs) if flat[p] >= 0]   # each pair once
+    assert (used[used >= pairs] == pairs).all()                                # padding marks
+    experts_of_rows = block_expert[:n // block_m].cpu().repeat_interleave(block_m).long()
+    assert torch.equal(flat[real.long()], experts_of_rows[used < pairs])      # pair sits in its expert's block
+    assert (out[1] == 0).all() and (out[0] == 7).all() and (out[2:] == 7).all()  # only the -1 pair's row zeroed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("e,h,i", [(4, 32, 64), (8, 64, 48)])
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_fused_moe_matches_reference(dtype, t, e, h, i, limit, device, poison_empty):
+    gate_up, down = make_experts(e, h, i, dtype, device, seed=e + t)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(device)
+    weights, ids = make_routing(t, 2, list(range(e - 1)), device, seed=h + t)   # expert e-1 stays empty
+    out = fused_moe(x, gate_up, down, weights, ids, limit)
+    assert out.shape == x.shape and out.dtype == dtype and not out.isnan().any()
+    # The references in float32 from the same (rounded) inputs: the kernel accumulates in float32.
+    args = (x.float(), gate_up.float(), down.float(), weights, ids)
+    ref = reference.clamped_moe_experts(*args, limit)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    if limit:
+        assert (ref - reference.clamped_moe_experts(*args, 0.0)).abs().max() > 0.05   # the clamp binds
+    else:
+        torch.testing.assert_close(out.float(), reference.moe_experts(*args), **TOL[dtype])
+
+
+def test_fused_moe_skips_ids_outside_the_experts(device, poison_empty):
+    """-1 (an expert held by another rank) contributes nothing, like a slot with weight 0."""
+    e, h, i, t = 4, 32, 32, 5
+    gate_up, down = make_experts(e, h, i, torch.float32, device)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(device)
+    weights, ids = make_routing(t, 2, list(range(e)), device, seed=3)
+    ids[1, 0] = -1
+    ids[3, :] = -1
+    out = fused_moe(x, gate_up, down, weights, ids, 0.0)
+    ref = reference.moe_experts(x, gate_up, down, weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.parametrize("config", [MoEConfig(16, 16, 16, 16, 16, 1, 4, 2), MoEConfig(32, 32, 32, 32, 16, 2, 4, 2)])
+def test_fused_moe_tile_configs(config, device, poison_empty):
+    """Tiles smaller than the problem: several N-tiles, a reduction loop over K with a
+    ragged tail (H=40, I=24), grouped program order."""
+    e, h, i, t = 6, 40, 24, 9
+    gate_up, down = make_experts(e, h, i, torch.float32, device, seed=5)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(device)
+    weights, ids = make_routing(t, 3, list(range(e)), device, seed=5)
+    out = fused_moe(x, gate_up, down, weights, ids, 0.7, config=config)
+    torch.testing.assert_close(out, reference.clamped_moe_experts(x, gate_up, down, weights, ids, 0.7),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pick_config_by_tokens_per_expert():
+    v4 = {"top_k": 6, "num_experts": 256, "hidden": 4096, "inter": 2048}
+    assert pick_config(1, **v4).block_m == pick_config(64, **v4).block_m == 16
+    assert pick_config(4096, **v4).block_m >= 64
+    tiny = pick_config(4096, top_k=2, num_experts=4, hidden=32, inter=48)
+    assert (tiny.block_k1, tiny.block_n1, tiny.block_n2) == (32, 64, 32)     # never past the problem
+
+
+def test_fused_moe_rejects_mismatched_shapes(device):
+    gate_up, down = make_experts(4, 32, 16, torch.float32, device)
+    x = torch.randn(3, 32, device=device)
+    weights, ids = make_routing(3, 2, [0, 1, 2, 3], device)
+    with pytest.raises(ValueError, match="down_proj has shape"):
+        fused_moe(x, gate_up, down[:, :, :8], weights, ids)
+    with pytest.raises(ValueError, match="must both be"):
+        fused_moe(x, gate_up, down, weights[:2], ids)
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_moe(x.double(), gate_up, down, weights, ids)
+
+
+def test_layers_match_across_backends(device, monkeypatch):
+    """The MoE layers give the same result through the Triton kernels and the torch references."""
+    gen = torch.Generator().manual_seed(11)
+    e, h, i, t, k = 6, 32, 32, 7, 2
+    x = torch.randn(t, h, generator=gen).to(device)
+    input_ids = torch.randint(0, 20, (t,), generator=gen).to(device)
+    v4_router = DeepseekV4Router(h, e, k, "sqrtsoftplus", 1.5, None).to(device)
+    hash_router = DeepseekV4Router(h, e, k, "sqrtsoftplus", 1.5, 20).to(device)
+    qwen_router = SoftmaxTopKRouter(h, e, k, renormalize=True).to(device)
+    v4_experts = DeepseekV4Experts(e, h, i, swiglu_limit=0.6).to(device)
+    experts = FusedMoE(e, h, i).to(device)
+    with torch.no_grad():
+        for module in (v4_router, hash_router, qwen_router, v4_experts, experts):
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / h ** 0.5)
+        v4_router.e_score_correction_bias.copy_(torch.randn(e, generator=gen))
+        hash_router.tid2eid.copy_(torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(20)]))
+
+    def run():
+        w, ids = v4_router(x, input_ids)
+        hw, hids = hash_router(x, input_ids)
+        qw, qids = qwen_router(x)
+        return (w, ids, hw, hids, qw, qids, v4_experts(x, w, ids), v4_experts(x, hw, hids),
+                experts(x, qw, qids))
+
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    ref = run()
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    got = run()
+    for (w_a, ids_a), (w_b, ids_b) in zip(zip(got[0:6:2], got[1:6:2]), zip(ref[0:6:2], ref[1:6:2])):
+        ids_a, order_a = ids_a.sort(-1)
+        ids_b, order_b = ids_b.sort(-1)
+        assert torch.equal(ids_a, ids_b)
+        torch.testing.assert_close(w_a.gather(1, order_a), w_b.gather(1, order_b))
+    for a, b in zip(got[6:], ref[6:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def v4_experts_gpu():
+    """DeepSeek-V4-Flash widths: E=256, H=4096, I=2048, bfloat16 (12.9 GB)."""
+    return make_experts(256, 4096, 2048, torch.bfloat16, "cuda", seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 16, 64, 4096])
+def test_fused_moe_gpu_v4_sizes(t, v4_experts_gpu):
+    gate_up, down = v4_experts_gpu
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, 256, device="cuda")
+    weights, ids = reference.biased_topk(logits, torch.zeros(256, device="cuda"), 6, "sqrtsoftplus", 1.5)
+    out = fused_moe(x, gate_up, down, weights, ids, 10.0)
+    ref = reference.clamped_moe_experts(x, gate_up, down, weights, ids, 10.0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_fused_moe_gpu_cuda_graph(v4_experts_gpu):
+    """Routing and experts captured once replay correctly for new tokens and new routes."""
+    from deepinfer.kernels.moe_routing import topk_route
+    gate_up, down = v4_experts_gpu
+    t = 16
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+
+    def forward():
+        weights, ids = topk_route(logits, 6, "sqrtsoftplus", 1.5, True, bias)
+        return fused_moe(x, gate_up, down, weights, ids, 10.0)
+
+    forward()                                          # compile outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        logits.copy_(torch.randn_like(logits))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, forward(), rtol=0, atol=0)   # same kernels, same tiles: bitwise
