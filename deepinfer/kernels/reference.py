@@ -266,7 +266,8 @@ def sparse_attention(
     keys, valid = [], []
     for cache, slots in sources:
         ok, blk, off = _slot_rows(cache, slots)
-        keys.append(cache[blk, off, 0, 0])                                       # [T, K_i, D]
+        # Zeroed where there is no key, so garbage (even NaN) at the clamped slot never leaks.
+        keys.append(torch.where(ok[..., None], cache[blk, off, 0, 0], 0))       # [T, K_i, D]
         valid.append(ok)
     kv = torch.cat(keys, dim=1).float()                                          # [T, K, D]
     ok = torch.cat(valid, dim=1)                                                 # [T, K]

@@ -28,15 +28,37 @@ per-sequence side state:
   gate; an entry only needs the tokens of its own (and, for CSA, the previous)
   window, so a window of ``max(2r or r, W)`` tokens suffices;
 - ``entry_cache`` (compressed, ratio r): the pooled entries; the indexer's
-  keys are a second compressed cache. Entry ``w`` is written when token
-  ``(w+1)*r - 1`` is processed; entry slots come from the group's block table.
+  keys are a second compressed cache in the same group. Entry ``w`` is written
+  when token ``(w+1)*r - 1`` is processed; entry slots come from the group's
+  block table.
+
+Forward, batched over the whole step (no loop over sequences):
+
+1. store every new token's kv in the window cache and its pooling states in the
+   state caches;
+2. pool the entry of every token that completes a window (``(p+1) % r == 0``)
+   from the states gathered by slot, and store it at its entry slot;
+3. build per-token flat slot tables (``block_table[seq, i // bs] * bs + i % bs``,
+   -1 for none): the window's positions ``p-W+1 .. p`` [T, W], and the entries
+   ``0 .. (p+1)//r - 1`` [T, Nmax] with ``Nmax = ceil(max_seq_len / r)``; CSA
+   keeps the indexer's top-k of those;
+4. one sparse attention over (window cache, window slots) and (entry cache,
+   entry slots).
+
+A ``decode_only`` context (CUDA-graph capturable, forward_context.py) takes no
+host data: step 2 pools for every token and stores the entries of tokens that
+complete no window at slot -1, which the store skips; all shapes come from T
+and ``max_seq_len``. Other contexts size step 2 from the host lists, still
+without a host sync.
 
 Without a cache (``ctx.groups`` empty) each sequence of the batch attends to
-its own tokens, which must start at position 0.
+its own tokens, which must start at position 0; the same code runs over
+scratch caches of one row per token.
 
 Shapes: T tokens, Hd hidden size, H query heads, D head_dim, R rope dims,
-r compress ratio, C compressor width (2D when overlapping, else D), N entries
-of one sequence, Hi/Di indexer heads/head dim, Tq one sequence's new tokens.
+r compress ratio, C compressor width (2D when overlapping, else D), M pooled
+tokens, S pooled states per entry (2r or r), Nmax entry slots per token, K
+attended entries per token, Hi/Di indexer heads/head dim.
 """
 
 from __future__ import annotations
@@ -46,8 +68,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.forward_context import ForwardContext
-from deepinfer.kernels import reference
+from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v4_common import (CacheSlot, InterleavedRope, RMSNorm,
                                                  apply_interleaved_rope, rms_unweighted)
@@ -101,9 +123,78 @@ class GroupedLinear(nn.Linear):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
-def _entry_slots(block_row: torch.Tensor, block_size: int, w0: int, w1: int) -> torch.Tensor:
-    w = torch.arange(w0, w1, device=block_row.device)
-    return block_row.long()[w // block_size] * block_size + w % block_size
+@dataclass
+class _Paged:
+    """One cache as this step sees it: the tensor [NB, bs, nt, 1, C] and its group's metadata."""
+
+    cache: torch.Tensor
+    meta: GroupMetadata
+
+    def slots(self, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Flat slots ``block_table[seq, i // bs] * bs + i % bs`` of the entries (or tokens)
+        ``index`` of each row's sequence, -1 where ``index`` < 0.
+
+        seq: [M] sequence row of each token; index: [M, K] -> [M, K] int64.
+        """
+        bs, table = self.meta.block_size, self.meta.block_table
+        i = index.clamp(min=0)
+        # Indices dropped below may lie past the table's width: clamp their column.
+        col = torch.div(i, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+        blocks = table[seq[:, None], col].long()                                  # [M, K]
+        return torch.where(index >= 0, blocks * bs + i % bs, -1)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Entries at flat slots [M, K] (all >= 0) -> [M, K, nt, C]."""
+        bs = self.cache.shape[1]
+        return self.cache[torch.div(slots, bs, rounding_mode="floor"), slots % bs, :, 0]
+
+
+class _StepCaches:
+    """The caches of one forward. With a paged cache: each layer's bound cache and its
+    group's metadata. Without one: zeroed scratch caches of one row per token, where
+    sequence b's token (or entry) i sits at row ``query_start_loc[b] + i`` (block size 1),
+    so that both modes run the same batched code."""
+
+    def __init__(self, ctx: ForwardContext, cached: bool, x: torch.Tensor) -> None:
+        self.ctx = ctx
+        self.num_tokens, self.dtype, self.device = x.shape[0], x.dtype, x.device
+        self.scratch: GroupMetadata | None = None
+        self.bound: dict[int, _Paged] = {}
+        if not cached:
+            rows = torch.arange(max(1, ctx.max_seq_len), device=x.device)
+            table = ctx.query_start_loc_t[:-1, None].long() + rows[None, :]       # [B, max_seq_len]
+            self.scratch = GroupMetadata(block_size=1, block_table=table,
+                                         slot_mapping=torch.arange(self.num_tokens, device=x.device))
+
+    def bind(self, slot: CacheSlot) -> _Paged:
+        if self.scratch is None:
+            return _Paged(slot.kv_cache, slot.meta(self.ctx))
+        if id(slot) not in self.bound:
+            spec = slot.kv_spec
+            cache = torch.zeros(self.num_tokens, 1, spec.num_tensors, 1, spec.head_size,
+                                dtype=self.dtype, device=self.device)
+            self.bound[id(slot)] = _Paged(cache, self.scratch)
+        return self.bound[id(slot)]
+
+
+def _completing_rows(ctx: ForwardContext, ratio: int) -> torch.Tensor | None:
+    """Rows [M] of the tokens that complete a window of ``ratio`` tokens (``(p+1) % ratio
+    == 0``), in order; None in a decode_only context, which pools every row instead.
+
+    M comes from the host lists (sequence b completes ``end // r - start // r`` windows),
+    the rows from the device positions, so this never waits for the device.
+    """
+    if ctx.decode_only:
+        return None
+    q = ctx.query_start_loc
+    m = sum(end // ratio - (end - q[b + 1] + q[b]) // ratio for b, end in enumerate(ctx.seq_lens))
+    done = (ctx.positions + 1) % ratio == 0                                       # [T]
+    rank = torch.cumsum(done, dim=0) - 1                                          # [T]
+    # Tokens completing no window all land on the spare last element.
+    rows = torch.zeros(m + 1, dtype=torch.long, device=done.device)
+    rows.scatter_(0, torch.where(done, rank, m),
+                  torch.arange(done.shape[0], device=done.device))
+    return rows[:m]
 
 
 class GatedPool(nn.Module):
@@ -130,62 +221,50 @@ class GatedPool(nn.Module):
             kind="compressed", num_kv_heads=1, head_size=head_dim, dtype=cache_dtype, num_tensors=1,
             compress_ratio=ratio))
 
-    def project(self, x: torch.Tensor, ctx: ForwardContext,
-                cached: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token pooling inputs (kv [T, C], raw gate [T, C]), stored in the state cache when cached."""
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
-        if cached:
-            reference.store_kv(self.state_cache.kv_cache, self.state_cache.meta(ctx).slot_mapping,
-                               kv[:, None], gate[:, None])
-        return kv, gate
+    def update(self, x: torch.Tensor, ctx: ForwardContext, caches: _StepCaches, rope: InterleavedRope,
+               rows: torch.Tensor | None) -> None:
+        """Stores every new token's pooling states (kv, raw gate) in the state cache, then
+        pools the entry each token of ``rows`` [M] completes and stores it at its entry slot.
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, w0: int, rope: InterleavedRope) -> torch.Tensor:
-        """Entries w0 .. w1-1 from the states of tokens ``max(0, w0 - overlap) * r .. w1*r - 1``.
+        x: [T, Hd]. ``rows`` None pools every token; the entries of tokens that complete no
+        window go to slot -1, which the store skips.
+        """
+        r = self.ratio
+        state, entries = caches.bind(self.state_cache), caches.bind(self.entry_cache)
+        kv, gate = self.kv_proj(x), self.gate_proj(x)                               # [T, C]
+        backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None], gate[:, None])
+        seq, pos = ctx.token_seq.long(), ctx.positions
+        if rows is not None:
+            seq, pos = seq[rows], pos[rows]
+        span = (2 if self.overlap else 1) * r
+        window = pos[:, None] - torch.arange(span - 1, -1, -1, device=x.device)      # [M, S] p-S+1 .. p
+        slots = state.slots(seq, window)                                            # [M, S]
+        states = state.gather(slots.clamp(min=0))                                   # [M, S, 2, C]
+        pooled = self.pool(states[:, :, 0], states[:, :, 1], slots >= 0, pos, rope)  # [M, D]
+        completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
+        backend.store_kv(entries.cache, entries.slots(seq, completed[:, None])[:, 0], pooled[:, None])
 
-        kv, gate: [M, C] -> [w1 - w0, D]
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor,
+             rope: InterleavedRope) -> torch.Tensor:
+        """The entry of the window that ends at each position p.
+
+        kv, gate: [M, S, C] states of positions ``p-S+1 .. p`` (with overlap: the previous
+        window, then its own); valid: [M, S], False before position 0; pos: [M] -> [M, D].
         """
         r, d = self.ratio, self.head_dim
         if self.overlap:
-            if w0 == 0:
-                # No window precedes the first: its slots get softmax weight 0.
-                kv = torch.cat([kv.new_zeros(r, 2 * d), kv])
-                gate = torch.cat([gate.new_full((r, 2 * d), float("-inf")), gate])
-            n = kv.shape[0] // r - 1
-            kv = kv.view(n + 1, r, 2 * d)
-            gate = gate.view(n + 1, r, 2 * d) + self.position_bias
-            kv = torch.cat([kv[:-1, :, :d], kv[1:, :, d:]], dim=1)                  # [n, 2r, D]
-            gate = torch.cat([gate[:-1, :, :d], gate[1:, :, d:]], dim=1)
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)                   # [M, 2r, D]
+            gate = torch.cat([gate[:, :r, :d] + self.position_bias[:, :d],
+                              gate[:, r:, d:] + self.position_bias[:, d:]], dim=1)
         else:
-            n = kv.shape[0] // r
-            kv = kv.view(n, r, d)
-            gate = gate.view(n, r, d) + self.position_bias
+            gate = gate + self.position_bias
+        # No window precedes the first: its slots get softmax weight 0.
+        kv = torch.where(valid[..., None], kv, 0)
+        gate = torch.where(valid[..., None], gate, float("-inf"))
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entries = self.kv_norm((kv * weights).sum(dim=1))                           # [n, D]
-        cos, sin = rope.cos_sin(torch.arange(w0, w0 + n, device=kv.device) * r)
+        entries = self.kv_norm((kv * weights).sum(dim=1))                           # [M, D]
+        cos, sin = rope.cos_sin(pos + 1 - r)
         return apply_interleaved_rope(entries, cos, sin)
-
-    def sequence_entries(self, kv: torch.Tensor, gate: torch.Tensor, start: int, end: int,
-                         seq: int, ctx: ForwardContext, rope: InterleavedRope,
-                         cached: bool) -> torch.Tensor:
-        """All entries of sequence ``seq`` after this step: [end // r, D].
-
-        kv, gate: [Tq, C] states of its new tokens ``start .. end-1``. New entries
-        are pooled and (when cached) written; earlier ones come from the entry cache.
-        """
-        r = self.ratio
-        w0, w1 = start // r, end // r
-        if not cached:
-            return self.pool(kv[: w1 * r], gate[: w1 * r], 0, rope)
-        entry_meta = self.entry_cache.meta(ctx)
-        if w1 > w0:
-            lo = max(0, w0 - int(self.overlap)) * r
-            old = reference.gather_kv(self.state_cache.kv_cache, self.state_cache.meta(ctx).block_table[seq],
-                                      lo, start)                                   # [start-lo, 2, 1, C]
-            new = self.pool(torch.cat([old[:, 0, 0], kv[: w1 * r - start]]),
-                            torch.cat([old[:, 1, 0], gate[: w1 * r - start]]), w0, rope)
-            slots = _entry_slots(entry_meta.block_table[seq], entry_meta.block_size, w0, w1)
-            reference.store_kv(self.entry_cache.kv_cache, slots, new[:, None])
-        return reference.gather_kv(self.entry_cache.kv_cache, entry_meta.block_table[seq], 0, w1)[:, 0, 0]
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.state_cache, self.entry_cache]
@@ -211,20 +290,20 @@ class Indexer(GatedPool):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def select(self, keys: torch.Tensor, q_residual: torch.Tensor, x: torch.Tensor,
-               q_pos: torch.Tensor, rope: InterleavedRope) -> torch.Tensor:
-        """keys [N, Di]; q_residual [Tq, q_lora]; x [Tq, Hd]; q_pos [Tq] -> allowed [Tq, N] bool."""
-        tq, n = x.shape[0], keys.shape[0]
-        cos, sin = rope.cos_sin(q_pos)
-        q = apply_interleaved_rope(self.q_b_proj(q_residual).view(tq, self.num_heads, self.head_dim),
-                                   cos, sin)                                      # [Tq, Hi, Di]
-        scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * self.head_dim ** -0.5  # [Tq, Hi, N]
-        weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5   # [Tq, Hi]
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                      # [Tq, N]
-        visible = torch.arange(n, device=x.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
-        top = scores.masked_fill(~visible, float("-inf")).topk(min(self.index_topk, n), dim=-1).indices
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+    def select(self, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+               rope: InterleavedRope, keys: _Paged, candidates: torch.Tensor) -> torch.Tensor:
+        """The best ``index_topk`` candidates of each token: [T, min(topk, Nmax)] slots of the
+        key cache, -1 where fewer are visible.
+
+        q_residual: [T, q_lora]; x: [T, Hd]; positions: [T]; candidates: [T, Nmax] key slots.
+        """
+        t = x.shape[0]
+        cos, sin = rope.cos_sin(positions)
+        q = apply_interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
+                                   cos, sin)                                          # [T, Hi, Di]
+        weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5     # [T, Hi]
+        return backend.indexer_topk(q, weights, keys.cache, candidates, self.head_dim ** -0.5,
+                                    self.index_topk)
 
 
 class Compressor(GatedPool):
@@ -236,27 +315,26 @@ class Compressor(GatedPool):
                          cfg.sliding_window, cfg.cache_dtype)
         self.indexer = Indexer(cfg) if sparse else None
 
-    def visible_entries(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: ForwardContext,
-                        rope: InterleavedRope, cached: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per sequence: (its entries [N, D], which of them each new token sees [Tq, N] bool)."""
-        kv, gate = self.project(x, ctx, cached)
-        if self.indexer is not None:
-            ikv, igate = self.indexer.project(x, ctx, cached)
-        result = []
-        for b in range(ctx.num_seqs):
-            s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
-            end = ctx.seq_lens[b]
-            start = end - (e - s)
-            q_pos = ctx.positions[s:e]
-            entries = self.sequence_entries(kv[s:e], gate[s:e], start, end, b, ctx, rope, cached)
-            if self.indexer is None:
-                n = entries.shape[0]
-                allowed = torch.arange(n, device=x.device)[None, :] < ((q_pos + 1) // self.ratio)[:, None]
-            else:
-                keys = self.indexer.sequence_entries(ikv[s:e], igate[s:e], start, end, b, ctx, rope, cached)
-                allowed = self.indexer.select(keys, q_residual[s:e], x[s:e], q_pos, rope)
-            result.append((entries, allowed))
-        return result
+    def attended_entries(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: ForwardContext,
+                         caches: _StepCaches, rope: InterleavedRope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pools and stores this step's entries; returns (the entry cache, [T, K] slots of
+        the entries each token attends to, -1 for none)."""
+        r = self.ratio
+        rows = _completing_rows(ctx, r)
+        self.update(x, ctx, caches, rope, rows)
+        entries = caches.bind(self.entry_cache)
+        n_max = max(1, -(-ctx.max_seq_len // r))
+        index = torch.arange(n_max, device=x.device)[None, :]                         # [1, Nmax]
+        visible = torch.where(index < ((ctx.positions + 1) // r)[:, None], index, -1)  # [T, Nmax]
+        slots = entries.slots(ctx.token_seq.long(), visible)                          # [T, Nmax]
+        if self.indexer is None:
+            return entries.cache, slots
+        self.indexer.update(x, ctx, caches, rope, rows)
+        keys = caches.bind(self.indexer.entry_cache)
+        if keys.meta is not entries.meta:
+            raise RuntimeError("the indexer's keys and the compressed entries must share one KV-cache "
+                               "group: the top-k key slots are used as entry slots")
+        return entries.cache, self.indexer.select(q_residual, x, ctx.positions, rope, keys, slots)
 
     def cache_slots(self) -> list[CacheSlot]:
         return super().cache_slots() + (self.indexer.cache_slots() if self.indexer is not None else [])
@@ -300,40 +378,20 @@ class DeepseekV4Attention(nn.Module):
                 if q_len != seq_len:
                     raise ValueError(f"sequence {b} has {q_len} new of {seq_len} tokens: without a KV "
                                      "cache each sequence must be given whole, from position 0")
+        caches = _StepCaches(ctx, cached, x)
         rope = ropes[self.rope_type]
         cos, sin = rope.cos_sin(ctx.positions)                                    # [T, R/2]
         q_residual = self.q_a_norm(self.q_a_proj(x))                              # [T, q_lora]
         q = rms_unweighted(self.q_b_proj(q_residual).view(t, h, d), self.eps)
         q = apply_interleaved_rope(q, cos, sin)                                   # [T, H, D]
         kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)      # [T, D]
-        if cached:
-            window_meta = self.window_cache.meta(ctx)
-            reference.store_kv(self.window_cache.kv_cache, window_meta.slot_mapping, kv[:, None])
-        compressed = (self.compressor.visible_entries(x, q_residual, ctx, ropes["compress"], cached)
-                      if self.compressor is not None else None)
-
-        out = torch.empty_like(q)
-        for b in range(ctx.num_seqs):
-            s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
-            if e == s:
-                continue
-            end = ctx.seq_lens[b]
-            start = end - (e - s)
-            q_pos = ctx.positions[s:e]
-            if cached:
-                first = max(0, start - self.sliding_window + 1)
-                keys = reference.gather_kv(self.window_cache.kv_cache, window_meta.block_table[b],
-                                           first, end)[:, 0, 0]                   # [Tk, D]
-                k_pos = torch.arange(first, end, device=x.device)
-            else:
-                keys, k_pos = kv[s:e], q_pos
-            back = q_pos[:, None] - k_pos[None, :]                                 # [Tq, Tk]
-            allowed = (back >= 0) & (back < self.sliding_window)
-            if compressed is not None:
-                entries, entry_allowed = compressed[b]
-                keys = torch.cat([keys, entries])
-                allowed = torch.cat([allowed, entry_allowed], dim=1)
-            out[s:e] = reference.masked_sink_attention(q[s:e], keys, allowed, self.sinks, self.scale)
+        window = caches.bind(self.window_cache)
+        backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
+        back = torch.arange(self.sliding_window - 1, -1, -1, device=x.device)     # [W]
+        sources = [(window.cache, window.slots(ctx.token_seq.long(), ctx.positions[:, None] - back))]
+        if self.compressor is not None:
+            sources.append(self.compressor.attended_entries(x, q_residual, ctx, caches, ropes["compress"]))
+        out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
 
         # V carried rope on its trailing channels: undo it at the query position.
         out = apply_interleaved_rope(out, cos, -sin)
