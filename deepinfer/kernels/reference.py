@@ -331,6 +331,7 @@ def mla_decode(
         entries = gather_kv(cache, block_table[b], 0, length)[:, 0, 0].float()    # [L, R + Dr]
         probs = torch.softmax(q[b].float() @ entries.t() * scale, dim=-1)        # [Nh, L]
         out[b] = (probs @ entries[:, :kv_lora_rank]).to(q.dtype)
+    return out
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

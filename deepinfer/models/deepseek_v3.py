@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext
-from deepinfer.kernels import reference
+from deepinfer.kernels import backend
 from deepinfer.layers.mla import MLAConfig, MLARotaryEmbedding, MLAttention
 from deepinfer.layers.mlp import GatedMLP
 from deepinfer.layers.moe import FusedMoE
@@ -97,7 +97,7 @@ class MoEArgs:
 
 
 class NoAuxTCRouter(nn.Module):
-    """Sigmoid scores, bias-corrected group-limited top-k (``reference.grouped_topk_sigmoid``).
+    """Sigmoid scores, bias-corrected group-limited top-k (``backend.grouped_topk_sigmoid``).
 
     The weight and the correction bias stay float32: routing runs in float32,
     as in HF and DeepSeek's reference.
@@ -114,7 +114,7 @@ class NoAuxTCRouter(nn.Module):
         # x: [T, H] -> weights [T, K] float32, ids [T, K] int64
         a = self.args
         logits = F.linear(x.float(), self.weight.float())              # [T, E]
-        return reference.grouped_topk_sigmoid(logits, self.e_score_correction_bias, a.num_groups,
+        return backend.grouped_topk_sigmoid(logits, self.e_score_correction_bias, a.num_groups,
                                               a.topk_groups, a.top_k, a.renormalize,
                                               a.routed_scaling_factor)
 

@@ -322,6 +322,8 @@ _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 class DeepseekV4ForCausalLM(CausalLM):
     optional_modules = ("mtp",)
+    # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
+    supports_cuda_graphs = True
 
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)

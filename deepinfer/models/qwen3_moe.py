@@ -40,9 +40,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    # FusedMoE runs the reference experts, which read the routing back to the host.
-    supports_cuda_graphs = False
-
     def sliding_window_for(self, layer_idx: int) -> int | None:
         return sliding_window(self.hf_config)
 
