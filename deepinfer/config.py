@@ -102,11 +102,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits: sequences per step and tokens per step."""
+    """Continuous-batching limits: sequences per step and tokens per step.
+
+    ``async_scheduling`` (overlapped scheduling, vLLM's name): plan and launch step
+    N+1 while the device runs step N, and post-process step N while it runs N+1.
+    Outputs are the same either way (scheduler/scheduler.py says when it falls back
+    to a synchronous step).
+    """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
