@@ -186,7 +186,7 @@ class Engine:
         if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished):
             touched += self._land(self._in_flight)
             self._in_flight = None
-        if not self.has_unfinished():
+        if self._in_flight is None and not self.scheduler.has_unfinished:
             self.runner.reset_idle_clock()   # the gap until the next request is not the engine's
         parents = {r.parent_id for r in touched}
         parents.update(r.parent_id for r in self.scheduler.drain_ended())

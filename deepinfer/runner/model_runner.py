@@ -25,11 +25,22 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.models.base import CausalLM
-from deepinfer.runner.sampler import SampleTensors, Sampler, SamplingRow, prompt_logprobs
+from deepinfer.runner.sampler import (
+    Sampler,
+    SampleTensors,
+    SamplingRow,
+    prompt_logprobs,
+)
 from deepinfer.runner.transfer import to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
-from deepinfer.scheduler.plan import PLACEHOLDER_TOKEN_ID, SampledToken, ScheduledSeq, StepPlan, StepResult
+from deepinfer.scheduler.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.structured.base import CompiledGrammar, GrammarMatcher
 from deepinfer.structured.bitmask import allocate_token_bitmask
 

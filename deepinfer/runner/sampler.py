@@ -75,7 +75,7 @@ class SampleTensors:
     top_logprobs: torch.Tensor | None = None   # [M, K] float32, descending
     top_ids: torch.Tensor | None = None        # [M, K] int64
 
-    def to_host(self) -> "SampleTensors":
+    def to_host(self) -> SampleTensors:
         """The same result on the host. On CUDA the copies are only started (pinned
         memory): read the result after an event recorded behind them has completed."""
         def host(t: torch.Tensor | None) -> torch.Tensor | None:

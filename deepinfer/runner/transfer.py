@@ -11,7 +11,7 @@ On the CPU they are plain tensors.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch
               device: torch.device | str) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without a host sync on CUDA."""
     host = torch.as_tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or host.numel() == 0:   # an empty copy moves nothing
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 

@@ -46,8 +46,14 @@ from typing import Iterable
 from deepinfer.config import SchedulerConfig
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler.kv_cache import KVCacheManager
-from deepinfer.scheduler.plan import (PLACEHOLDER_TOKEN_ID, NewRequestData, SampledToken, ScheduledSeq,
-                                      StepPlan, StepResult)
+from deepinfer.scheduler.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.structured.base import CompiledGrammar
 
 
@@ -129,13 +135,15 @@ class Scheduler:
             want = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             while not (n := self._allocate(req, want)):
                 victim = self.running[-1]
-                if victim.request_id in self._in_flight:
-                    # A launched step may still write its blocks: plan no further until it lands.
+                alone = victim is req and len(self.running) == 1
+                if victim.request_id in self._in_flight or (alone and self._in_flight):
+                    # The victim's blocks may still be in use by a launched step, or blocks of
+                    # sequences ending in one come back when it lands: plan no further until then.
                     stalled = True
                     break
                 self.running.pop()
                 preempted = True
-                if victim is req and not self.running:
+                if alone:
                     self._finish(req, RequestStatus.FINISHED_ERROR,
                                  error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")
                     break
@@ -170,7 +178,7 @@ class Scheduler:
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
-                if not self.running:
+                if not self.running and not self._in_flight:
                     self.waiting.popleft()
                     self._finish(req, RequestStatus.FINISHED_ERROR,
                                  error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")

@@ -224,3 +224,19 @@ def test_n_greater_than_one_under_overlap():
     ids = ["p#0", "p#1", "p#2", "q"]
     assert outputs(over, ids) == outputs(sync, ids)
     assert over.kv.num_free_blocks == 63
+
+
+def test_waiting_request_waits_for_blocks_of_a_sequence_ending_in_flight():
+    # 7 usable blocks of 4 tokens: "w" fits only once "a" has given its blocks back, which
+    # happens after a's last (discarded) step lands, not when a is seen to stop.
+    sync, over = make(num_blocks=8, bs=4, chunked=False), make(num_blocks=8, bs=4, chunked=False)
+    for s in (sync, over):
+        a = seqs_for("a", list(range(2, 14)), max_tokens=6)
+        a[0].params.stop_token_ids = list(range(10, 60))     # every fake token stops it
+        s.add(a)
+        s.add(seqs_for("w", list(range(3, 23)), max_tokens=4, arrival=1))
+    run_all(sync)
+    run_overlapped(over)
+    assert outputs(over, ["a", "w"]) == outputs(sync, ["a", "w"])
+    assert over.requests["w"].finish_reason == "length"
+    assert over.kv.num_free_blocks == 7
