@@ -140,12 +140,17 @@ class SchedulerConfig:
     decode batch of B sequences replays the smallest size >= B with padding rows;
     larger batches run eagerly. None: 1, 2, 4, then multiples of 8, up to
     ``min(max_num_seqs, max_num_batched_tokens, 256)`` (which is always included).
+    ``async_scheduling`` (overlapped scheduling, vLLM's name): plan and launch step
+    N+1 while the device runs step N, and post-process step N while it runs N+1.
+    Outputs are the same either way (scheduler/scheduler.py says when it falls back
+    to a synchronous step).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     cuda_graph_sizes: tuple[int, ...] | None = None
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -60,9 +60,8 @@ class ForwardContext:
         if self.seq_lens_t is None:
             self.seq_lens_t = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
         if self.token_seq is None:
-            self.token_seq = torch.repeat_interleave(
-                torch.arange(self.num_seqs, dtype=torch.int32),
-                torch.tensor(self.query_lens, dtype=torch.long)).to(device)
+            self.token_seq = torch.tensor([b for b, n in enumerate(self.query_lens) for _ in range(n)],
+                                          dtype=torch.int32, device=device)
         if self.max_seq_len == 0:
             self.max_seq_len = max(self.seq_lens, default=0)
 

@@ -33,13 +33,14 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
         prompts = random_prompts(batch, prompt_len, vocab, gen)
         timer.start()
         pending = {engine.add_request(p, params) for p in prompts}
-        n_steps = 0
+        launched = engine.stats.steps
         while pending:
             for out in step_outputs(engine):
                 if out.finished:
                     pending.discard(out.request_id)
-            n_steps += 1
         elapsed = timer.stop()
+        # Model steps, not step() calls: with overlapped scheduling outputs trail by one call.
+        n_steps = engine.stats.steps - launched
         if i >= warmup:
             rounds.append(elapsed)
             steps.append(n_steps)

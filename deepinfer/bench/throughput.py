@@ -40,16 +40,23 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict) -> dict:
             for _ in range(args.num_prompts)]
     llm.generate(warm, params, use_tqdm=False)
     _sync(device)
+    llm.engine.reset_stats()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(device)
     engine_s = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = llm.engine.stats
     result = {
         "model": engine_kwargs.get("model") or DEFAULT_MODEL, "device": str(device),
         "dtype": str(config.model.dtype), "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len,
         "engine_s": engine_s, "engine_output_tok_s": n_out / engine_s,
+        "async_scheduling": config.scheduler.async_scheduling,
+        "steps": stats.steps, "overlapped_steps": stats.overlapped_steps,
+        # CUDA only (None on the CPU): device idle time between consecutive steps.
+        "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step,
+        "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step,
     }
     if not args.no_hf:
         del llm
@@ -58,6 +65,9 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         result["ratio_engine_over_hf"] = result["engine_output_tok_s"] / result["hf_output_tok_s"]
     for k, v in result.items():
         print(f"{k:>24}: {v:.4g}" if isinstance(v, float) else f"{k:>24}: {v}")
+    if stats.gpu_idle_ms_per_step is not None:
+        overlap = "on" if config.scheduler.async_scheduling else "off"
+        print(f"GPU idle between steps: {stats.gpu_idle_ms_per_step:.3f} ms/step (overlap {overlap})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,9 +1,27 @@
 """The engine step loop: add_request · step() · abort.
 
-One step reads: plan = scheduler.schedule(); result = runner.execute(plan);
-finished = scheduler.update(plan, result); then detokenise and report. The
-engine owns the tokenizer and one incremental detokenizer per sequence; stop
-strings end a sequence here because only the engine sees text.
+One step reads: plan = scheduler.schedule(); handle = runner.launch(plan);
+result = runner.finish(handle); touched = scheduler.update(plan, result); then
+detokenise and report. The engine owns the tokenizer and one incremental
+detokenizer per sequence; stop strings end a sequence here because only the
+engine sees text.
+
+Overlapped scheduling (``SchedulerConfig.async_scheduling``, on by default) only
+changes when those calls run. While the device runs step N, ``step()`` schedules
+and launches step N+1 (it queues behind N), then waits for N and post-processes
+it (update, detokenise, stop checks) while the device runs N+1:
+
+    step():  schedule N+1 · launch N+1 · finish N · update N · detokenise N
+
+The first call after idle only launches; outputs trail their step by one call.
+When the in-flight step's ``sync_reason`` is set (scheduler docstring: grammar,
+penalties, n > 1 fork, prompt logprobs) N is finished and updated before N+1 is
+scheduled. A step launched when nothing is left unfinished (every sequence in it
+ended on its previous token) is finished at once, so an idle engine holds no
+launched step and every block is back in the pool.
+
+``stats`` counts steps, how many overlapped, and on CUDA the device's idle time
+between consecutive steps (CUDA events around each step's device work).
 """
 
 from __future__ import annotations
@@ -20,9 +38,10 @@ from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.runner.model_runner import ModelRunner
+from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups
+from deepinfer.scheduler.plan import StepPlan
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
 
@@ -37,6 +56,32 @@ class _UserRequest:
     detoks: list[IncrementalDetokenizer]           # one per sequence; empty without a tokenizer
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = field(default=None)
+
+
+@dataclass
+class EngineStats:
+    """Cumulative step counters; ``Engine.reset_stats`` starts them over (after warm-up)."""
+
+    steps: int = 0               # steps launched with work
+    overlapped_steps: int = 0    # of those, scheduled and launched while the previous step ran
+    sync_steps: int = 0          # launched after the previous step landed because of its sync_reason
+    gpu_idle_ms: float = 0.0     # CUDA: device idle time between consecutive steps, summed
+    gpu_busy_ms: float = 0.0     # CUDA: device time of the measured steps, summed
+    measured_steps: int = 0      # steps with both figures (not the first after idle)
+
+    @property
+    def gpu_idle_ms_per_step(self) -> float | None:
+        return self.gpu_idle_ms / self.measured_steps if self.measured_steps else None
+
+    @property
+    def gpu_busy_ms_per_step(self) -> float | None:
+        return self.gpu_busy_ms / self.measured_steps if self.measured_steps else None
+
+
+@dataclass
+class _Launched:
+    plan: StepPlan
+    handle: StepHandle
 
 
 class Engine:
@@ -60,6 +105,9 @@ class Engine:
         self._arrival = itertools.count()
         self._token_text: dict[int, str] = {}
         self.structured: StructuredOutputBackend | None = None   # made by the first structured request
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: _Launched | None = None   # launched step not finished yet (overlap only)
+        self.stats = EngineStats()
         logger.info("KV cache: %d blocks, groups %s", num_blocks,
                     [(g.kind, len(g.layer_ids), g.block_size) for g in groups])
 
@@ -126,31 +174,64 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or any(
+        return self._in_flight is not None or self.scheduler.has_unfinished or any(
             all(s.is_finished for s in u.seqs) for u in self.requests.values())
+
+    def reset_stats(self) -> None:
+        self.stats = EngineStats()
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        touched: list[Request] = []
-        if not plan.is_empty or plan.block_copies or plan.finished_req_ids:
-            try:
-                result = self.runner.execute(plan)
-            except Exception as exc:  # an internal fault ends the batch's requests, not the engine
-                logger.exception("step failed")
-                for seq in plan.seqs:
-                    req = self.scheduler.requests.get(seq.req_id)
-                    if req is not None:
-                        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR,
-                                              error=f"internal error: {exc}")
-            else:
-                touched = self.scheduler.update(plan, result)
-        for req in touched:
-            self._detokenize(req)
+        prev, self._in_flight = self._in_flight, None
+        overlap = prev is not None and prev.plan.sync_reason is None
+        if overlap:
+            self._schedule_and_launch(overlapped=True)      # queues behind prev on the device
+        touched = self._land(prev) if prev is not None else []
+        if not overlap:
+            self._schedule_and_launch(overlapped=False, after_sync=prev is not None)
+        if self._in_flight is not None and (not self.async_scheduling or not self.scheduler.has_unfinished):
+            touched += self._land(self._in_flight)
+            self._in_flight = None
+        if self._in_flight is None and not self.scheduler.has_unfinished:
+            self.runner.reset_idle_clock()   # the gap until the next request is not the engine's
         parents = {r.parent_id for r in touched}
         parents.update(r.parent_id for r in self.scheduler.drain_ended())
         parents.update(pid for pid, u in self.requests.items() if u.error is not None)
         return [self._output(pid) for pid in sorted(parents, key=self._order) if pid in self.requests]
+
+    def _schedule_and_launch(self, overlapped: bool, after_sync: bool = False) -> None:
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.block_copies and not plan.finished_req_ids:
+            return
+        try:
+            handle = self.runner.launch(plan)
+        except Exception as exc:  # an internal fault ends the batch's requests, not the engine
+            logger.exception("step failed")
+            self.scheduler.fail(plan, f"internal error: {exc}")
+            return
+        if plan.is_empty:
+            return   # only runner bookkeeping and block copies: nothing to wait for
+        self.stats.steps += 1
+        self.stats.overlapped_steps += overlapped
+        self.stats.sync_steps += after_sync
+        self._in_flight = _Launched(plan, handle)
+
+    def _land(self, launched: _Launched) -> list[Request]:
+        """Wait for a launched step, apply its results and detokenise what it touched."""
+        try:
+            result = self.runner.finish(launched.handle)
+        except Exception as exc:
+            logger.exception("step failed")
+            self.scheduler.fail(launched.plan, f"internal error: {exc}")
+            return []
+        if result.gpu_idle_ms is not None and result.gpu_busy_ms is not None:
+            self.stats.gpu_idle_ms += result.gpu_idle_ms
+            self.stats.gpu_busy_ms += result.gpu_busy_ms
+            self.stats.measured_steps += 1
+        touched = self.scheduler.update(launched.plan, result)
+        for req in touched:
+            self._detokenize(req)
+        return touched
 
     def _order(self, parent_id: str) -> int:
         return self.requests[parent_id].seqs[0].arrival

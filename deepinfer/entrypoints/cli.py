@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlapped scheduling: plan the next step while the device runs this one "
+                        "(default on; --no-async-scheduling for one step at a time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
@@ -36,7 +39,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+                enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.runner.transfer import to_device
+
 _LOG2E = math.log2(math.e)
 
 
@@ -329,7 +331,7 @@ def paged_attention(
         if block_table.shape[0] != num_seqs:
             raise ValueError(f"paged attention: {num_seqs} sequences but block_table has "
                              f"{block_table.shape[0]} rows")
-        lens = torch.tensor(seq_lens, dtype=torch.int32, device=q.device)
+        lens = to_device(seq_lens, torch.int32, q.device)
         return paged_decode_attention(q, cache, block_table, lens, max(seq_lens), scale,
                                       sliding_window, sinks)
     out = torch.empty_like(q)
@@ -343,7 +345,7 @@ def paged_attention(
              for b, n in enumerate(q_lens) for i in range(0, n, tokens_per_tile)]
     if not tiles:
         return out
-    tile_table = torch.tensor(tiles, dtype=torch.int32, device=q.device)     # [num_tiles, 4]
+    tile_table = to_device(tiles, torch.int32, q.device)                     # [num_tiles, 4]
     _prefill_kernel[(len(tiles), cache.shape[3])](
         q, cache, block_table, tile_table, sinks if sinks is not None else q, out,
         scale * _LOG2E, sliding_window or 0,

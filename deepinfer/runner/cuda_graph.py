@@ -42,6 +42,7 @@ from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.runner.inputs import StepInputs
+from deepinfer.runner.transfer import copy_into
 from deepinfer.scheduler.kv_cache import KVCacheGroup
 
 logger = logging.getLogger(__name__)
@@ -111,12 +112,12 @@ class DecodeGraphs:
             raise ValueError(f"a decode step of {b} sequences exceeds the largest graph bucket "
                              f"{self.max_batch_size}")
         pad = n - b
-        # Sources are pageable host tensors: the copy has read them when copy_ returns, so
-        # the next step may build its inputs while this one still runs on the device.
-        self.input_ids[:n].copy_(torch.tensor(inputs.input_ids + [0] * pad, dtype=torch.long))
-        self.positions[:n].copy_(torch.tensor(inputs.positions + [0] * pad, dtype=torch.long))
+        # Copies from pinned staging buffers, queued behind the step the device is running:
+        # the host never waits, so overlapped scheduling can prepare step N+1 during step N.
+        copy_into(self.input_ids[:n], inputs.input_ids + [0] * pad)
+        copy_into(self.positions[:n], inputs.positions + [0] * pad)
         seq_lens = inputs.seq_lens + [1] * pad
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        copy_into(self.seq_lens[:n], seq_lens)
         for gid, (table, slots) in enumerate(zip(self.block_tables, self.slot_mappings)):
             rows = inputs.block_tables[gid]
             width = max(1, max(len(r) for r in rows))
@@ -124,9 +125,9 @@ class DecodeGraphs:
                 raise ValueError(f"KV-cache group {gid}: a block table of {width} blocks exceeds the "
                                  f"{table.shape[1]} that max_model_len={self.max_model_len} allows")
             padded = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * pad
-            table[:n, :width].copy_(torch.tensor(padded, dtype=torch.int32))
+            copy_into(table[:n, :width], padded)
             table[:n, width:].zero_()
-            slots[:n].copy_(torch.tensor(inputs.slot_mappings[gid] + [-1] * pad, dtype=torch.long))
+            copy_into(slots[:n], inputs.slot_mappings[gid] + [-1] * pad)
         return self.input_ids[:n], self._context(n, seq_lens)
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

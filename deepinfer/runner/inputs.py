@@ -42,6 +42,12 @@ class StepInputs:
         return len(self.seq_lens)
 
     @property
+    def token_seq(self) -> list[int]:
+        """[T] the sequence row b of each token."""
+        q = self.query_start_loc
+        return [b for b in range(self.num_seqs) for _ in range(q[b + 1] - q[b])]
+
+    @property
     def decode_only(self) -> bool:
         """Every sequence feeds exactly one token (the shape a decode CUDA graph serves)."""
         q = self.query_start_loc

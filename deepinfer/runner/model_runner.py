@@ -1,6 +1,15 @@
 """ModelRunner: StepPlan -> device tensors -> model forward (eager or a decode CUDA
 graph) -> sampler -> StepResult.
 
+A step is split in two for overlapped scheduling: ``launch(plan)`` queues the
+device work and starts copying the sampled ids and logprobs to pinned host
+memory, returning a StepHandle; ``finish(handle)`` waits for it (a CUDA event)
+and builds the StepResult. Between the two the host may plan and launch the next
+step, whose placeholder tokens are gathered on the device from this step's
+sampled ids. The launch path must not wait for the device: host lists go to the
+device through runner/transfer.py. On the CPU the split stays (finish only
+converts to Python values).
+
 What belongs here: the device state (KV-cache memory, per-request sampling
 state and grammar matchers, input tensors, decode graphs), sizing the KV cache
 from the memory budget, and turning a plan into a forward. What does not:
@@ -11,7 +20,7 @@ scheduling decisions (scheduler/), model math (models/, layers/), sampling math
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,10 +30,22 @@ from deepinfer.kernels import backend
 from deepinfer.models.base import CausalLM
 from deepinfer.runner.cuda_graph import DecodeGraphs
 from deepinfer.runner.inputs import StepInputs
-from deepinfer.runner.sampler import Sampler, SamplingRow, prompt_logprobs
+from deepinfer.runner.sampler import (
+    Sampler,
+    SampleTensors,
+    SamplingRow,
+    prompt_logprobs,
+)
+from deepinfer.runner.transfer import to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
-from deepinfer.scheduler.plan import SampledToken, ScheduledSeq, StepPlan, StepResult
+from deepinfer.scheduler.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.structured.base import CompiledGrammar, GrammarMatcher
 from deepinfer.structured.bitmask import allocate_token_bitmask
 
@@ -42,6 +63,21 @@ class _RunnerRequest:
     matcher: GrammarMatcher | None = None
 
 
+@dataclass
+class StepHandle:
+    """A launched step: what ``finish`` needs to build its StepResult."""
+
+    sampled_ids: list[str] = field(default_factory=list)                # req ids of the sampled rows
+    sampled_states: list[_RunnerRequest] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)   # slot of each row's token in output_token_ids
+    sample: SampleTensors | None = None                  # on the host once ``end`` has completed
+    # req_id -> (logits rows [L, V], next prompt tokens, number of top logprobs)
+    prompt_logits: dict[str, tuple[torch.Tensor, list[int], int]] = field(default_factory=dict)
+    start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
+    end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
+    prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: CausalLM, eos_token_ids: set[int]) -> None:
         self.config = config
@@ -55,6 +91,10 @@ class ModelRunner:
         self.kv_buffer: torch.Tensor | None = None
         self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
         self.decode_graphs: DecodeGraphs | None = None  # made once the KV cache is bound
+        # The last launch's sampled rows (req_id -> row) and token ids [N] on the device:
+        # the next launch's placeholder tokens come from here.
+        self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
+        self._prev_end: torch.cuda.Event | None = None   # CUDA: end event of the last launch
 
     # -- KV cache memory -------------------------------------------------------
     def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
@@ -150,8 +190,12 @@ class ModelRunner:
                                           self.config.model.max_model_len, self.device, capture)
 
     # -- one step ----------------------------------------------------------------
+    # A step is launched (inputs, forward, sampling queued on the device; the sampled ids
+    # and logprobs start copying to pinned host memory) and later finished (wait, then
+    # build the StepResult). The engine may launch step N+1 before finishing step N:
+    # step N+1's placeholder tokens are gathered on the device from step N's sampled ids.
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def launch(self, plan: StepPlan) -> StepHandle:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
@@ -160,10 +204,15 @@ class ModelRunner:
                 self._new_matcher(new.grammar, new.output_token_ids) if new.grammar is not None else None)
         for src, dst in plan.block_copies:
             self.kv_buffer[dst].copy_(self.kv_buffer[src])
+        handle = StepHandle()
         if plan.is_empty:
-            return StepResult()
+            return handle
 
         input_ids, ctx = self._prepare(plan.seqs)
+        self._fill_placeholders(input_ids, ctx.query_start_loc, plan.seqs)
+        if self.device.type == "cuda":
+            handle.start, handle.prev_end = torch.cuda.Event(enable_timing=True), self._prev_end
+            handle.start.record()
         hidden = self._forward(input_ids, ctx)                            # [T, H]
 
         # Rows whose logits are needed: prompt-logprob rows, then one row per sampled sequence.
@@ -172,47 +221,99 @@ class ModelRunner:
             rows.extend(range(start, start + seq.prompt_logprob_rows))
             if seq.sample:
                 rows.append(start + len(seq.token_ids) - 1)
-        if not rows:
-            return StepResult()
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])  # [N, V]
+        self._last_sampled = None
+        if rows:
+            logits = self.model.compute_logits(hidden.index_select(0, self._indices(rows)))  # [N, V]
+            self._launch_sampling(plan, logits, handle)
+        if self.device.type == "cuda":
+            handle.end = torch.cuda.Event(enable_timing=True)
+            handle.end.record()
+            self._prev_end = handle.end
+        return handle
 
-        result = StepResult()
+    def _launch_sampling(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:
+        """Queue the sampler on ``logits`` ([N, V]: prompt-logprob rows, then one row per
+        sampled sequence) and start copying its result to the host."""
         sample_rows: list[int] = []
-        sample_ids: list[str] = []
-        sample_states: list[_RunnerRequest] = []
         sampling_rows: list[SamplingRow] = []
         r = 0
         for seq in plan.seqs:
             if seq.prompt_logprob_rows:
                 state = self.requests[seq.req_id]
                 nxt = state.prompt_token_ids[seq.start_pos + 1: seq.start_pos + 1 + seq.prompt_logprob_rows]
-                result.prompt_logprobs[seq.req_id] = prompt_logprobs(
-                    logits[r:r + seq.prompt_logprob_rows], nxt, state.params.prompt_logprobs,
-                    vocab_size=self.config.model.vocab_size)
+                handle.prompt_logits[seq.req_id] = (logits[r:r + seq.prompt_logprob_rows], nxt,
+                                                    state.params.prompt_logprobs)
                 r += seq.prompt_logprob_rows
             if seq.sample:
                 for req_id in [seq.req_id, *seq.fork_ids]:
                     state = self.requests[req_id]
                     sample_rows.append(r)
-                    sample_ids.append(req_id)
-                    sample_states.append(state)
+                    handle.sampled_ids.append(req_id)
+                    handle.sampled_states.append(state)
                     sampling_rows.append(SamplingRow(state.params, state.prompt_token_ids,
                                                      state.output_token_ids, state.stream_index,
                                                      grammar=state.matcher is not None))
                 r += 1
-        if sample_rows:
-            out = self.sampler(logits[torch.tensor(sample_rows, device=self.device)], sampling_rows,
-                               self._token_bitmask(sample_states))
-            for i, (req_id, state) in enumerate(zip(sample_ids, sample_states)):
-                token = out.token_ids[i]
-                state.output_token_ids.append(token)
-                sampled = SampledToken(token, out.sampled_logprobs[i], out.logprobs[i])
-                if state.matcher is not None:
-                    if not state.matcher.accept_token(token):
-                        sampled.error = f"structured outputs: the grammar refused sampled token {token}"
-                    sampled.grammar_terminated = state.matcher.is_terminated()
-                result.sampled[req_id] = sampled
+        if not sample_rows:
+            return
+        out = self.sampler.sample(logits.index_select(0, self._indices(sample_rows)), sampling_rows,
+                                  self._token_bitmask(handle.sampled_states))
+        # The sampler has read the output lengths (seeds, min_tokens); hold each token's slot
+        # until finish() knows its value.
+        for state in handle.sampled_states:
+            handle.positions.append(len(state.output_token_ids))
+            state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self._last_sampled = ({req_id: i for i, req_id in enumerate(handle.sampled_ids)}, out.token_ids)
+        handle.sample = out.to_host()
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, query_start_loc: list[int],
+                           seqs: list[ScheduledSeq]) -> None:
+        """Write into ``input_ids`` ([T], in place) the tokens the previous launch sampled for
+        sequences fed a placeholder: a gather on the device, no host round trip."""
+        dst = [query_start_loc[b + 1] - 1 for b, seq in enumerate(seqs) if seq.placeholder]
+        if not dst:
+            return
+        if self._last_sampled is None:
+            raise RuntimeError("a plan feeds placeholder tokens but the previous step sampled nothing")
+        index, tokens = self._last_sampled
+        missing = [seq.req_id for seq in seqs if seq.placeholder and seq.req_id not in index]
+        if missing:
+            raise RuntimeError(f"placeholder tokens for {missing}, which the previous step did not sample")
+        src = [index[seq.req_id] for seq in seqs if seq.placeholder]
+        input_ids.index_copy_(0, self._indices(dst), tokens.index_select(0, self._indices(src)))
+
+    @torch.inference_mode()
+    def finish(self, handle: StepHandle) -> StepResult:
+        """Wait for a launched step and build its result."""
+        result = StepResult()
+        if handle.end is not None:
+            handle.end.synchronize()
+            result.gpu_busy_ms = handle.start.elapsed_time(handle.end)
+            if handle.prev_end is not None:
+                result.gpu_idle_ms = handle.prev_end.elapsed_time(handle.start)
+        for req_id, (logits, nxt, num) in handle.prompt_logits.items():
+            result.prompt_logprobs[req_id] = prompt_logprobs(logits, nxt, num,
+                                                             vocab_size=self.config.model.vocab_size)
+        if handle.sample is None:
+            return result
+        out = handle.sample.output()
+        for i, (req_id, state) in enumerate(zip(handle.sampled_ids, handle.sampled_states)):
+            token = out.token_ids[i]
+            state.output_token_ids[handle.positions[i]] = token
+            sampled = SampledToken(token, out.sampled_logprobs[i], out.logprobs[i])
+            if state.matcher is not None:
+                if not state.matcher.accept_token(token):
+                    sampled.error = f"structured outputs: the grammar refused sampled token {token}"
+                sampled.grammar_terminated = state.matcher.is_terminated()
+            result.sampled[req_id] = sampled
         return result
+
+    def reset_idle_clock(self) -> None:
+        """The engine went idle: the next step's device idle time is not measured."""
+        self._prev_end = None
+
+    def _indices(self, values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.long, self.device)
 
     @staticmethod
     def _new_matcher(grammar: CompiledGrammar, output_token_ids: list[int]) -> GrammarMatcher:
@@ -251,12 +352,15 @@ class ModelRunner:
             padded = [t + [0] * (width - len(t)) for t in tables]
             groups.append(GroupMetadata(
                 block_size=group.block_size,
-                block_table=torch.tensor(padded, dtype=torch.int32, device=self.device),
-                slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device)))
-        ctx = ForwardContext(positions=torch.tensor(inputs.positions, dtype=torch.long, device=self.device),
+                block_table=to_device(padded, torch.int32, self.device),
+                slot_mapping=to_device(slots, torch.long, self.device)))
+        ctx = ForwardContext(positions=to_device(inputs.positions, torch.long, self.device),
                              query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                             groups=groups, decode_only=inputs.decode_only)
-        return torch.tensor(inputs.input_ids, dtype=torch.long, device=self.device), ctx
+                             groups=groups, decode_only=inputs.decode_only,
+                             query_start_loc_t=to_device(inputs.query_start_loc, torch.int32, self.device),
+                             seq_lens_t=to_device(inputs.seq_lens, torch.int32, self.device),
+                             token_seq=to_device(inputs.token_seq, torch.int32, self.device))
+        return to_device(inputs.input_ids, torch.long, self.device), ctx
 
     def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [T, H]: a decode graph's replay when ``_prepare`` gave its static

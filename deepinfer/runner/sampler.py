@@ -17,6 +17,11 @@ from a generator keyed by (seed, stream_index, output position), so its token
 does not depend on which other rows share the batch; unseeded rows draw theirs
 from the sampler's own generator in one call.
 
+Host syncs: ``Sampler.sample`` leaves its result on the device (``SampleTensors``)
+and builds its small index/parameter tensors through runner/transfer.py, so
+launching a step does not wait for the device (overlapped scheduling); the one
+exception is top-k, whose ``topk`` width comes from the device (``k.max()``).
+
 Shapes: N rows, V vocabulary (``vocab_size``; the logits may carry padding
 columns beyond it, which are dropped), M a subset of rows.
 """
@@ -30,6 +35,7 @@ import numpy as np
 import torch
 
 from deepinfer.outputs import Logprob
+from deepinfer.runner.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.bitmask import apply_token_bitmask
 
@@ -52,6 +58,47 @@ class SamplerOutput:
     token_ids: list[int]
     sampled_logprobs: list[float]                 # raw logprob of each sampled token
     logprobs: list[dict[int, Logprob] | None]     # top-N plus the sampled token, where params.logprobs is set
+
+
+@dataclass
+class SampleTensors:
+    """A sampler result as tensors, before any host sync: the runner feeds ``token_ids``
+    to the next step on the device and copies the rest to the host without waiting
+    (overlapped scheduling). M of the N rows asked for logprobs (``logprob_rows``, their
+    counts ``logprob_nums``), K = max(logprob_nums)."""
+
+    token_ids: torch.Tensor                    # [N] int64
+    sampled_logprobs: torch.Tensor             # [N] float32 raw logprob of each sampled token
+    logprob_rows: list[int]
+    logprob_nums: list[int]
+    ranks: torch.Tensor | None = None          # [M] int64 rank of the sampled token, 1 = most likely
+    top_logprobs: torch.Tensor | None = None   # [M, K] float32, descending
+    top_ids: torch.Tensor | None = None        # [M, K] int64
+
+    def to_host(self) -> SampleTensors:
+        """The same result on the host. On CUDA the copies are only started (pinned
+        memory): read the result after an event recorded behind them has completed."""
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else copy_to_host(t)
+
+        return SampleTensors(copy_to_host(self.token_ids), copy_to_host(self.sampled_logprobs),
+                             self.logprob_rows, self.logprob_nums, host(self.ranks),
+                             host(self.top_logprobs), host(self.top_ids))
+
+    def output(self) -> SamplerOutput:
+        """Python values (waits for the device if the tensors are still there)."""
+        token_ids = self.token_ids.tolist()
+        sampled = self.sampled_logprobs.tolist()
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(token_ids)
+        if self.logprob_rows:
+            dicts = _build_dicts([sampled[i] for i in self.logprob_rows], self.ranks.tolist(),
+                                 [token_ids[i] for i in self.logprob_rows],
+                                 self.top_logprobs.tolist() if self.top_logprobs is not None else [],
+                                 self.top_ids.tolist() if self.top_ids is not None else [],
+                                 self.logprob_nums)
+            for i, d in zip(self.logprob_rows, dicts):
+                logprobs[i] = d
+        return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, logprobs=logprobs)
 
 
 # -- filters: the pure-PyTorch reference of the sampling kernel ----------------------------------
@@ -111,26 +158,41 @@ def stream_seed(seed: int, stream_index: int, position: int) -> int:
 
 # -- logprobs ---------------------------------------------------------------------------------------
 
+def _logprob_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, kmax: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per row: the chosen token's logprob [M], its rank [M] (1 = most likely) and the
+    row's top-``kmax`` logprobs and ids [M, kmax] (None when kmax is 0).
+
+    logprobs: [M, V] normalised; token_ids: [M] int64.
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))               # [M, 1]
+    ranks = (logprobs > chosen).sum(-1) + 1                            # [M] 1 = most likely
+    top_vals, top_ids = logprobs.topk(kmax, dim=-1) if kmax else (None, None)
+    return chosen.squeeze(1), ranks, top_vals, top_ids
+
+
+def _build_dicts(chosen: list[float], ranks: list[int], ids: list[int], top_vals: list[list[float]],
+                 top_ids: list[list[int]], nums: Sequence[int]) -> list[dict[int, Logprob]]:
+    """For each row: the chosen token with its rank, then the row's top-``nums[i]``."""
+    out = []
+    for i, num in enumerate(nums):
+        entry = {ids[i]: Logprob(chosen[i], ranks[i])}
+        for r in range(num):
+            entry[top_ids[i][r]] = Logprob(top_vals[i][r], r + 1)
+        out.append(entry)
+    return out
+
+
 def _logprob_dicts(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequence[int]
                    ) -> list[dict[int, Logprob]]:
     """For each row: the chosen token with its rank, then the row's top-``nums[i]``.
 
     logprobs: [M, V] normalised; token_ids: [M] int64.
     """
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))               # [M, 1]
-    ranks = (logprobs > chosen).sum(-1) + 1                            # [M] 1 = most likely
     kmax = max(nums, default=0)
-    top_vals, top_ids = logprobs.topk(kmax, dim=-1) if kmax else (None, None)
-    chosen_l, ranks_l, ids_l = chosen.squeeze(1).tolist(), ranks.tolist(), token_ids.tolist()
-    top_vals_l = top_vals.tolist() if kmax else []
-    top_ids_l = top_ids.tolist() if kmax else []
-    out = []
-    for i, num in enumerate(nums):
-        entry = {ids_l[i]: Logprob(chosen_l[i], ranks_l[i])}
-        for r in range(num):
-            entry[top_ids_l[i][r]] = Logprob(top_vals_l[i][r], r + 1)
-        out.append(entry)
-    return out
+    chosen, ranks, top_vals, top_ids = _logprob_tensors(logprobs, token_ids, kmax)
+    return _build_dicts(chosen.tolist(), ranks.tolist(), token_ids.tolist(),
+                        top_vals.tolist() if kmax else [], top_ids.tolist() if kmax else [], nums)
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num: int,
@@ -144,7 +206,7 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num: in
         raise ValueError(f"prompt_logprobs: {len(next_token_ids)} next tokens for {logits.shape[0]} logits rows")
     vocab = logits.shape[1] if vocab_size is None else vocab_size
     lp = torch.log_softmax(logits[:, :vocab].float(), dim=-1)                        # [L, V]
-    ids = torch.tensor(list(next_token_ids), dtype=torch.long, device=logits.device)  # [L]
+    ids = to_device(list(next_token_ids), torch.long, logits.device)                 # [L]
     return _logprob_dicts(lp, ids, [num] * len(next_token_ids))
 
 
@@ -169,6 +231,13 @@ class Sampler:
         """logits: [N, V'] float32 with V' >= vocab_size; one SamplingRow per logits row.
         token_bitmask: [N, ceil(vocab_size / 32)] int32 on the logits' device (format of
         structured/bitmask.py); its row i applies where ``rows[i].grammar`` is set."""
+        return self.sample(logits, rows, token_bitmask).output()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               token_bitmask: torch.Tensor | None = None) -> SampleTensors:
+        """As ``__call__``, with the result left on the logits' device. The rows' host data
+        (params, output lengths) is read before this returns, so the caller may change
+        them afterwards."""
         self._check(logits, rows, token_bitmask)
         raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
         lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
@@ -176,14 +245,13 @@ class Sampler:
 
         sampled = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse    # [N]
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        out = SampleTensors(tokens, sampled, want, [rows[i].params.logprobs for i in want])
         if want:
-            sel = torch.tensor(want, device=raw.device)
+            sel = self._long(want, raw)
             lp = raw[sel] - lse[sel].unsqueeze(1)                         # [M, V] same arithmetic as `sampled`
-            dicts = _logprob_dicts(lp, tokens[sel], [rows[i].params.logprobs for i in want])
-            for i, d in zip(want, dicts):
-                logprobs[i] = d
-        return SamplerOutput(token_ids=tokens.tolist(), sampled_logprobs=sampled.tolist(), logprobs=logprobs)
+            _, out.ranks, out.top_logprobs, out.top_ids = _logprob_tensors(lp, tokens[sel],
+                                                                           max(out.logprob_nums))
+        return out
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -245,7 +313,7 @@ class Sampler:
                 vals.append(bias)
         if r_idx:
             work.index_put_((self._long(r_idx, work), self._long(c_idx, work)),
-                            torch.tensor(vals, dtype=work.dtype, device=work.device), accumulate=True)
+                            to_device(vals, work.dtype, work.device), accumulate=True)
 
     def _apply_penalties(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
         """repetition (HF/vLLM): a logit of a token seen in prompt or output is divided by the
@@ -267,8 +335,8 @@ class Sampler:
         seen[prompt_r, prompt_c] = True
 
         def column(name: str) -> torch.Tensor:                                     # [M, 1]
-            return torch.tensor([getattr(rows[i].params, name) for i in sel],
-                                dtype=work.dtype, device=work.device).unsqueeze(1)
+            return to_device([getattr(rows[i].params, name) for i in sel], work.dtype,
+                             work.device).unsqueeze(1)
 
         idx = self._long(sel, work)
         sub = work[idx]                                                            # [M, V]
@@ -290,7 +358,7 @@ class Sampler:
             return tokens
         params = [rows[i].params for i in rand]
         r_idx = self._long(rand, work)
-        temp = torch.tensor([p.temperature for p in params], dtype=work.dtype, device=work.device)
+        temp = to_device([p.temperature for p in params], work.dtype, work.device)
         x = work[r_idx]                                                             # [R, V]
         # Shift the row max to 0 first: then no positive temperature, however small, overflows to inf.
         x = (x - x.amax(-1, keepdim=True)) / temp.unsqueeze(1)
@@ -311,8 +379,8 @@ class Sampler:
         """Apply ``fn`` to the rows in ``active`` only, so unfiltered rows pay nothing."""
         if not active:
             return x
-        a = torch.tensor(active, dtype=torch.long, device=x.device)
-        arg = torch.tensor([values[j] for j in active], dtype=dtype, device=x.device)
+        a = to_device(active, torch.long, x.device)
+        arg = to_device([values[j] for j in active], dtype, x.device)
         x[a] = fn(x[a], arg)
         return x
 
@@ -342,11 +410,13 @@ class Sampler:
         Goes through numpy: converting long Python lists with torch.tensor is several times
         slower, and rows that already hold arrays or CPU tensors are not copied element-wise."""
         arrays = [np.asarray(s, dtype=np.int64) for s in seqs]
-        lengths = torch.tensor([len(a) for a in arrays], device=device)                    # [M]
-        ids = torch.from_numpy(np.concatenate(arrays)).to(device)                          # [total]
-        rows = torch.repeat_interleave(torch.arange(len(arrays), device=device), lengths)  # [total]
+        total = sum(len(a) for a in arrays)
+        lengths = to_device([len(a) for a in arrays], torch.long, device)                  # [M]
+        ids = to_device(np.concatenate(arrays), torch.long, device)                        # [total]
+        rows = torch.repeat_interleave(torch.arange(len(arrays), device=device), lengths,
+                                       output_size=total)                                 # [total]
         return rows, ids
 
     @staticmethod
     def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=like.device)
+        return to_device(values, torch.long, like.device)

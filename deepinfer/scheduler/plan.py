@@ -4,6 +4,12 @@ Plain data only. A request's static data (prompt, sampling parameters) goes to
 the runner once, in ``new_requests``, when the runner has not seen it (first
 schedule, resume after preemption, fork); later steps carry only the tokens to
 feed and the block tables.
+
+Overlapped scheduling: a plan may be made while the previous one still runs, so
+a sequence that samples in step N is fed in step N+1 a token the host does not
+know yet. Its ``ScheduledSeq.placeholder`` is set and the slot holds
+``PLACEHOLDER_TOKEN_ID``; the runner takes the real token from step N's sampled
+ids on the device.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from dataclasses import dataclass, field
 from deepinfer.outputs import PositionLogprobs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.base import CompiledGrammar
+
+# Fills the slot of a token still in flight (see ScheduledSeq.placeholder). Out of every
+# vocabulary, so an unfilled slot fails the embedding lookup instead of feeding a real token.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -34,6 +44,9 @@ class ScheduledSeq:
     sample: bool                       # this step reaches the end of the known tokens
     prompt_logprob_rows: int = 0       # leading rows of this chunk that need prompt logprobs
     fork_ids: list[str] = field(default_factory=list)  # siblings sampled from the same logits
+    # token_ids[-1] is PLACEHOLDER_TOKEN_ID: the token the previous launched step samples for
+    # this sequence, which the runner gathers on the device (overlapped scheduling).
+    placeholder: bool = False
 
 
 @dataclass
@@ -42,6 +55,9 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+    # Why the next step cannot be planned before this one's tokens reach the host (the
+    # scheduler's fallback to a synchronous step), or None when it can.
+    sync_reason: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,3 +83,7 @@ class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     # req_id -> prompt logprobs computed for this chunk's rows.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Device time (ms) between the previous step's last kernel and this step's first, and
+    # this step's own device time; None where not measured (CPU, or first step after idle).
+    gpu_idle_ms: float | None = None
+    gpu_busy_ms: float | None = None

@@ -8,6 +8,34 @@ out, the most recently admitted running sequence is preempted: its blocks go
 back to the pool and it is recomputed later, which leaves its output unchanged
 (sampling is keyed by output position). It never touches device tensors; its
 output is a StepPlan.
+
+Launched steps. ``schedule()`` hands out a plan as launched: the tokens it feeds
+count as computed at once, and ``update(plan, result)`` later lands it. In the
+synchronous loop every plan lands before the next is made. With overlapped
+scheduling (``SchedulerConfig.async_scheduling``) the engine makes plan N+1 while
+step N still runs on the device, so at most one plan is launched and not landed
+when ``schedule()`` runs:
+
+- A sequence that samples in step N holds one *pending* token: step N+1 feeds it
+  as a placeholder (the runner gathers it from step N's sampled ids on the
+  device). A pending sequence whose token surely ends it (``max_tokens``,
+  ``max_model_len``) is not scheduled again; one that EOS, a stop token or a stop
+  string ends is, and its step N+1 token is dropped when that step lands (a
+  finished sequence takes no more tokens).
+- Deferred frees. No block goes back to the pool while a launched step that has
+  not landed may read or write it: a sequence that finishes (stop, length, abort,
+  error) while in a launched step keeps its blocks, and the runner its state,
+  until every such step has landed; a sequence in a launched step is never
+  chosen for preemption (when the pool runs dry the plan stops there and the
+  engine lands the step before planning again); and a sliding-window group frees
+  only blocks the in-flight step's query can no longer see.
+- Fallback: the next plan must wait for step N's tokens to reach the host
+  (``StepPlan.sync_reason``) when a sequence sampled in step N has a grammar
+  (its matcher accepts the token before the next bitmask is filled), uses
+  repetition/frequency/presence penalties (they read output token values), forks
+  ``n > 1`` siblings (they take the parent's blocks as of step N), or when step N
+  computes prompt logprobs (made into dicts on the host). min_tokens, seeds and
+  logit_bias read only the output length or static data and need no fallback.
 """
 
 from __future__ import annotations
@@ -18,7 +46,14 @@ from typing import Iterable
 from deepinfer.config import SchedulerConfig
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler.kv_cache import KVCacheManager
-from deepinfer.scheduler.plan import NewRequestData, SampledToken, ScheduledSeq, StepPlan, StepResult
+from deepinfer.scheduler.plan import (
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    SampledToken,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+)
 from deepinfer.structured.base import CompiledGrammar
 
 
@@ -40,6 +75,13 @@ class Scheduler:
         self._ended: list[Request] = []
         # Compiled grammars of structured sequences, sent to the runner with their new-request data.
         self._grammars: dict[str, CompiledGrammar] = {}
+        # req_id -> first position fed by each launched plan that includes it (fork siblings
+        # too) and has not landed, oldest first.
+        self._in_flight: dict[str, list[int]] = {}
+        # req_id -> tokens sampled for it in launched plans that have not landed.
+        self._pending: dict[str, int] = {}
+        # Ended sequences whose blocks and runner state wait for their launched plans to land.
+        self._deferred: set[str] = set()
 
     # -- intake --------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> str | None:
@@ -70,21 +112,38 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def has_in_flight(self) -> bool:
+        """Some launched plan has not landed yet."""
+        return bool(self._in_flight)
+
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """The next step's plan, counted as launched until ``update`` lands it."""
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         new_requests: list[NewRequestData] = []
-        preempted = False
+        preempted = stalled = False
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            want = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not (n := self._allocate(req, req.num_computed_tokens, want)):
-                victim = self.running.pop()
+            pending = self._pending.get(req.request_id, 0)
+            if pending and self._ends_on_pending(req, pending):
+                i += 1
+                continue
+            want = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            while not (n := self._allocate(req, want)):
+                victim = self.running[-1]
+                alone = victim is req and len(self.running) == 1
+                if victim.request_id in self._in_flight or (alone and self._in_flight):
+                    # The victim's blocks may still be in use by a launched step, or blocks of
+                    # sequences ending in one come back when it lands: plan no further until then.
+                    stalled = True
+                    break
+                self.running.pop()
                 preempted = True
-                if victim is req and not self.running:
+                if alone:
                     self._finish(req, RequestStatus.FINISHED_ERROR,
                                  error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")
                     break
@@ -98,7 +157,7 @@ class Scheduler:
                 continue
             break
 
-        while (not preempted and self.waiting and budget > 0
+        while (not preempted and not stalled and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             tokens = req.all_token_ids
@@ -111,13 +170,15 @@ class Scheduler:
                 break
             if hit:
                 self.kv.take_prefix_hit(req.request_id, tokens, hit)
+            req.num_computed_tokens = hit
             # Shrinking a new request's chunk to squeeze it in would only thrash the
             # running ones; it is done only when nothing runs.
-            n = self._allocate(req, hit, n) if not self.running else (
+            n = self._allocate(req, n) if not self.running else (
                 n if self.kv.allocate(req.request_id, hit, hit + n) else 0)
             if not n:
                 self.kv.free(req.request_id)
-                if not self.running:
+                req.num_computed_tokens = 0
+                if not self.running and not self._in_flight:
                     self.waiting.popleft()
                     self._finish(req, RequestStatus.FINISHED_ERROR,
                                  error=f"sequence of {req.num_tokens} tokens does not fit in the KV cache")
@@ -126,7 +187,6 @@ class Scheduler:
             self.waiting.popleft()
             if req.status == RequestStatus.WAITING and req.num_output_tokens == 0:
                 req.num_cached_tokens = hit
-            req.num_computed_tokens = hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seqs.append(self._scheduled(req, n, new_requests))
@@ -134,24 +194,41 @@ class Scheduler:
 
         plan = StepPlan(seqs=seqs, new_requests=new_requests,
                         finished_req_ids=self._finished_for_runner,
-                        block_copies=self._pending_copies)
+                        block_copies=self._pending_copies, sync_reason=self._sync_reason(seqs))
         self._finished_for_runner = []
         self._pending_copies = []
         return plan
 
-    def _allocate(self, req: Request, start: int, n: int) -> int:
-        """Hold blocks for ``n`` more tokens from ``start``; with chunked prefill, shrink
-        the chunk (sliding-window layers need blocks for every token of a chunk) until
-        it fits. Returns the tokens granted, 0 if not even one fits."""
-        while not self.kv.allocate(req.request_id, start, start + n):
+    def _ends_on_pending(self, req: Request, pending: int) -> bool:
+        """The token(s) still in flight surely end ``req`` by length: nothing more to plan."""
+        p = req.params
+        return ((p.max_tokens is not None and req.num_output_tokens + pending >= p.max_tokens)
+                or req.num_tokens + pending >= self.max_model_len)
+
+    def _allocate(self, req: Request, n: int) -> int:
+        """Hold blocks for ``n`` more tokens after ``req.num_computed_tokens``; with chunked
+        prefill, shrink the chunk (sliding-window layers need blocks for every token of a
+        chunk) until it fits. Returns the tokens granted, 0 if not even one fits.
+        A sliding window is advanced only as far as the earliest query of a launched step
+        that has not landed: the blocks that query reads stay held."""
+        start = req.num_computed_tokens
+        window_from = min([start, *self._in_flight.get(req.request_id, [])])
+        while not self.kv.allocate(req.request_id, window_from, start + n):
             if n == 1 or not self.config.enable_chunked_prefill:
                 return 0
             n //= 2
         return n
 
     def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData]) -> ScheduledSeq:
+        """Plan ``n`` tokens of ``req`` and count them as launched."""
         start = req.num_computed_tokens
-        sample = start + n == req.num_tokens
+        pending = self._pending.get(req.request_id, 0)
+        assert pending <= 1, f"{req.request_id} has {pending} tokens in flight while being planned"
+        sample = start + n == req.num_tokens + pending
+        token_ids = req.all_token_ids[start:start + n]
+        if pending:
+            # The only token left to compute is the one the launched step samples.
+            token_ids.append(PLACEHOLDER_TOKEN_ID)
         rows = 0
         if req.wants_prompt_logprobs:
             rows = max(0, min(start + n, req.num_prompt_tokens - 1) - start)
@@ -165,20 +242,44 @@ class Scheduler:
                     req_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                     output_token_ids=list(r.output_token_ids), params=r.params,
                     stream_index=r.index, grammar=self._grammars.get(r.request_id)))
-        return ScheduledSeq(req_id=req.request_id, token_ids=req.all_token_ids[start:start + n],
+            self._in_flight.setdefault(r.request_id, []).append(start)
+        req.num_computed_tokens = start + n
+        if sample:
+            self._pending[req.request_id] = pending + 1
+        return ScheduledSeq(req_id=req.request_id, token_ids=token_ids,
                             start_pos=start, block_tables=self.kv.block_tables(req.request_id),
-                            sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids)
+                            sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids,
+                            placeholder=bool(pending))
+
+    def _sync_reason(self, seqs: list[ScheduledSeq]) -> str | None:
+        """Why the plan after these ``seqs`` needs their sampled tokens on the host first
+        (the fallback list of the module docstring), or None."""
+        for seq in seqs:
+            if seq.prompt_logprob_rows:
+                return "prompt logprobs"
+            if not seq.sample:
+                continue
+            if seq.fork_ids:
+                return "n > 1 fork"
+            if seq.req_id in self._grammars:
+                return "structured outputs"
+            p = self.requests[seq.req_id].params
+            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+                return "penalties"
+        return None
 
     # -- results ---------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Apply a step's results. Returns the sequences that got a token or finished."""
+        """Land a launched plan: apply its results. Returns the sequences that got a
+        token or finished."""
+        self._land(plan)
         touched: list[Request] = []
         for seq in plan.seqs:
             req = self.requests.get(seq.req_id)
             if req is None or req.is_finished:
-                continue
-            req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                continue   # ended after this plan was made: its tokens are dropped
+            done = seq.start_pos + len(seq.token_ids)   # tokens in the cache now this step landed
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
             if seq.req_id in result.prompt_logprobs and not req.prompt_logprobs_done:
                 if not req.prompt_logprobs:
                     req.prompt_logprobs.append(None)
@@ -190,23 +291,48 @@ class Scheduler:
                 req.fork_children.remove(child)
                 if child.is_finished:
                     continue
-                self._fork(req, child)
+                self._fork(req, child, done)
                 self._append(child, result.sampled[child_id])
                 touched.append(child)
             self._append(req, result.sampled[req.request_id])
             touched.append(req)
         return touched
 
-    def _fork(self, parent: Request, child: Request) -> None:
+    def fail(self, plan: StepPlan, error: str) -> None:
+        """Land a launched plan whose step failed: its sequences end with ``error``."""
+        for seq in plan.seqs:
+            for req_id in [seq.req_id, *seq.fork_ids]:
+                req = self.requests.get(req_id)
+                if req is not None and not req.is_finished:
+                    self._finish(req, RequestStatus.FINISHED_ERROR, error=error)
+        self._land(plan)
+
+    def _land(self, plan: StepPlan) -> None:
+        """Count ``plan`` as landed; sequences that ended meanwhile and are in no other
+        launched plan give their blocks back now."""
+        for seq in plan.seqs:
+            if seq.sample:
+                self._pending[seq.req_id] -= 1
+                if not self._pending[seq.req_id]:
+                    del self._pending[seq.req_id]
+            for req_id in [seq.req_id, *seq.fork_ids]:
+                self._in_flight[req_id].pop(0)     # plans land in launch order
+                if not self._in_flight[req_id]:
+                    del self._in_flight[req_id]
+                    if req_id in self._deferred:
+                        self._deferred.discard(req_id)
+                        self._release(req_id)
+
+    def _fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         copies = None
         if len(self.running) < self.config.max_num_seqs:
-            copies = self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+            copies = self.kv.fork(parent.request_id, child.request_id, num_tokens)
         if copies is None:
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
             return
         self._pending_copies.extend(copies)
-        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_computed_tokens = num_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
@@ -232,6 +358,7 @@ class Scheduler:
 
     # -- ending ---------------------------------------------------------------
     def _preempt(self, req: Request) -> None:
+        assert req.request_id not in self._in_flight, f"{req.request_id} is preempted while in flight"
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -256,10 +383,10 @@ class Scheduler:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req.request_id)
-        if req.request_id in self._runner_known:
-            self._runner_known.discard(req.request_id)
-            self._finished_for_runner.append(req.request_id)
+        if req.request_id in self._in_flight:
+            self._deferred.add(req.request_id)
+        else:
+            self._release(req.request_id)
         # Siblings never forked cannot outlive a sequence that ended before its prefill completed.
         for child in req.fork_children:
             if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
@@ -268,6 +395,13 @@ class Scheduler:
                 child.status = RequestStatus.WAITING
                 self.waiting.appendleft(child)
         req.fork_children = []
+
+    def _release(self, req_id: str) -> None:
+        """Give an ended sequence's blocks back and tell the runner to drop its state."""
+        self.kv.free(req_id)
+        if req_id in self._runner_known:
+            self._runner_known.discard(req_id)
+            self._finished_for_runner.append(req_id)
 
     def abort(self, parent_id: str) -> list[Request]:
         ended = [r for r in self.requests.values() if r.parent_id == parent_id and not r.is_finished]

@@ -348,7 +348,7 @@ def test_tokenize_detokenize(server):
 # -- failures ------------------------------------------------------------------------------------------
 def test_failure_mid_stream_sends_error_then_done(server, client):
     runner = server.engine.runner
-    real = runner.execute
+    real = runner.launch
     calls = {"n": 0}
 
     def flaky(plan):
@@ -357,35 +357,35 @@ def test_failure_mid_stream_sends_error_then_done(server, client):
             raise RuntimeError("injected device fault")
         return real(plan)
 
-    runner.execute = flaky
+    runner.launch = flaky
     try:
         events = sse_events(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 20, "stream": True,
                                                         "ignore_eos": True})
     finally:
-        runner.execute = real
+        runner.launch = real
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "injected device fault" in error["message"] and error["code"] == 500
     assert any(json.loads(e).get("choices") for e in events[:-2])     # some text came first
     # The SDK surfaces the in-band error; the server keeps serving.
     calls["n"] = 0
-    runner.execute = flaky
+    runner.launch = flaky
     try:
         with pytest.raises(openai.APIError, match="injected"):
             for _ in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, stream=True,
                                                extra_body={"ignore_eos": True}):
                 pass
     finally:
-        runner.execute = real
+        runner.launch = real
     # Not streamed: a 500 in OpenAI's shape.
     calls["n"] = 0
-    runner.execute = flaky
+    runner.launch = flaky
     try:
         with pytest.raises(openai.InternalServerError, match="injected") as info:
             client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20,
                                       extra_body={"ignore_eos": True})
     finally:
-        runner.execute = real
+        runner.launch = real
     assert info.value.status_code == 500
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens <= 3
     assert server.pool_is_full()

@@ -1,0 +1,46 @@
+"""Host <-> device copies that do not make the host wait for the device.
+
+``torch.tensor(host_list, device="cuda")`` and ``.to("cuda")`` from pageable memory
+wait for everything queued on the stream (PyTorch copies with ``cudaMemcpyAsync``
+then ``cudaStreamSynchronize``); one such call while launching step N+1 makes the
+host wait for step N and undoes overlapped scheduling. These helpers stage through
+pinned memory with ``non_blocking`` copies; PyTorch's pinned allocator keeps a
+staging buffer until the copy that reads it has run, so it may be dropped at once.
+On the CPU they are plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without a host sync on CUDA."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda" or host.numel() == 0:   # an empty copy moves nothing
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor to pinned host memory and return the host tensor,
+    valid once the stream has passed this point (wait on an event recorded after it).
+    A tensor already on the host is returned as is."""
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def copy_into(dst: torch.Tensor, values: Sequence[int] | Sequence[float] | np.ndarray) -> None:
+    """``dst.copy_(values)`` from host values, without a host sync on CUDA (``dst`` is
+    written in stream order, after the work already queued)."""
+    host = torch.as_tensor(values, dtype=dst.dtype).view(dst.shape)
+    if dst.device.type == "cuda" and host.numel():
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=dst.device.type == "cuda")
