@@ -23,6 +23,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="engine token budget per step (default: prefill batch x prompt; decode max(4096, B))")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (prefill: rounds) first")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="overlapped scheduling (default on)")
     p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
     p.add_argument("--floor-copy-mib", type=int, default=2048, help="size of the bandwidth probe's copy")
     p.add_argument("--floor-matmul-n", type=int, default=8192, help="size of the matmul-rate probe (n^3)")

@@ -98,7 +98,8 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
         model.label, hf_config=model.hf_config, load_format="dummy", skip_tokenizer_init=True,
         dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling)
     engine = Engine(config)
     check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
     return engine

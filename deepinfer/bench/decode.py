@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from deepinfer.bench.common import (CP, NEXTN, BenchModel, RoutingRecorder, Timer, build_engine, drain,
-                                    free_memory, header, measure_floors, print_header, print_table,
+                                    fmt, free_memory, header, measure_floors, print_header, print_table,
                                     random_prompts, step_outputs, write_json)
 from deepinfer.bench.floors import floor_ms
 from deepinfer.engine.engine import Engine
@@ -69,12 +69,14 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         recorder.remove()
 
     committed, step_ms = [], []
+    engine.reset_stats()
     timer.start()
     for _ in range(steps):
         t0 = time.perf_counter()
         committed.append(_collect(step_outputs(engine), produced))
         step_ms.append((time.perf_counter() - t0) * 1e3)
     window_s = timer.stop()
+    stats = engine.stats
     drain(engine, rids)
 
     sps = steps / window_s
@@ -87,6 +89,10 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         "step_ms_median": statistics.median(step_ms), "step_ms_max": max(step_ms),
         "tokens_committed": sum(committed), "min_tokens_per_step": min(committed),
         "prefill_s": prefill_s, "prefill_steps": prefill_steps,
+        "async_scheduling": engine.config.scheduler.async_scheduling,
+        "cuda_graphs": engine.runner.decode_graphs is not None,
+        "overlapped_steps": stats.overlapped_steps, "sync_steps": stats.sync_steps,
+        "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step, "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step,
         "distinct_experts_counted": recorder.distinct_per_layer(),
     }
 
@@ -160,5 +166,10 @@ def report(result: dict[str, Any], points: list[dict[str, Any]]) -> None:
               f"{f['kv_bytes'] / 1e9:.3g} KV) -> {f['bytes_ms']:.3g} ms; {f['flops'] / 1e12:.3g} TFLOP -> "
               f"{f['flops_ms']:.3g} ms; distinct experts/layer [{experts}] ({f['distinct_experts_source']}; "
               f"uniform estimate {f['distinct_experts_estimate']:.1f})")
+        e = p["engine"]
+        print(f"B={p['batch']}: CUDA graphs {'on' if e['cuda_graphs'] else 'off'}, overlapped scheduling "
+              f"{'on' if e['async_scheduling'] else 'off'} ({e['overlapped_steps']} overlapped, "
+              f"{e['sync_steps']} synchronous steps); GPU busy {fmt(e['gpu_busy_ms_per_step'])} ms/step, "
+              f"idle between steps {fmt(e['gpu_idle_ms_per_step'])} ms/step")
         if p["hf"] and "skipped" in p["hf"]:
             print(f"B={p['batch']}: HF transformers skipped ({p['hf']['skipped']})")
