@@ -1,8 +1,9 @@
 """Check each Triton kernel against its reference at real shapes, and time both.
 
 A development tool for the GPU machine (CUDA, triton): for RMSNorm, RoPE, the
-KV-cache store and paged attention (decode and chunked prefill) at Llama/DeepSeek-like
-sizes it prints the largest error against ``kernels/reference.py``, the median
+KV-cache store, paged attention (decode and chunked prefill), the DeepSeek-V4
+hyper-connection mixing (pre / post / head) and the sampling filters at
+Llama/DeepSeek-like sizes it prints the largest error against ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
 as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
@@ -20,10 +21,12 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.rope import apply_rope_qk_
+from deepinfer.kernels.sampling import sampling_filters_
 from deepinfer.kernels.store_kv import store_kv
 
 H200_COPY_GBPS = 4300.0
@@ -156,6 +159,71 @@ def prefill_case(q_lens: list[int], lens: list[int], window: int | None,
           kv_bytes, flops)
 
 
+def hc_case(t: int, n: int = 4, d: int = 4096, iters: int = 20) -> None:
+    """V4-Flash widths. pre reads the streams once (bf16) and fn (float32); post reads streams
+    and block output and writes the new streams; head is pre with n mixing rows."""
+    s = torch.randn(t, n, d, device=DEV, dtype=BF16)
+    m = (2 + n) * n
+    fn = torch.randn(m, n * d, device=DEV) / 64                     # mixes O(1) at K = n*D
+    base, scale = torch.randn(m, device=DEV), torch.rand(3, device=DEV) + 0.5
+    args = (s, fn, base, scale, iters, 1e-6, 1e-6)
+    x, post, comb = hc.hc_pre(*args)
+    rx, rpost, rcomb = reference.hc_pre(*args)
+    check(f"pre x T={t}", x, rx, 1.6e-2, 1e-2)
+    check(f"pre post T={t}", post, rpost, 1e-4, 1e-5)
+    check(f"pre comb T={t}", comb, rcomb, 1e-4, 1e-5)
+    stream_bytes = s.numel() * 2
+    bench(f"pre T={t} (streams {stream_bytes / 2**20:.2f} MiB + fn {fn.numel() * 4 / 2**20:.2f} MiB)",
+          lambda: hc.hc_pre(*args), lambda: reference.hc_pre(*args),
+          stream_bytes + fn.numel() * 4 + t * d * 2 + t * (n + n * n) * 4)
+    block_out = torch.randn(t, d, device=DEV, dtype=BF16)
+    check(f"post T={t}", hc.hc_post(block_out, s, rpost, rcomb),
+          reference.hc_post(block_out, s, rpost, rcomb), 1.6e-2, 1e-2)
+    bench(f"post T={t}", lambda: hc.hc_post(block_out, s, rpost, rcomb),
+          lambda: reference.hc_post(block_out, s, rpost, rcomb), 2 * stream_bytes + t * d * 2)
+    hfn, hbase, hscale = fn[:n].contiguous(), base[:n].contiguous(), scale[:1].contiguous()
+    check(f"head T={t}", hc.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          reference.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6), 1.6e-2, 1e-2)
+    bench(f"head T={t}", lambda: hc.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          lambda: reference.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          stream_bytes + hfn.numel() * 4 + t * d * 2)
+
+
+def sampling_case(rows: int, vocab: int, min_p: float, top_k: int, top_p: float) -> None:
+    """Temperature-scaled random logits (row max 0). Both paths filter a fresh copy per call;
+    bandwidth counts one read and one write of the logits."""
+    temps = torch.rand(rows, 1, device=DEV) + 0.5
+    x = torch.randn(rows, vocab, device=DEV) * 2.5
+    x = (x - x.amax(-1, keepdim=True)) / temps
+    mp = torch.full((rows,), min_p, device=DEV)
+    tk = torch.full((rows,), top_k, device=DEV, dtype=torch.long)
+    tp = torch.full((rows,), top_p, device=DEV)
+    out, ref = x.clone(), x.clone()
+    sampling_filters_(out, mp, tk, tp)
+    reference.sampling_filters_(ref, mp, tk, tp)
+    name = f"rows={rows} V={vocab} min_p={min_p} top_k={top_k} top_p={top_p}"
+    # Tokens on a rounding boundary may differ (tests/kernels/test_sampling.py checks each one);
+    # more than one per row means a bug.
+    diff = int(((out > float("-inf")) ^ (ref > float("-inf"))).sum())
+    kept = (ref > float("-inf")).sum(-1).float().mean().item()
+    status = "ok" if diff <= rows else "FAIL"
+    if diff > rows:
+        failures.append(name)
+    print(f"  check {name}: {diff} tokens kept by one path only (torch keeps {kept:.0f}/row) {status}")
+    buf = torch.empty_like(x)
+    t_copy = do_bench(lambda: buf.copy_(x), warmup=25, rep=100, return_mode="median")
+
+    def kernel() -> None:
+        buf.copy_(x)
+        sampling_filters_(buf, mp, tk, tp)
+
+    def torch_path() -> None:
+        buf.copy_(x)
+        reference.sampling_filters_(buf, mp, tk, tp)
+
+    bench(name + f" (incl. copy {t_copy * 1e3:.1f} us)", kernel, torch_path, 2 * x.numel() * 4)
+
+
 def run_all() -> None:
     print("RMSNorm (bf16, eps 1e-6)")
     rms_norm_case(8192, 4096)
@@ -178,6 +246,15 @@ def run_all() -> None:
     prefill_case([2048] * 4, [2048] * 4, None)
     prefill_case([512] * 4, [8192] * 4, None)
     prefill_case([2048] * 4, [4096] * 4, 1024)
+    torch.cuda.empty_cache()
+    print("Hyper-connections (bf16 streams, n 4, D 4096, 20 Sinkhorn iterations)")
+    for t in (1, 64, 4096):
+        hc_case(t)
+    print("Sampling filters (float32 logits) vs the torch sort/topk path")
+    for rows in (1, 64, 256):
+        for min_p, top_k, top_p in ((0.0, 50, 1.0), (0.0, 129280, 0.9), (0.0, 50, 0.95), (0.05, 129280, 1.0)):
+            sampling_case(rows, 129280, min_p, top_k, top_p)
+    sampling_case(64, 151936, 0.0, 20, 0.8)
 
 
 def main() -> int:
