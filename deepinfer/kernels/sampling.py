@@ -305,9 +305,10 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
         raise ValueError(f"sampling_filters_: vocabulary of {v} exceeds the kernel's int32 counts")
     if r == 0:
         return
-    # Tile config: 2048-element tiles over 8 warps (8 float32 per thread per pass); the
-    # gathered [CAP] tile stays in registers for the exact search.
-    block = min(2048, triton.next_power_of_2(v))
+    # Tile config: one program streams its row in 8192-element tiles over 16 warps (16 float32,
+    # four 16-byte loads per thread): 32 KiB in flight per iteration, since a row is one
+    # program's and the loop is latency-bound. The gathered [CAP] tile stays in registers.
+    block = min(8192, triton.next_power_of_2(v))
     scratch = torch.empty(r, cap, dtype=torch.float32, device=x.device)   # [R, CAP] gathered values
     _filters_kernel[(r,)](x, x.stride(0), v, min_p.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                          scratch, BLOCK=block, CAP=cap, VALUE_ROUNDS=_VALUE_ROUNDS, num_warps=8)
+                          scratch, BLOCK=block, CAP=cap, VALUE_ROUNDS=_VALUE_ROUNDS, num_warps=16)

@@ -10,14 +10,17 @@ from deepinfer.kernels import reference
 
 # Mixing weights are float32 either way; the collapsed/expanded streams come back in the
 # streams' dtype, where bfloat16 gets two ulps (the CPU interpreter truncates where the GPU rounds).
-TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 3e-2, "atol": 1e-2}}
+# float32: the projection sums n*D products in another order, so the mixing weights differ from
+# the reference's by a few ulps, times streams of magnitude ~8.
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 5e-5}, torch.bfloat16: {"rtol": 3e-2, "atol": 1e-2}}
 MIX_TOL = {"rtol": 1e-5, "atol": 2e-6}
 
 
 def weights(n: int, d: int, rows: int, gen: torch.Generator, device) -> tuple[torch.Tensor, ...]:
-    """fn [rows, n*D], base [rows], scale [3 or 1]: random, at magnitudes that keep the sigmoids
-    and the softmax away from saturation so the mixings differ from token to token."""
-    fn = (torch.randn(rows, n * d, generator=gen) * 0.5).to(device)
+    """fn [rows, n*D], base [rows], scale [3 or 1]: random, at magnitudes that keep the mixes
+    O(1) for any n*D (the sigmoids and the softmax unsaturated, so the mixings differ from
+    token to token)."""
+    fn = (torch.randn(rows, n * d, generator=gen) * 4 / (n * d) ** 0.5).to(device)
     base = torch.randn(rows, generator=gen).to(device)
     scale = (torch.rand(3 if rows > n else 1, generator=gen) + 0.5).to(device)
     return fn, base, scale
@@ -27,13 +30,14 @@ def streams_of(t: int, n: int, d: int, dtype: torch.dtype, gen: torch.Generator,
     return (torch.randn(t, n, d, generator=gen) * 2).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("t,n,splits", [(1, 4, None), (5, 4, 3), (7, 3, 2), (40, 4, 5)])
+@pytest.mark.parametrize("t,n,d,splits", [(1, 4, 64, None), (5, 4, 64, 3), (7, 3, 64, 2), (40, 4, 64, 5),
+                                          (16, 4, 1024, 40), (40, 4, 512, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_pre_matches_reference(t, n, splits, dtype, device, poison_empty):
-    """T=40 spans two token blocks; 3 and 5 splits leave a short last split; n=3 pads the
-    streams to a power of two inside the kernel."""
+def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
+    """T <= 16: one launch (the finishing program collapses); T=40: two token blocks and the
+    separate collapse launch. 3 and 5 splits leave a short last split; n=3 pads the streams
+    to a power of two inside the kernel. 32 splits take several loads to reduce."""
     gen = torch.Generator().manual_seed(t * 10 + n)
-    d = 64
     s = streams_of(t, n, d, dtype, gen, device)
     fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
     x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, num_splits=splits)
@@ -75,7 +79,7 @@ def test_hc_pre_leaves_its_block_counters_at_zero(device):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("t,n,splits", [(1, 4, None), (6, 4, 2), (3, 3, 3)])
+@pytest.mark.parametrize("t,n,splits", [(1, 4, None), (6, 4, 2), (3, 3, 3), (20, 4, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_head_matches_reference(t, n, splits, dtype, device, poison_empty):
     gen = torch.Generator().manual_seed(t + 100 * n)
@@ -148,7 +152,6 @@ def test_hc_gpu_sizes(t):
     n, d = 4, 4096
     s = streams_of(t, n, d, torch.bfloat16, gen, "cuda")
     fn, base, scale = weights(n, d, (2 + n) * n, gen, "cuda")
-    fn = fn / 64                                                         # mixes O(1) at K = 16384
     out = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
     ref = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
     torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
