@@ -10,6 +10,10 @@ Semantics follow vLLM v1. Logprobs come from the raw logits (log-softmax before
 any processing, the grammar mask included); rank 1 is the most likely token.
 Processing order: grammar mask -> min_tokens -> logit_bias -> penalties ->
 (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
+The three filters are one call through kernels/backend.py: the pure-PyTorch
+reference (topk / sort + cumsum) or, on CUDA, the Triton kernel that finds the
+thresholds by counting without sorting (kernels/sampling.py, which documents
+where the two may differ: ties split by top-p, float32 rounding at a cut).
 
 The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per
 token picks token i with probability probs[i]. A seeded row draws its ``q``

@@ -66,7 +66,7 @@ def run_both(x, min_p, top_k, top_p, cap=4096):
 
 
 @pytest.mark.parametrize("cap", [4096, 16])
-def test_filters_match_reference(cap, device):
+def test_filters_match_reference(cap, device, poison_empty):
     """Mixed rows: each filter alone, all three, and none. cap=16 forces the narrowing passes
     and the interval gathers (top-k's k above the cap, top-p's nucleus above it)."""
     v = 1000
@@ -93,7 +93,7 @@ def test_filters_random_parameters(rows, seed, device):
     assert_same_filtering(out, ref, x, min_p, top_k, top_p)
 
 
-def test_flat_rows_with_wide_nuclei(device):
+def test_flat_rows_with_wide_nuclei(device, poison_empty):
     """Nearly flat rows: top-p cuts through the bulk, hundreds of tokens above a cap of 16, so
     the narrowing carries real mass below its interval into the final in-register search."""
     v = 1000
