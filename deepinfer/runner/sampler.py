@@ -34,9 +34,11 @@ import numpy as np
 import torch
 
 from deepinfer.kernels import backend
-# The filters' pure-PyTorch reference lives with the kernel's (kernels/reference.py); these
-# names stay importable from here for the sampler's tests.
-from deepinfer.kernels.reference import apply_min_p, apply_top_k, apply_top_p  # noqa: F401
+from deepinfer.kernels.reference import (  # noqa: F401  re-exported: the filters' reference moved there
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+)
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.bitmask import apply_token_bitmask

@@ -166,8 +166,8 @@ def test_sampler_draws_the_same_tokens_on_both_backends(monkeypatch):
     torch path give identical tokens for the same exponential-race noise."""
     v = 1000
     logits = shifted_logits(4, v, seed=8) + 1.0
-    kinds = [dict(top_k=20), dict(top_p=0.8, temperature=0.7), dict(min_p=0.05, top_k=50, top_p=0.9),
-             dict(temperature=1.2)]
+    kinds = [{"top_k": 20}, {"top_p": 0.8, "temperature": 0.7}, {"min_p": 0.05, "top_k": 50, "top_p": 0.9},
+             {"temperature": 1.2}]
     rows = [SamplingRow(SamplingParams(seed=11 + i, **kw), [1], [3] * i) for i, kw in enumerate(kinds)]
     tokens = {}
     for name in ("torch", "triton"):
