@@ -9,7 +9,7 @@ achieved bandwidth: bytes that must move (read once, written once) / time, also
 as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
 reports TFLOP/s (causal QK^T and PV only). Exit status 1 if any check fails.
 
-Run:  python scripts/gpu_kernel_check.py        (about a minute on an H200)
+Run:  python scripts/gpu_kernel_check.py        (about two minutes on an H200)
 """
 
 from __future__ import annotations
