@@ -2,8 +2,10 @@
 
 A development tool for the GPU machine (CUDA, triton): for RMSNorm, RoPE, the
 KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
-attention, the lightning indexer and DeepSeek-V3 MLA decode at Llama/DeepSeek-like
-sizes it prints the largest error against ``kernels/reference.py``, the median
+attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
+hyper-connection mixing (pre / post / head), the sampling filters, MoE routing and
+the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
 as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
@@ -18,7 +20,9 @@ expert FLOPs (prefill is compute bound), eager and CUDA-graph times, and a sweep
 tile configs beside the one :func:`fused_moe.pick_config` chooses. Exit status 1 if
 any check fails.
 
-Run:  python scripts/gpu_kernel_check.py        (a few minutes on an H200)
+Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
+      sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
+      mla_decode moe_routing fused_moe hyper_connection sampling)
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
@@ -39,6 +44,7 @@ from deepinfer.kernels.paged_attention import paged_attention, paged_decode_atte
 from deepinfer.kernels.rms_norm import rms_norm
 from deepinfer.kernels.rope import apply_rope_qk_
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
+from deepinfer.kernels.sampling import sampling_filters_
 from deepinfer.kernels.store_kv import store_kv
 
 H200_COPY_GBPS = 4300.0
@@ -384,19 +390,91 @@ def moe_case(t: int, gate_up: torch.Tensor, down: torch.Tensor, sweep: list[MoEC
     bench(name + " graph", graph.replay, None, bytes_moved, flops)
     for cfg in sweep:
         bench(f"T={t} {cfg}", lambda c=cfg: run(c), None, bytes_moved, flops)
+def hc_case(t: int, n: int = 4, d: int = 4096, iters: int = 20) -> None:
+    """V4-Flash widths. pre reads the streams once (bf16) and fn (float32); post reads streams
+    and block output and writes the new streams; head is pre with n mixing rows."""
+    s = torch.randn(t, n, d, device=DEV, dtype=BF16)
+    m = (2 + n) * n
+    fn = torch.randn(m, n * d, device=DEV) / 64                     # mixes O(1) at K = n*D
+    base, scale = torch.randn(m, device=DEV), torch.rand(3, device=DEV) + 0.5
+    args = (s, fn, base, scale, iters, 1e-6, 1e-6)
+    x, post, comb = hc.hc_pre(*args)
+    rx, rpost, rcomb = reference.hc_pre(*args)
+    check(f"pre x T={t}", x, rx, 1.6e-2, 1e-2)
+    check(f"pre post T={t}", post, rpost, 1e-4, 1e-5)
+    check(f"pre comb T={t}", comb, rcomb, 1e-4, 1e-5)
+    stream_bytes = s.numel() * 2
+    bench(f"pre T={t} (streams {stream_bytes / 2**20:.2f} MiB + fn {fn.numel() * 4 / 2**20:.2f} MiB)",
+          lambda: hc.hc_pre(*args), lambda: reference.hc_pre(*args),
+          stream_bytes + fn.numel() * 4 + t * d * 2 + t * (n + n * n) * 4)
+    block_out = torch.randn(t, d, device=DEV, dtype=BF16)
+    check(f"post T={t}", hc.hc_post(block_out, s, rpost, rcomb),
+          reference.hc_post(block_out, s, rpost, rcomb), 1.6e-2, 1e-2)
+    bench(f"post T={t}", lambda: hc.hc_post(block_out, s, rpost, rcomb),
+          lambda: reference.hc_post(block_out, s, rpost, rcomb), 2 * stream_bytes + t * d * 2)
+    hfn, hbase, hscale = fn[:n].contiguous(), base[:n].contiguous(), scale[:1].contiguous()
+    check(f"head T={t}", hc.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          reference.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6), 1.6e-2, 1e-2)
+    bench(f"head T={t}", lambda: hc.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          lambda: reference.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6),
+          stream_bytes + hfn.numel() * 4 + t * d * 2)
 
 
-def run_all() -> None:
+def sampling_case(rows: int, vocab: int, min_p: float, top_k: int, top_p: float) -> None:
+    """Temperature-scaled random logits (row max 0). Both paths filter a fresh copy per call;
+    bandwidth counts one read and one write of the logits."""
+    temps = torch.rand(rows, 1, device=DEV) + 0.5
+    x = torch.randn(rows, vocab, device=DEV) * 2.5
+    x = (x - x.amax(-1, keepdim=True)) / temps
+    mp = torch.full((rows,), min_p, device=DEV)
+    tk = torch.full((rows,), top_k, device=DEV, dtype=torch.long)
+    tp = torch.full((rows,), top_p, device=DEV)
+    out, ref = x.clone(), x.clone()
+    sampling_filters_(out, mp, tk, tp)
+    reference.sampling_filters_(ref, mp, tk, tp)
+    name = f"rows={rows} V={vocab} min_p={min_p} top_k={top_k} top_p={top_p}"
+    # Tokens on a rounding boundary may differ (tests/kernels/test_sampling.py checks each one);
+    # more than one per row means a bug.
+    diff = int(((out > float("-inf")) ^ (ref > float("-inf"))).sum())
+    kept = (ref > float("-inf")).sum(-1).float().mean().item()
+    status = "ok" if diff <= rows else "FAIL"
+    if diff > rows:
+        failures.append(name)
+    print(f"  check {name}: {diff} tokens kept by one path only (torch keeps {kept:.0f}/row) {status}")
+    buf = torch.empty_like(x)
+    t_copy = do_bench(lambda: buf.copy_(x), warmup=25, rep=100, return_mode="median")
+
+    def kernel() -> None:
+        buf.copy_(x)
+        sampling_filters_(buf, mp, tk, tp)
+
+    def torch_path() -> None:
+        buf.copy_(x)
+        reference.sampling_filters_(buf, mp, tk, tp)
+
+    bench(name + f" (incl. copy {t_copy * 1e3:.1f} us)", kernel, torch_path, 2 * x.numel() * 4)
+
+
+def _rms_norm() -> None:
     print("RMSNorm (bf16, eps 1e-6)")
     rms_norm_case(8192, 4096)
     rms_norm_case(64, 7168)
+
+
+def _rope() -> None:
     print("RoPE q and k in place (bf16)")
     rope_case(8192, 32, 8, 128)
     rope_case(64, 32, 8, 128)
+
+
+def _store_kv() -> None:
     print("KV-cache store (bf16, bs 16, Hkv 8, D 128, a layer view into 3-layer pages)")
     store_kv_case(8192, 16, 8, 128)
     store_kv_case(64, 16, 8, 128)
     torch.cuda.empty_cache()
+
+
+def _paged_decode() -> None:
     print("Paged decode attention (bf16, Hq 32, Hkv 8, D 128, bs 16)")
     decode_case(64, 4096, None, False)
     torch.cuda.empty_cache()
@@ -404,28 +482,46 @@ def run_all() -> None:
     torch.cuda.empty_cache()
     decode_case(4, 32768, None, False)
     torch.cuda.empty_cache()
+
+
+def _paged_prefill() -> None:
     print("Paged prefill attention, chunked and causal (bf16, Hq 32, Hkv 8, D 128, bs 16)")
     prefill_case([2048] * 4, [2048] * 4, None)
     prefill_case([512] * 4, [8192] * 4, None)
     prefill_case([2048] * 4, [4096] * 4, 1024)
     torch.cuda.empty_cache()
+
+
+def _sparse_attention() -> None:
     print("DeepSeek-V4 sparse attention (bf16, H 64, D 512, bs 16; bytes gathered, 4*T*H*K*D flops)")
     for t in (1, 16, 64):
         sparse_attention_case(t, decode=True)
     sparse_attention_case(4096, decode=False)
     torch.cuda.empty_cache()
+
+
+def _indexer() -> None:
     print("Lightning indexer scores (bf16, Hi 64, Di 128, bs 16; bytes gathered, 2*T*N*Hi*Di flops)")
     indexer_case(1, 16384, decode=True)
     indexer_case(64, 16384, decode=True)
     indexer_case(4096, 1024, decode=False)
     torch.cuda.empty_cache()
+
+
+def _mla_decode() -> None:
     print("DeepSeek-V3 MLA decode, absorbed (bf16, Nh 128, R 512, Dr 64, bs 64; 2*B*Nh*L*(R+Dr+R) flops)")
     mla_decode_case(1, 32768)
     mla_decode_case(16, 4096)
     mla_decode_case(64, 4096)
+
+
+def _moe_routing() -> None:
     print("MoE routing (float32 logits, E=256)")
     routing_case(64)
     routing_case(4096)
+
+
+def _fused_moe() -> None:
     print("Fused MoE, DeepSeek-V4-Flash widths (E=256, K=6, H=4096, I=2048, bf16, swiglu_limit 10)")
     gate_up = torch.randn(256, 4096, 4096, device=DEV, dtype=BF16) / 64
     down = torch.randn(256, 4096, 2048, device=DEV, dtype=BF16) / 45
@@ -434,13 +530,49 @@ def run_all() -> None:
     moe_case(4096, gate_up, down, MOE_SWEEP_PREFILL)
 
 
+def _hyper_connection() -> None:
+    print("Hyper-connections (bf16 streams, n 4, D 4096, 20 Sinkhorn iterations)")
+    for t in (1, 64, 4096):
+        hc_case(t)
+
+
+def _sampling() -> None:
+    print("Sampling filters (float32 logits) vs the torch sort/topk path")
+    for rows in (1, 64, 256):
+        for min_p, top_k, top_p in ((0.0, 50, 1.0), (0.0, 129280, 0.9), (0.0, 50, 0.95), (0.05, 129280, 1.0)):
+            sampling_case(rows, 129280, min_p, top_k, top_p)
+    sampling_case(64, 151936, 0.0, 20, 0.8)
+
+
+SECTIONS: dict[str, Callable[[], None]] = {
+    "rms_norm": _rms_norm,
+    "rope": _rope,
+    "store_kv": _store_kv,
+    "paged_decode": _paged_decode,
+    "paged_prefill": _paged_prefill,
+    "sparse_attention": _sparse_attention,
+    "indexer": _indexer,
+    "mla_decode": _mla_decode,
+    "moe_routing": _moe_routing,
+    "fused_moe": _fused_moe,
+    "hyper_connection": _hyper_connection,
+    "sampling": _sampling,
+}
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_kernel_check: no CUDA device", file=sys.stderr)
         return 2
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    chosen = sys.argv[1:] or list(SECTIONS)
+    unknown = [name for name in chosen if name not in SECTIONS]
+    if unknown:
+        print(f"gpu_kernel_check: unknown section(s) {unknown}; choose from {list(SECTIONS)}", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
-    run_all()
+    for name in chosen:
+        SECTIONS[name]()
     print("FAILED: " + ", ".join(failures) if failures else "all checks passed")
     return 1 if failures else 0
 

@@ -202,3 +202,40 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
         from deepinfer.kernels.fused_moe import fused_moe as kernel
         return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]) (see :func:`reference.hc_pre`)."""
+    if use_triton(streams):
+        from deepinfer.kernels.hyper_connection import hc_pre as kernel
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """New streams [T, n, D] (see :func:`reference.hc_post`)."""
+    if use_triton(streams):
+        from deepinfer.kernels.hyper_connection import hc_post as kernel
+        return kernel(block_out, streams, post, comb)
+    return reference.hc_post(block_out, streams, post, comb)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """streams [T, n, D] -> [T, D] (see :func:`reference.hc_head`)."""
+    if use_triton(streams):
+        from deepinfer.kernels.hyper_connection import hc_head as kernel
+        return kernel(streams, fn, base, scale, hc_eps, norm_eps)
+    return reference.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
+
+
+def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """min-p, top-k, top-p in place on x [R, V] float32 (see :func:`reference.sampling_filters_`)."""
+    if use_triton(x):
+        from deepinfer.kernels.sampling import sampling_filters_ as kernel
+        kernel(x, min_p, top_k, top_p)
+        return
+    reference.sampling_filters_(x, min_p, top_k, top_p)

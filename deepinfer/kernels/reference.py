@@ -399,3 +399,121 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
         h = clamped_swiglu(gate, up, swiglu_limit) @ down_proj[e].t()         # [n, H]
         out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
     return out
+
+
+# -- manifold-constrained hyper-connections (DeepSeek-V4 mHC) ----------------------------------------
+# Streams [T, n, D]; the mixing weights run in float32 on the RMS-normalised flattened streams.
+
+def _hc_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``rms_unweighted(flatten(streams)) @ fn.T`` in float32: [T, n, D], fn [M, n*D] -> [T, M]."""
+    flat = streams.flatten(1).float()                                            # [T, n*D]
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return torch.nn.functional.linear(flat, fn)
+
+
+def _hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre_j * streams_j`` in float32, in the streams' dtype: [T, n, D], [T, n] -> [T, D]."""
+    return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "pre" half of a hyper-connection: the block input and the two output mixings.
+
+    streams: [T, n, D]; fn: [(2+n)*n, n*D] float32 (rows: n pre, n post, n*n comb);
+    base: [(2+n)*n]; scale: [3] (pre, post, comb) -> (block input [T, D] in the
+    streams' dtype, post [T, n] float32, comb [T, n, n] float32 doubly stochastic).
+    """
+    n = streams.shape[1]
+    mixes = _hc_mixes(streams, fn, norm_eps)                                     # [T, (2+n)*n]
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps                          # [T, n]
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)                           # [T, n]
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
+    # Sinkhorn-Knopp: columns first, then (rows, columns) until iters normalisations are done.
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return _hc_collapse(streams, pre), post, comb
+
+
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """The "post" half: new streams ``post_k * block_out + sum_j comb[j, k] * streams_j`` in float32.
+
+    block_out: [T, D]; streams: [T, n, D]; post: [T, n]; comb: [T, n, n] -> [T, n, D]
+    in the streams' dtype.
+    """
+    out = post.unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
+        comb.transpose(-1, -2), streams.float())
+    return out.to(streams.dtype)
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """The model's final collapse ``sum_j (sigmoid(mix_j * scale + base_j) + eps) * streams_j``.
+
+    streams: [T, n, D]; fn: [n, n*D] float32; base: [n]; scale: [1] -> [T, D].
+    """
+    pre = torch.sigmoid(_hc_mixes(streams, fn, norm_eps) * scale + base) + hc_eps   # [T, n]
+    return _hc_collapse(streams, pre)
+
+
+# -- sampling filters (min-p, top-k, top-p) ----------------------------------------------------------
+# Rows of temperature-scaled logits; a filtered-out token gets -inf. Order: min_p, top_k, top_p.
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's largest.
+
+    logits: [M, V] float32 (temperature applied); min_p: [M] in [0, 1].
+    """
+    probs = logits.softmax(-1)                                         # [M, V]
+    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)      # [M, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row (ties with the k-th are kept).
+
+    logits: [M, V]; k: [M] int64 in [1, V]. Uses ``topk`` up to the largest k,
+    not a full sort.
+    """
+    top = logits.topk(int(k.max()), dim=-1).values                    # [M, kmax] descending
+    threshold = top.gather(1, (k - 1).unsqueeze(1))                    # [M, 1] the k-th largest
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability sums to >= ``p``.
+
+    logits: [M, V]; p: [M] in (0, 1]. A token is dropped when the tokens at
+    least as unlikely as it (itself included) sum to <= 1 - p, i.e. when the
+    strictly more likely tokens already reach p. The most likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1)                         # [M, V] ascending
+    cum = sorted_logits.softmax(-1).cumsum(-1)                         # [M, V]
+    drop = cum <= (1 - p).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                      top_p: torch.Tensor) -> None:
+    """min-p, then top-k, then top-p, in place on the rows where each is on.
+
+    x: [R, V] float32 temperature-scaled logits; min_p: [R] float32 (0 = off);
+    top_k: [R] int (>= V = off, else >= 1); top_p: [R] float32 in (0, 1] (1 = off).
+    Each filter runs on its own rows only (this picks them with a host sync), so
+    a row sees exactly the filters that are on for it.
+    """
+    v = x.shape[1]
+    for fn, arg, on in ((apply_min_p, min_p, min_p > 0), (apply_top_k, top_k.long(), top_k < v),
+                        (apply_top_p, top_p, top_p < 1)):
+        rows = on.nonzero().squeeze(1)                                 # [M]
+        if rows.numel():
+            x[rows] = fn(x[rows], arg[rows])

@@ -11,7 +11,9 @@ flattened) streams, three mixings with a one-layer perceptron:
 
 so that ``s'_k = post_k * block(x) + sum_j comb[j, k] * s_j``. The model's
 final :class:`HyperHead` collapses the streams once more (sigmoid weights, no
-mixing). All mixing runs in float32, as in the reference.
+mixing). All mixing runs in float32, as in the reference. The math lives in
+``kernels/reference.py`` (``hc_pre``, ``hc_post``, ``hc_head``) and, fused, in
+``kernels/hyper_connection.py``; ``kernels/backend.py`` picks one per call.
 
 Shapes: T tokens, n streams, D hidden size.
 """
@@ -19,10 +21,9 @@ Shapes: T tokens, n streams, D hidden size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers.deepseek_v4_common import rms_unweighted
+from deepinfer.kernels import backend
 
 
 class HyperConnection(nn.Module):
@@ -43,22 +44,8 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # streams: [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); post/comb float32
-        n = self.hc_mult
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)     # [T, n*D]
-        mixes = F.linear(flat, self.fn)                                       # [T, (2+n)*n]
-        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps              # [T, n]
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)                    # [T, n]
-        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        # Sinkhorn-Knopp: columns first, then (rows, columns) until iters normalisations are done.
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)   # [T, D]
-        return collapsed, post, comb
+        return backend.hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
+                              self.norm_eps)
 
     @staticmethod
     def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -67,9 +54,7 @@ class HyperConnection(nn.Module):
 
         block_out: [T, D]; streams: [T, n, D]; post: [T, n]; comb: [T, n, n] -> [T, n, D].
         """
-        out = post.unsqueeze(-1) * block_out.float().unsqueeze(-2) + torch.matmul(
-            comb.transpose(-1, -2), streams.float())
-        return out.to(streams.dtype)
+        return backend.hc_post(block_out, streams, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -85,6 +70,4 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         # streams: [T, n, D] -> [T, D]
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)     # [T, n*D]
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+        return backend.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)

@@ -10,6 +10,10 @@ Semantics follow vLLM v1. Logprobs come from the raw logits (log-softmax before
 any processing, the grammar mask included); rank 1 is the most likely token.
 Processing order: grammar mask -> min_tokens -> logit_bias -> penalties ->
 (greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
+The three filters are one call through kernels/backend.py: the pure-PyTorch
+reference (topk / sort + cumsum) or, on CUDA, the Triton kernel that finds the
+thresholds by counting without sorting (kernels/sampling.py, which documents
+where the two may differ: ties split by top-p, float32 rounding at a cut).
 
 The draw is an exponential race: ``argmax(probs / q)`` with ``q ~ Exp(1)`` per
 token picks token i with probability probs[i]. A seeded row draws its ``q``
@@ -28,12 +32,13 @@ columns beyond it, which are dropped), M a subset of rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from deepinfer.kernels import backend
 from deepinfer.outputs import Logprob
 from deepinfer.runner.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
@@ -99,44 +104,6 @@ class SampleTensors:
             for i, d in zip(self.logprob_rows, dicts):
                 logprobs[i] = d
         return SamplerOutput(token_ids=token_ids, sampled_logprobs=sampled, logprobs=logprobs)
-
-
-# -- filters: the pure-PyTorch reference of the sampling kernel ----------------------------------
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the row's largest.
-
-    logits: [M, V] float32 (temperature applied); min_p: [M] in [0, 1].
-    """
-    probs = logits.softmax(-1)                                         # [M, V]
-    threshold = probs.amax(-1, keepdim=True) * min_p.unsqueeze(1)      # [M, 1]
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Keep the ``k`` largest logits of each row (ties with the k-th are kept).
-
-    logits: [M, V]; k: [M] int64 in [1, V]. Uses ``topk`` up to the largest k,
-    not a full sort.
-    """
-    top = logits.topk(int(k.max()), dim=-1).values                    # [M, kmax] descending
-    threshold = top.gather(1, (k - 1).unsqueeze(1))                    # [M, 1] the k-th largest
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability sums to >= ``p``.
-
-    logits: [M, V]; p: [M] in (0, 1]. A token is dropped when the tokens at
-    least as unlikely as it (itself included) sum to <= 1 - p, i.e. when the
-    strictly more likely tokens already reach p. The most likely token always stays.
-    """
-    sorted_logits, order = logits.sort(dim=-1)                         # [M, V] ascending
-    cum = sorted_logits.softmax(-1).cumsum(-1)                         # [M, V]
-    drop = cum <= (1 - p).unsqueeze(1)
-    drop[:, -1] = False
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 # -- seeding ----------------------------------------------------------------------------------------
@@ -362,27 +329,25 @@ class Sampler:
         x = work[r_idx]                                                             # [R, V]
         # Shift the row max to 0 first: then no positive temperature, however small, overflows to inf.
         x = (x - x.amax(-1, keepdim=True)) / temp.unsqueeze(1)
-        x = self._filter(x, [j for j, p in enumerate(params) if p.min_p > 0],
-                         apply_min_p, [p.min_p for p in params], work.dtype)
-        x = self._filter(x, [j for j, p in enumerate(params) if 0 < p.top_k < self.vocab_size],
-                         apply_top_k, [p.top_k for p in params], torch.long)
-        x = self._filter(x, [j for j, p in enumerate(params) if p.top_p < 1.0],
-                         apply_top_p, [p.top_p for p in params], work.dtype)
+        self._filter_(x, params)
         probs = x.softmax(-1)                                                       # [R, V]
         q = self._exponential_noise(probs, [rows[i] for i in rand])                 # [R, V]
         tokens[r_idx] = (probs / q).argmax(-1)
         return tokens
 
-    @staticmethod
-    def _filter(x: torch.Tensor, active: list[int], fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-        """Apply ``fn`` to the rows in ``active`` only, so unfiltered rows pay nothing."""
-        if not active:
-            return x
-        a = to_device(active, torch.long, x.device)
-        arg = to_device([values[j] for j in active], dtype, x.device)
-        x[a] = fn(x[a], arg)
-        return x
+    def _filter_(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
+        """min_p, top_k, top_p in place on x [R, V] (float32, temperature applied): one call
+        for all rows, each filter off (0, V, 1) on the rows that do not ask for it. The Triton
+        kernel finds the thresholds by counting, without sorting the vocabulary."""
+        v = self.vocab_size
+        if not any(p.min_p > 0 or 0 < p.top_k < v or p.top_p < 1.0 for p in params):
+            return
+        dev = x.device
+        backend.sampling_filters_(
+            x,
+            to_device([p.min_p for p in params], torch.float32, dev),                          # [R]
+            to_device([p.top_k if 0 < p.top_k < v else v for p in params], torch.long, dev),
+            to_device([p.top_p for p in params], torch.float32, dev))
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """q ~ Exp(1) per token: seeded rows from their own keyed generator, the rest

@@ -13,15 +13,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from deepinfer.runner.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
-    prompt_logprobs,
-    stream_seed,
-)
+from deepinfer.kernels.reference import apply_min_p, apply_top_k, apply_top_p
+from deepinfer.runner.sampler import Sampler, SamplingRow, prompt_logprobs, stream_seed
 from deepinfer.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

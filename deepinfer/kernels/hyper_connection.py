@@ -1,0 +1,322 @@
+"""DeepSeek-V4 hyper-connection mixing (mHC) as Triton kernels; references:
+:func:`reference.hc_pre`, :func:`reference.hc_post`, :func:`reference.hc_head`.
+
+Shapes: T tokens, n streams (``hc_mult``, 4 in V4), D hidden size, K = n*D the
+flattened streams, M mixing rows ((2+n)*n = 24 for a layer's connection, n for
+the head).
+
+**pre** (and the head). The projection ``rms(s) @ fn.T`` is [T, K] x [K, M]
+with M tiny, so its cost is reading the streams (T*K*2 bytes in bf16) and, at
+small T, reading ``fn`` (M*K*4 bytes, 1.5 MiB at V4-Flash widths). Programs tile
+(split of K) x (block of tokens): each reads its stream tile once, accumulating
+the dot products with ``fn`` (``tl.dot``, tf32x3 on the GPU: about float32
+accuracy) and the sum of squares, and writes them as a partial. The last
+program of a token block to arrive (an atomic counter per block) sums the
+partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
+(s @ fn.T)``), the sigmoids, the softmax and the Sinkhorn-Knopp iterations in
+float32 and writes post/comb. Then the collapse ``x = sum_j pre_j s_j``:
+
+- decode (T <= 16, one token block): the same finishing program collapses its
+  tokens, re-reading at most 512 KiB that its sibling programs have just brought
+  into L2. One launch in all.
+- larger T: the finishing program writes ``pre`` and a second launch collapses
+  over a (token, D tile) grid, since one program per token block would read a
+  megabyte or more alone. The streams are then read twice (the second time from
+  L2 while they fit there: T <= ~1500 in bf16).
+
+Small T spreads K over up to 64 programs (at least 256 columns each) so that
+``fn`` is read in parallel; large T uses bigger token blocks so ``fn`` is
+re-read less from L2 (64 x 1.5 MiB at T=4096).
+
+The counters live in one zeroed int32 buffer per device that the finishing
+program resets, so a launch needs no memset and replays under a CUDA graph. Two
+launches that share a device must therefore not run concurrently on different
+streams. The buffer is allocated on first use, which must not happen during
+graph capture (run the model eagerly once first, as warm-up does anyway).
+
+**post** is one elementwise launch: for each token and D tile,
+``out_k = post_k * block_out + sum_j comb[j, k] * s_j`` in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_MIN_DOT = 16              # tl.dot needs every tile side >= 16
+_ONE_LAUNCH_MAX_T = 16     # up to here the finishing program also collapses (one launch)
+_MIN_SPLIT_COLS = 256      # columns of K per program at least: caps the partials to reduce
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+@triton.jit
+def _hc_pre_kernel(
+    s_ptr, fn_ptr, base_ptr, scale_ptr,
+    part_ptr, count_ptr,
+    x_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, D, s_stride, x_stride,
+    cols_per_split, n_splits, sinkhorn_iters,
+    hc_eps, norm_eps,
+    N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr, NCOL: tl.constexpr,
+    FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    split = tl.program_id(0)
+    tb = tl.program_id(1)
+    K = N * D
+    toks = (tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)         # [BT]
+    tmask = toks < T
+    cols = tl.arange(0, NCOL)
+    kk = tl.arange(0, BLOCK_K)
+
+    # Partial projection over this program's columns of K.
+    acc = tl.zeros([BLOCK_T, NCOL], tl.float32)                       # [BT, NCOL] s @ fn.T
+    sq = tl.zeros([BLOCK_T], tl.float32)                              # [BT] sum of s^2
+    k_begin = split * cols_per_split
+    for k0 in range(0, cols_per_split, BLOCK_K):
+        ks = k_begin + k0 + kk                                        # [BK]
+        kmask = ks < K
+        x = tl.load(s_ptr + toks[:, None] * s_stride + ks[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)   # [BT, BK]
+        w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None],
+                    mask=kmask[:, None] & (cols[None, :] < NMIX), other=0.0)          # [BK, NCOL]
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        sq += tl.sum(x * x, axis=1)
+    acc = tl.where(cols[None, :] == NMIX, sq[:, None], acc)
+    rows = part_ptr + toks[:, None] * NCOL + cols[None, :]            # [BT, NCOL] split 0's rows
+    tl.store(rows + split * T * NCOL, acc, mask=tmask[:, None])
+
+    # Publish: every thread's stores precede the barrier, the release atomic follows it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_splits - 1:
+        tl.store(count_ptr + tb, 0)                                   # ready for the next launch
+        # Sum the partials, BLOCK_S splits per load; .cg reads them from L2, where the other
+        # programs' stores landed. The totals go back to split 0's rows (only this program
+        # reads them) to be reloaded in the shapes the mixing needs.
+        ss = tl.arange(0, BLOCK_S)
+        tot = tl.zeros([BLOCK_T, NCOL], tl.float32)
+        for s0 in range(0, n_splits, BLOCK_S):
+            sm = (s0 + ss) < n_splits
+            tile = tl.load(rows[None, :, :] + (s0 + ss)[:, None, None] * (T * NCOL),
+                           mask=sm[:, None, None] & tmask[None, :, None], other=0.0, cache_modifier=".cg")
+            tot += tl.sum(tile, axis=0)
+        tl.store(rows, tot, mask=tmask[:, None])
+        tl.debug_barrier()
+        j = tl.arange(0, NP)
+        jmask = j < N
+        m2 = tmask[:, None] & jmask[None, :]
+        row0 = part_ptr + toks * NCOL                                 # [BT] pointers to the totals
+        sq = tl.load(row0 + NMIX, mask=tmask, other=0.0, cache_modifier=".cg")
+        rs = tl.rsqrt(sq / K + norm_eps)                              # [BT] RMS factor
+        pre_raw = tl.load(row0[:, None] + j[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+        pre_b = tl.load(base_ptr + j, mask=jmask, other=0.0)
+        pre = tl.sigmoid(pre_raw * rs[:, None] * tl.load(scale_ptr) + pre_b[None, :]) + hc_eps
+        pre = tl.where(jmask[None, :], pre, 0.0)                      # [BT, NP]
+
+        if FULL:
+            post_raw = tl.load(row0[:, None] + N + j[None, :], mask=m2, other=0.0, cache_modifier=".cg")
+            post_b = tl.load(base_ptr + N + j, mask=jmask, other=0.0)
+            post = 2 * tl.sigmoid(post_raw * rs[:, None] * tl.load(scale_ptr + 1) + post_b[None, :])
+            tl.store(post_ptr + toks[:, None] * N + j[None, :], post, mask=m2)
+            valid = jmask[:, None] & jmask[None, :]                   # [NP, NP]
+            m3 = tmask[:, None, None] & valid[None, :, :]
+            comb_raw = tl.load(row0[:, None, None] + 2 * N + j[None, :, None] * N + j[None, None, :],
+                               mask=m3, other=0.0, cache_modifier=".cg")             # [BT, i, j]
+            comb_b = tl.load(base_ptr + 2 * N + j[:, None] * N + j[None, :], mask=valid, other=0.0)
+            logits = comb_raw * rs[:, None, None] * tl.load(scale_ptr + 2) + comb_b[None, :, :]
+            # Padding rows/columns (n not a power of two) get a finite filler, then weight 0
+            # (a padding row keeps a nonzero softmax denominator).
+            logits = tl.where(valid[None, :, :], logits, -1e30)
+            e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+            e = tl.where(jmask[None, None, :], e, 0.0)
+            comb = tl.where(valid[None, :, :], e / tl.sum(e, axis=2)[:, :, None] + hc_eps, 0.0)
+            # Sinkhorn-Knopp: columns first, then (rows, columns) until iters normalisations.
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            for _ in range(sinkhorn_iters - 1):
+                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + toks[:, None, None] * (N * N) + j[None, :, None] * N + j[None, None, :],
+                     comb, mask=m3)
+
+        if COLLAPSE:
+            # x = sum_j pre_j * s_j over D tiles, summed in stream order as the reference.
+            for d0 in range(0, D, BLOCK_D):
+                ds = d0 + tl.arange(0, BLOCK_D)
+                m = tmask[:, None] & (ds < D)[None, :]
+                xo = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)         # [BT, BD]
+                for jj in tl.static_range(N):
+                    pj = tl.sum(tl.where(j[None, :] == jj, pre, 0.0), axis=1)         # [BT]
+                    sv = tl.load(s_ptr + toks[:, None] * s_stride + jj * D + ds[None, :], mask=m, other=0.0)
+                    xo += pj[:, None] * sv.to(tl.float32)
+                tl.store(x_ptr + toks[:, None] * x_stride + ds[None, :], xo.to(x_ptr.dtype.element_ty), mask=m)
+        else:
+            tl.store(pre_ptr + toks[:, None] * N + j[None, :], pre, mask=m2)
+
+
+@triton.jit
+def _hc_collapse_kernel(
+    s_ptr, pre_ptr, x_ptr, D, s_stride, x_stride,
+    N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)          # [BD]
+    dmask = ds < D
+    xo = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(N):                                      # stream order, as the reference
+        sv = tl.load(s_ptr + t * s_stride + j * D + ds, mask=dmask, other=0.0)
+        xo += tl.load(pre_ptr + t * N + j) * sv.to(tl.float32)
+    tl.store(x_ptr + t * x_stride + ds, xo.to(x_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _hc_post_kernel(
+    o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr,
+    D, o_stride, s_stride, out_stride,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)          # [BD]
+    dmask = ds < D
+    k = tl.arange(0, NP)
+    kmask = k < N
+    post = tl.load(post_ptr + t * N + k, mask=kmask, other=0.0)       # [NP]
+    bo = tl.load(o_ptr + t * o_stride + ds, mask=dmask, other=0.0).to(tl.float32)
+    acc = post[:, None] * bo[None, :]                                 # [NP(k), BD]
+    for j in tl.static_range(N):
+        cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=kmask, other=0.0)     # comb[t, j, :]
+        sj = tl.load(s_ptr + t * s_stride + j * D + ds, mask=dmask, other=0.0).to(tl.float32)
+        acc += cj[:, None] * sj[None, :]
+    tl.store(out_ptr + t * out_stride + k[:, None] * D + ds[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=kmask[:, None] & dmask[None, :])
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"hc_pre: the kernel's {n} block counters must be allocated before CUDA-graph "
+                               "capture; run one eager forward with at least as many tokens first")
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
+    """[T, n, D] -> [T, n*D] view with unit column stride (copied only when it cannot be)."""
+    if streams.dim() != 3:
+        raise ValueError(f"{who}: streams must be [T, n, D], got shape {tuple(streams.shape)}")
+    t, n, d = streams.shape
+    if streams.stride(2) != 1 or streams.stride(1) != d:
+        streams = streams.contiguous()
+    return streams.as_strided((t, n * d), (streams.stride(0), 1))
+
+
+def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+         sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
+         who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    s2 = _streams_2d(streams, who)
+    t, n, d = streams.shape
+    nmix = (2 + n) * n if full else n
+    dev = streams.device
+    if fn.shape != (nmix, n * d) or fn.dtype != torch.float32:
+        raise ValueError(f"{who}: fn must be float32 [{nmix}, {n * d}], got {fn.dtype} {tuple(fn.shape)}")
+    if base.shape != (nmix,) or scale.shape != ((3,) if full else (1,)):
+        raise ValueError(f"{who}: base must be [{nmix}] and scale [{3 if full else 1}], got "
+                         f"{tuple(base.shape)} and {tuple(scale.shape)}")
+    if any(p.device != dev for p in (fn, base, scale)):
+        raise ValueError(f"{who}: fn, base and scale must be on the streams' device {dev}")
+    if sinkhorn_iters < 1:
+        raise ValueError(f"{who}: sinkhorn_iters={sinkhorn_iters} must be >= 1")
+    fn, base, scale = fn.contiguous(), base.float().contiguous(), scale.float().contiguous()
+    x = torch.empty(t, d, dtype=streams.dtype, device=dev)                  # [T, D]
+    post = torch.empty(t, n, dtype=torch.float32, device=dev)               # [T, n]
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)            # [T, n, n]
+    if t == 0:
+        return x, post, comb
+
+    # Tile config. Token blocks: 16 rows (tl.dot's minimum) for decode, bigger as T grows so
+    # fn (M*K*4 bytes) is re-read from L2 fewer times. K splits: about two programs per SM,
+    # each of at least _MIN_SPLIT_COLS columns.
+    k_total = n * d
+    block_t = 16 if t <= 16 else 32 if t <= 1024 else 64
+    block_k = 64
+    n_tb = triton.cdiv(t, block_t)
+    if num_splits is None:
+        target = 2 * _sm_count(dev) if dev.type == "cuda" else 4
+        num_splits = max(1, min(triton.cdiv(k_total, _MIN_SPLIT_COLS), triton.cdiv(target, n_tb)))
+    cols_per_split = triton.cdiv(triton.cdiv(k_total, num_splits), block_k) * block_k
+    num_splits = triton.cdiv(k_total, cols_per_split)
+    ncol = max(_MIN_DOT, triton.next_power_of_2(nmix + 1))                  # partial row: M dots, sum of squares
+    block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_t * ncol)))  # splits per reduce load
+    collapse = t <= _ONE_LAUNCH_MAX_T
+    part = torch.empty(num_splits, t, ncol, dtype=torch.float32, device=dev)  # per-split partial sums
+    pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
+    counters = _zeroed_counters(dev, n_tb)
+    _hc_pre_kernel[(num_splits, n_tb)](
+        s2, fn, base, scale, part, counters, x, pre, post, comb,
+        t, d, s2.stride(0), x.stride(0),
+        cols_per_split, num_splits, sinkhorn_iters, hc_eps, norm_eps,
+        N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
+        PRECISION="tf32x3" if dev.type == "cuda" else "ieee",
+        BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
+        BLOCK_D=min(triton.next_power_of_2(d), 8192 // block_t), num_warps=4 if block_t == 16 else 8)
+    if not collapse:
+        # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of the grid.
+        block_d = min(triton.next_power_of_2(d), 1024)
+        _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
+            s2, pre, x, d, s2.stride(0), x.stride(0), N=n, BLOCK_D=block_d, num_warps=4)
+    return x, post, comb
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
+    (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
+    ``num_splits`` overrides the number of K splits (tests, tuning)."""
+    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, "hc_pre")
+
+
+def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float, num_splits: int | None = None) -> torch.Tensor:
+    """streams [T, n, D]; fn [n, n*D] float32; base [n]; scale [1] -> [T, D] (the final collapse)."""
+    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, "hc_head")[0]
+
+
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """block_out [T, D]; streams [T, n, D]; post [T, n] float32; comb [T, n, n] float32 ->
+    new streams [T, n, D] in the streams' dtype."""
+    s2 = _streams_2d(streams, "hc_post")
+    t, n, d = streams.shape
+    if block_out.shape != (t, d) or block_out.stride(-1) != 1:
+        raise ValueError(f"hc_post: block_out must be [{t}, {d}] with unit column stride, got shape "
+                         f"{tuple(block_out.shape)} strides {block_out.stride()}")
+    if post.shape != (t, n) or comb.shape != (t, n, n):
+        raise ValueError(f"hc_post: post must be [{t}, {n}] and comb [{t}, {n}, {n}], got "
+                         f"{tuple(post.shape)} and {tuple(comb.shape)}")
+    if post.dtype != torch.float32 or comb.dtype != torch.float32:
+        raise ValueError(f"hc_post: post and comb must be float32, got {post.dtype} and {comb.dtype}")
+    if any(p.device != streams.device for p in (block_out, post, comb)):
+        raise ValueError(f"hc_post: block_out, post and comb must be on the streams' device {streams.device}")
+    post, comb = post.contiguous(), comb.contiguous()
+    out = torch.empty(t, n, d, dtype=streams.dtype, device=streams.device)  # [T, n, D]
+    if t == 0:
+        return out
+    # Tile config: 1024 columns per program (4 warps, 8 float32 per thread and stream) once
+    # there are enough tokens to fill the GPU; 256 for decode so that D still spreads over SMs.
+    block_d = min(triton.next_power_of_2(d), 256 if t < 64 else 1024)
+    _hc_post_kernel[(t, triton.cdiv(d, block_d))](
+        block_out, s2, post, comb, out, d, block_out.stride(0), s2.stride(0), out.stride(0),
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,167 @@
+"""The Triton hyper-connection kernels (mHC pre / post / head) against reference.hc_*."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import hyper_connection as hc
+from deepinfer.kernels import reference
+
+# Mixing weights are float32 either way; the collapsed/expanded streams come back in the
+# streams' dtype, where bfloat16 gets two ulps (the CPU interpreter truncates where the GPU rounds).
+# float32: the projection sums n*D products in another order, so the mixing weights differ from
+# the reference's by a few ulps, times streams of magnitude ~8.
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 5e-5}, torch.bfloat16: {"rtol": 3e-2, "atol": 1e-2}}
+MIX_TOL = {"rtol": 1e-5, "atol": 2e-6}
+
+
+def weights(n: int, d: int, rows: int, gen: torch.Generator, device) -> tuple[torch.Tensor, ...]:
+    """fn [rows, n*D], base [rows], scale [3 or 1]: random, at magnitudes that keep the mixes
+    O(1) for any n*D (the sigmoids and the softmax unsaturated, so the mixings differ from
+    token to token)."""
+    fn = (torch.randn(rows, n * d, generator=gen) * 4 / (n * d) ** 0.5).to(device)
+    base = torch.randn(rows, generator=gen).to(device)
+    scale = (torch.rand(3 if rows > n else 1, generator=gen) + 0.5).to(device)
+    return fn, base, scale
+
+
+def streams_of(t: int, n: int, d: int, dtype: torch.dtype, gen: torch.Generator, device) -> torch.Tensor:
+    return (torch.randn(t, n, d, generator=gen) * 2).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("t,n,d,splits", [(1, 4, 64, None), (5, 4, 64, 3), (7, 3, 64, 2), (40, 4, 64, 5),
+                                          (16, 4, 1024, 40), (40, 4, 512, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
+    """T <= 16: one launch (the finishing program collapses); T=40: two token blocks and the
+    separate collapse launch. 3 and 5 splits leave a short last split; n=3 pads the streams
+    to a power of two inside the kernel. 32 splits take several loads to reduce."""
+    gen = torch.Generator().manual_seed(t * 10 + n)
+    s = streams_of(t, n, d, dtype, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, num_splits=splits)
+    rx, rpost, rcomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    assert x.dtype == dtype and post.dtype == comb.dtype == torch.float32
+    assert not (x.isnan().any() or post.isnan().any() or comb.isnan().any())
+    torch.testing.assert_close(post, rpost, **MIX_TOL)
+    torch.testing.assert_close(comb, rcomb, **MIX_TOL)
+    torch.testing.assert_close(x, rx, **TOL[dtype])
+    # Doubly stochastic after Sinkhorn: the last normalisation is over columns.
+    torch.testing.assert_close(comb.sum(-2), torch.ones(t, n, device=device), rtol=0, atol=1e-5)
+
+
+def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
+    """Streams that are every other row of a wider buffer; sinkhorn_iters=1 runs only the
+    first column normalisation."""
+    gen = torch.Generator().manual_seed(7)
+    n, d = 4, 64
+    buf = streams_of(12, n, d, torch.float32, gen, device)
+    s = buf[::2]                                                         # [6, n, D], row stride 2*n*D
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    out = hc.hc_pre(s, fn, base, scale, 1, 1e-6, 1e-6, num_splits=2)
+    ref = reference.hc_pre(s, fn, base, scale, 1, 1e-6, 1e-6)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, **MIX_TOL)
+
+
+def test_hc_pre_leaves_its_block_counters_at_zero(device):
+    """The finishing program resets its counter, so a second launch (a CUDA-graph replay)
+    finds them zero and gives the same result."""
+    gen = torch.Generator().manual_seed(3)
+    n, d, t = 4, 64, 20
+    s = streams_of(t, n, d, torch.float32, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    first = hc.hc_pre(s, fn, base, scale, 5, 1e-6, 1e-6, num_splits=3)
+    assert int(hc._COUNTERS[s.device].abs().sum()) == 0
+    second = hc.hc_pre(s, fn, base, scale, 5, 1e-6, 1e-6, num_splits=3)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t,n,splits", [(1, 4, None), (6, 4, 2), (3, 3, 3), (20, 4, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_head_matches_reference(t, n, splits, dtype, device, poison_empty):
+    gen = torch.Generator().manual_seed(t + 100 * n)
+    d = 64
+    s = streams_of(t, n, d, dtype, gen, device)
+    fn, base, scale = weights(n, d, n, gen, device)
+    out = hc.hc_head(s, fn, base, scale, 1e-6, 1e-6, num_splits=splits)
+    ref = reference.hc_head(s, fn, base, scale, 1e-6, 1e-6)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("t,n,d", [(1, 4, 64), (7, 4, 64), (5, 3, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_matches_reference(t, n, d, dtype, device, poison_empty):
+    gen = torch.Generator().manual_seed(t * 7 + d)
+    s = streams_of(t, n, d, dtype, gen, device)
+    block_out = (torch.randn(t, d, generator=gen) * 3).to(dtype).to(device)
+    post = (torch.rand(t, n, generator=gen) * 2).to(device)
+    comb = torch.rand(t, n, n, generator=gen).to(device)
+    out = hc.hc_post(block_out, s, post, comb)
+    ref = reference.hc_post(block_out, s, post, comb)
+    assert out.shape == (t, n, d) and out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+
+
+def test_hc_launchers_name_the_bad_argument(device):
+    s = torch.randn(2, 4, 64, device=device)
+    fn = torch.randn(24, 256, device=device)
+    with pytest.raises(ValueError, match="fn must be float32"):
+        hc.hc_pre(s, fn[:, :128], torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="scale"):
+        hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(1, device=device), 3, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="comb"):
+        hc.hc_post(torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
+                   torch.rand(2, 4, 3, device=device))
+
+
+def test_layers_give_the_same_streams_on_both_backends(monkeypatch):
+    """HyperConnection / HyperHead through kernels/backend.py: forcing Triton (interpreter on
+    the CPU) reproduces the torch path."""
+    from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
+    torch.manual_seed(0)
+    n, d, t = 4, 64, 5
+    conn, head = HyperConnection(n, d, 20, 1e-6, 1e-6), HyperHead(n, d, 1e-6, 1e-6)
+    for prm in list(conn.parameters()) + list(head.parameters()):
+        torch.nn.init.normal_(prm, std=0.3)
+    s = torch.randn(t, n, d) * 2
+    block_out = torch.randn(t, d)
+
+    def run():
+        x, post, comb = conn(s)
+        new = conn.expand(block_out, s, post, comb)
+        return x, new, head(new)
+
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    want = run()
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    got = run()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 64, 4096])
+def test_hc_gpu_sizes(t):
+    """V4-Flash widths: n=4, D=4096, bf16 streams."""
+    gen = torch.Generator().manual_seed(t)
+    n, d = 4, 4096
+    s = streams_of(t, n, d, torch.bfloat16, gen, "cuda")
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, "cuda")
+    out = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    ref = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[0], ref[0], rtol=1.6e-2, atol=1e-2)
+    assert int(hc._COUNTERS[s.device].abs().sum()) == 0
+    block_out = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(hc.hc_post(block_out, s, ref[1], ref[2]),
+                               reference.hc_post(block_out, s, ref[1], ref[2]), rtol=1.6e-2, atol=1e-2)
+    head_fn, head_base, head_scale = fn[:n].contiguous(), base[:n].contiguous(), scale[:1].contiguous()
+    torch.testing.assert_close(hc.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
+                               reference.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
+                               rtol=1.6e-2, atol=1e-2)
