@@ -50,6 +50,9 @@ def _add_decode_common(p: argparse.ArgumentParser, context_len: int, steps: int)
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     _add_decode_common(p, context_len=4096, steps=32)
     p.add_argument("--batch-size", type=int, default=1, help="concurrent requests")
+    p.add_argument("--profile", default=None,
+                   help="after the timed window, profile a few decode steps (torch.profiler) and write "
+                        "the kernels by device time to this text file")
 
 
 def add_curve_args(p: argparse.ArgumentParser) -> None:

@@ -47,9 +47,9 @@ def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
 
 
 def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int,
-                   gen: torch.Generator) -> dict[str, Any]:
+                   gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
     """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + PROFILED_STEPS + 2, ignore_eos=True)
     timer = Timer(engine.config.device)
     prompts = random_prompts(batch, context, engine.config.model.vocab_size, gen)
     timer.start()
@@ -77,6 +77,8 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         step_ms.append((time.perf_counter() - t0) * 1e3)
     window_s = timer.stop()
     stats = engine.stats
+    if profile:
+        profile_steps(engine, profile, produced)
     drain(engine, rids)
 
     sps = steps / window_s
@@ -97,10 +99,36 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
     }
 
 
+PROFILED_STEPS = 4
+
+
+def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:
+    """Run PROFILED_STEPS decode steps under torch.profiler; write the device kernels by
+    total time (with their launch counts per step) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            _collect(step_outputs(engine), produced)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    events = prof.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    total_us = sum(e.self_device_time_total for e in kernels) if kernels else 0.0
+    launches = sum(e.count for e in kernels)
+    with open(path, "w") as f:
+        f.write(f"{PROFILED_STEPS} decode steps: {launches / PROFILED_STEPS:.0f} kernels/step, "
+                f"{total_us / PROFILED_STEPS / 1e3:.3f} ms kernel time/step\n\n")
+        f.write(events.table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+    print(f"profile of {PROFILED_STEPS} decode steps written to {path}")
+
+
 def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], batch: int, context: int,
-                 warmup: int, steps: int, gen: torch.Generator) -> dict[str, Any]:
+                 warmup: int, steps: int, gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
     """One (batch, context) measurement with its floor."""
-    eng = measure_decode(engine, batch, context, warmup, steps, gen)
+    eng = measure_decode(engine, batch, context, warmup, steps, gen, profile)
     counted = eng.pop("distinct_experts_counted")
     mid = context + warmup + (steps + 1) // 2       # tokens per sequence after the window's middle step
     work = model.cost.decode_step(batch, mid, counted)
@@ -133,10 +161,10 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     budget = args.max_num_batched_tokens or max(4096, args.batch_size)
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
-                          max_model_len=args.context_len + args.warmup + args.steps + 16)
+                          max_model_len=args.context_len + args.warmup + args.steps + PROFILED_STEPS + 16)
     gen = torch.Generator().manual_seed(args.seed)
     point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
-                         args.steps, gen)
+                         args.steps, gen, args.profile)
     del engine
     free_memory(model.device)
     if not args.no_hf:
