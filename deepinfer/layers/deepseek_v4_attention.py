@@ -34,6 +34,9 @@ per-sequence side state:
 
 Forward, batched over the whole step (no loop over sequences):
 
+0. project the block input x once: q_a, kv, and the compressor's and indexer's
+   kv/gate/weights projections are one GEMM after :meth:`DeepseekV4Attention.fuse_projections`
+   (layers/fused_linear.py; separate GEMMs before it), whose pieces are passed down;
 1. store every new token's kv in the window cache and its pooling states in the
    state caches;
 2. pool the entry of every token that completes a window (``(p+1) % r == 0``)
@@ -73,6 +76,7 @@ from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v4_common import (CacheSlot, InterleavedRope, RMSNorm,
                                                  apply_interleaved_rope, rms_unweighted)
+from deepinfer.layers.fused_linear import FusedProjection
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -221,23 +225,28 @@ class GatedPool(nn.Module):
             kind="compressed", num_kv_heads=1, head_size=head_dim, dtype=cache_dtype, num_tensors=1,
             compress_ratio=ratio))
 
-    def update(self, x: torch.Tensor, ctx: ForwardContext, caches: _StepCaches, rope: InterleavedRope,
-               rows: torch.Tensor | None) -> None:
+    def projections(self) -> list[nn.Linear]:
+        """The projections of the block input x this pool takes, in :meth:`update`'s order
+        (the attention computes them, fused with its own)."""
+        return [self.kv_proj, self.gate_proj]
+
+    def update(self, kv: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext, caches: _StepCaches,
+               rope: InterleavedRope, rows: torch.Tensor | None) -> None:
         """Stores every new token's pooling states (kv, raw gate) in the state cache, then
         pools the entry each token of ``rows`` [M] completes and stores it at its entry slot.
 
-        x: [T, Hd]. ``rows`` None pools every token; the entries of tokens that complete no
-        window go to slot -1, which the store skips.
+        kv, gate: [T, C], ``kv_proj(x)`` and ``gate_proj(x)`` (any row stride). ``rows`` None
+        pools every token; the entries of tokens that complete no window go to slot -1,
+        which the store skips.
         """
         r = self.ratio
         state, entries = caches.bind(self.state_cache), caches.bind(self.entry_cache)
-        kv, gate = self.kv_proj(x), self.gate_proj(x)                               # [T, C]
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None], gate[:, None])
         seq, pos = ctx.token_seq.long(), ctx.positions
         if rows is not None:
             seq, pos = seq[rows], pos[rows]
         span = (2 if self.overlap else 1) * r
-        window = pos[:, None] - torch.arange(span - 1, -1, -1, device=x.device)      # [M, S] p-S+1 .. p
+        window = pos[:, None] - torch.arange(span - 1, -1, -1, device=kv.device)      # [M, S] p-S+1 .. p
         slots = state.slots(seq, window)                                            # [M, S]
         states = state.gather(slots.clamp(min=0))                                   # [M, S, 2, C]
         pooled = self.pool(states[:, :, 0], states[:, :, 1], slots >= 0, pos, rope)  # [M, D]
@@ -290,18 +299,23 @@ class Indexer(GatedPool):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def select(self, q_residual: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+    def projections(self) -> list[nn.Linear]:
+        """The pool's projections of x, then the scorer's (``weights`` of :meth:`select`)."""
+        return super().projections() + [self.scorer.weights_proj]
+
+    def select(self, q_residual: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                rope: InterleavedRope, keys: _Paged, candidates: torch.Tensor) -> torch.Tensor:
         """The best ``index_topk`` candidates of each token: [T, min(topk, Nmax)] slots of the
         key cache, -1 where fewer are visible.
 
-        q_residual: [T, q_lora]; x: [T, Hd]; positions: [T]; candidates: [T, Nmax] key slots.
+        q_residual: [T, q_lora]; weights: [T, Hi] ``scorer.weights_proj(x)``; positions: [T];
+        candidates: [T, Nmax] key slots.
         """
-        t = x.shape[0]
+        t = q_residual.shape[0]
         cos, sin = rope.cos_sin(positions)
         q = apply_interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
                                    cos, sin)                                          # [T, Hi, Di]
-        weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5     # [T, Hi]
+        weights = weights.float() * self.num_heads ** -0.5                         # [T, Hi]
         return backend.indexer_topk(q, weights, keys.cache, candidates, self.head_dim ** -0.5,
                                     self.index_topk)
 
@@ -315,26 +329,38 @@ class Compressor(GatedPool):
                          cfg.sliding_window, cfg.cache_dtype)
         self.indexer = Indexer(cfg) if sparse else None
 
-    def attended_entries(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: ForwardContext,
-                         caches: _StepCaches, rope: InterleavedRope) -> tuple[torch.Tensor, torch.Tensor]:
+    def projections(self) -> list[nn.Linear]:
+        """The pool's projections of x, then the indexer's: the order of ``projected``
+        in :meth:`attended_entries`."""
+        return super().projections() + (self.indexer.projections() if self.indexer is not None else [])
+
+    def attended_entries(self, projected: tuple[torch.Tensor, ...], q_residual: torch.Tensor,
+                         ctx: ForwardContext, caches: _StepCaches,
+                         rope: InterleavedRope) -> tuple[torch.Tensor, torch.Tensor]:
         """Pools and stores this step's entries; returns (the entry cache, [T, K] slots of
-        the entries each token attends to, -1 for none)."""
+        the entries each token attends to, -1 for none).
+
+        projected: the block input's projections in :meth:`projections` order, each [T, N_i].
+        """
         r = self.ratio
         rows = _completing_rows(ctx, r)
-        self.update(x, ctx, caches, rope, rows)
+        kv, gate = projected[:2]
+        self.update(kv, gate, ctx, caches, rope, rows)
         entries = caches.bind(self.entry_cache)
         n_max = max(1, -(-ctx.max_seq_len // r))
-        index = torch.arange(n_max, device=x.device)[None, :]                         # [1, Nmax]
+        index = torch.arange(n_max, device=kv.device)[None, :]                        # [1, Nmax]
         visible = torch.where(index < ((ctx.positions + 1) // r)[:, None], index, -1)  # [T, Nmax]
         slots = entries.slots(ctx.token_seq.long(), visible)                          # [T, Nmax]
         if self.indexer is None:
             return entries.cache, slots
-        self.indexer.update(x, ctx, caches, rope, rows)
+        index_kv, index_gate, index_weights = projected[2:]
+        self.indexer.update(index_kv, index_gate, ctx, caches, rope, rows)
         keys = caches.bind(self.indexer.entry_cache)
         if keys.meta is not entries.meta:
             raise RuntimeError("the indexer's keys and the compressed entries must share one KV-cache "
                                "group: the top-k key slots are used as entry slots")
-        return entries.cache, self.indexer.select(q_residual, x, ctx.positions, rope, keys, slots)
+        return entries.cache, self.indexer.select(q_residual, index_weights, ctx.positions, rope, keys,
+                                                  slots)
 
     def cache_slots(self) -> list[CacheSlot]:
         return super().cache_slots() + (self.indexer.cache_slots() if self.indexer is not None else [])
@@ -364,6 +390,16 @@ class DeepseekV4Attention(nn.Module):
         self.window_cache = CacheSlot(KVCacheSpec(
             kind="sliding", num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype,
             num_tensors=1, sliding_window=cfg.sliding_window))
+        # Every projection of the block input x (q_a, kv, then the compressor's and the
+        # indexer's): one GEMM once fuse_projections() has run (layers/fused_linear.py).
+        self.input_proj = FusedProjection(
+            [self.q_a_proj, self.kv_proj]
+            + (self.compressor.projections() if self.compressor is not None else []))
+
+    def fuse_projections(self) -> None:
+        """Store the projections of x in one buffer and compute them as one GEMM; called
+        once the weights are loaded (``CausalLM.after_load``)."""
+        self.input_proj.fuse()
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.window_cache] + (self.compressor.cache_slots() if self.compressor is not None else [])
@@ -381,16 +417,18 @@ class DeepseekV4Attention(nn.Module):
         caches = _StepCaches(ctx, cached, x)
         rope = ropes[self.rope_type]
         cos, sin = rope.cos_sin(ctx.positions)                                    # [T, R/2]
-        q_residual = self.q_a_norm(self.q_a_proj(x))                              # [T, q_lora]
+        q_a, kv, *projected = self.input_proj(x)                                  # [T, N_i] each
+        q_residual = self.q_a_norm(q_a)                                           # [T, q_lora]
         q = rms_unweighted(self.q_b_proj(q_residual).view(t, h, d), self.eps)
         q = apply_interleaved_rope(q, cos, sin)                                   # [T, H, D]
-        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)      # [T, D]
+        kv = apply_interleaved_rope(self.kv_norm(kv), cos, sin)                   # [T, D]
         window = caches.bind(self.window_cache)
         backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
         back = torch.arange(self.sliding_window - 1, -1, -1, device=x.device)     # [W]
         sources = [(window.cache, window.slots(ctx.token_seq.long(), ctx.positions[:, None] - back))]
         if self.compressor is not None:
-            sources.append(self.compressor.attended_entries(x, q_residual, ctx, caches, ropes["compress"]))
+            sources.append(self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
+                                                            ropes["compress"]))
         out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
 
         # V carried rope on its trailing channels: undo it at the query position.

@@ -20,6 +20,7 @@ from torch import nn
 
 from deepinfer.kernels import backend
 from deepinfer.kernels.reference import clamped_swiglu
+from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import FusedMoE
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
@@ -78,10 +79,18 @@ class DeepseekV4SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.swiglu_limit = swiglu_limit
+        # gate and up: one GEMM once fuse_projections() has run (layers/fused_linear.py).
+        self.gate_up = FusedProjection([self.gate_proj, self.up_proj])
+
+    def fuse_projections(self) -> None:
+        """Store gate_proj and up_proj in one buffer and compute them as one GEMM; called
+        once the weights are loaded (``CausalLM.after_load``)."""
+        self.gate_up.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        gate, up = self.gate_up(x)                                                # [T, I] each
+        return self.down_proj(clamped_swiglu(gate, up, self.swiglu_limit))
 
 
 class DeepseekV4MoE(nn.Module):

@@ -84,6 +84,12 @@ class CausalLM(nn.Module):
         return head
 
     # -- weights -----------------------------------------------------------------
+    def after_load(self) -> None:
+        """Called once by ``models.loader.load_model`` after the weights are in place
+        (loaded or dummy), before the first forward: a model may re-lay out its weights
+        for speed here (e.g. fuse projections). The forward must stay correct without it,
+        for models filled by other means. The default does nothing."""
+
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
         """Where checkpoint tensor ``name`` goes: a parameter name, a part of a
         parameter, or None to skip it. The default is the identity, plus per-expert

@@ -40,7 +40,7 @@ from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.deepseek_v4_attention import (CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Attention,
                                                     DeepseekV4AttentionConfig)
 from deepinfer.layers.deepseek_v4_common import InterleavedRope, RMSNorm
-from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
+from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE, DeepseekV4SharedExpert
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.quant import pair_scales
@@ -358,6 +358,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         return layer.head(out), out
 
     # -- weights -------------------------------------------------------------------
+    def after_load(self) -> None:
+        """Fuse the projections that read the same input (attention: q_a, kv, compressor
+        and indexer; shared expert: gate and up) into one GEMM each. The parameters become
+        views of the fused buffers (memory is not doubled; names and state_dict unchanged);
+        see layers/fused_linear.py for what happens when weights are reloaded."""
+        for module in self.modules():
+            if isinstance(module, (DeepseekV4Attention, DeepseekV4SharedExpert)):
+                module.fuse_projections()
+
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
         if name in _TOP_RENAMES:
             return _TOP_RENAMES[name]

@@ -82,7 +82,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -> CausalLM:
     """Build the registered model for the checkpoint's architecture directly on
     ``device`` in ``model_config.dtype``, load its weights (or, with ``load_format="dummy"``,
-    fill them with random values from ``seed``), and put it in eval mode."""
+    fill them with random values from ``seed``), run its ``after_load`` hook (weight
+    re-layout such as fused projections), and put it in eval mode."""
     model_cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = model_cls(model_config.hf_config, model_config.dtype)
@@ -90,5 +91,6 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
         init_dummy_weights(model, seed)
     else:
         model.load_weights(iter_weights(model_config.path, model_config.hf_config))
+    model.after_load()
     model.requires_grad_(False)
     return model.eval()
