@@ -36,6 +36,11 @@ import triton.language as tl
 # 8 warps; small windows (r = 4) load whole.
 _TILE_ELEMS = 4096
 
+# 2*pi = _TWO_PI_HI + _TWO_PI_LO to ~1e-14, both float32-exact; 1/(2*pi) only picks the turn.
+_TWO_PI_HI: tl.constexpr = tl.constexpr(6.2831854820251465)
+_TWO_PI_LO: tl.constexpr = tl.constexpr(-1.7484555314695172e-07)
+_INV_TWO_PI: tl.constexpr = tl.constexpr(0.15915493667125702)
+
 
 @triton.jit
 def _compress_kernel(
@@ -53,7 +58,8 @@ def _compress_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    if (pos + 1) % RATIO == 0:
+    # A negative position (never given by the runner) would otherwise complete entry -1.
+    if ((pos + 1) % RATIO == 0) & (pos >= RATIO - 1):
         seq = tl.load(seq_ptr + row).to(tl.int64)
         pairs = tl.arange(0, BLOCK_HALF)                                         # [BLOCK_HALF]
         pair_ok = pairs < HEAD_DIM // 2
@@ -113,10 +119,11 @@ def _compress_kernel(
         inv_freq = tl.load(inv_freq_ptr + freq_idx, mask=rot, other=0.0)
         angle = (pos + 1 - RATIO).to(tl.float32) * inv_freq                      # as torch: fp32 product
         # Reduce modulo 2*pi in float64 first: angles reach ~1e6 rad at long contexts, where a
-        # fast float32 cos/sin would lose the phase.
+        # fast float32 cos/sin would lose the phase. Float literals become float32 constants, so
+        # 2*pi enters as two float32-exact parts (turns * _TWO_PI_HI is exact in float64).
         a64 = angle.to(tl.float64)
-        turns = tl.floor(a64 * 0.15915494309189535 + 0.5)
-        reduced = (a64 - turns * 6.283185307179586).to(tl.float32)
+        turns = tl.floor(a64 * _INV_TWO_PI + 0.5)
+        reduced = (a64 - turns * _TWO_PI_HI - turns * _TWO_PI_LO).to(tl.float32)
         cos = tl.where(rot, tl.cos(reduced) * rope_scaling, 1.0)
         sin = tl.where(rot, tl.sin(reduced) * rope_scaling, 0.0)
         out_e = y_e * cos - y_o * sin
