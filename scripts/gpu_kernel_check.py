@@ -12,7 +12,7 @@ as a fraction of the H200's measured ~4.3 TB/s copy bandwidth. Prefill also
 reports TFLOP/s (causal QK^T and PV only). For sparse attention and the indexer
 the bytes are those *gathered* (every key row a token reads, plus q and the
 output), so where tokens share keys (prefill) L2 hits can lift the figure past
-HBM bandwidth. These three also sweep their tile configs, to pick the launchers'
+HBM bandwidth; the DeepSeek-V4 compressor counts the states its completing rows gather. These three also sweep their tile configs, to pick the launchers'
 defaults from. The fused MoE (DeepSeek-V4-Flash widths:
 E=256, K=6, H=4096, I=2048, bf16) reports, per token count, the bytes of the experts
 actually touched / time (decode is bound by streaming them), TFLOP/s of the useful
@@ -22,7 +22,7 @@ any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode moe_routing fused_moe hyper_connection sampling)
+      mla_decode moe_routing fused_moe hyper_connection sampling compressor)
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from triton.testing import do_bench
 
 from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
+from deepinfer.kernels.compressor import compress_entries_
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
 from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, pick_config
@@ -530,6 +531,43 @@ def _fused_moe() -> None:
     moe_case(4096, gate_up, down, MOE_SWEEP_PREFILL)
 
 
+def compressor_case(name: str, ratio: int, overlap: bool, d: int, b: int, seq_len: int, decode: bool) -> None:
+    """DeepSeek-V4 compressor pooling over b sequences of seq_len tokens (bs 64, bf16 states). Decode:
+    one row per sequence, 1 in ratio of them completing a window; prefill: the completing rows only,
+    as the layer passes them. Bytes: the gathered states of the completing rows, their entries, the rows."""
+    c, bs = (2 if overlap else 1) * d, 64
+    span = (2 if overlap else 1) * ratio
+    nbs, nbe = -(-seq_len // bs), -(-(seq_len // ratio) // bs)
+    state = torch.randn(b * nbs + 1, bs, 2, 1, c, device=DEV, dtype=BF16)
+    entries = torch.full((b * nbe + 1, bs, 1, 1, d), float("nan"), device=DEV, dtype=BF16)
+    state_table = (torch.randperm(b * nbs, device=DEV) + 1).view(b, nbs).int()
+    entry_table = (torch.randperm(b * nbe, device=DEV) + 1).view(b, nbe).int()
+    if decode:
+        seq = torch.arange(b, device=DEV, dtype=torch.int32)
+        pos = seq_len - 1 - torch.arange(b, device=DEV) % ratio                   # row b completes if b % r == 0
+        done = -(-b // ratio)
+    else:
+        per_seq = seq_len // ratio
+        seq = torch.arange(b, device=DEV, dtype=torch.int32).repeat_interleave(per_seq)
+        pos = torch.arange(ratio - 1, seq_len, ratio, device=DEV).repeat(b)
+        done = b * per_seq
+    bias = torch.randn(ratio, c, device=DEV)
+    norm_w = torch.rand(d, device=DEV) + 0.5
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device=DEV, dtype=torch.float32) / 64))
+    rest = (seq, pos, bias, norm_w, 1e-6, inv_freq, 1.25, ratio, overlap)
+    out, ref = entries.clone(), entries.clone()
+    compress_entries_(state, state_table, out, entry_table, *rest)
+    reference.compress_entries_(state, state_table, ref, entry_table, *rest)
+    written = ~ref.isnan()
+    if not torch.equal(written, ~out.isnan()):
+        failures.append(f"compressor {name}: written entries differ")
+        print(f"  check compressor {name}: FAIL (the kernel wrote other entries than the reference)")
+    check(f"compressor {name}", out[written], ref[written], 4e-2, 4e-2)
+    moved = done * (span * 2 * c + d) * 2 + seq.numel() * 12
+    bench(f"compressor {name}", lambda: compress_entries_(state, state_table, out, entry_table, *rest),
+          lambda: reference.compress_entries_(state, state_table, ref, entry_table, *rest), moved)
+
+
 def _hyper_connection() -> None:
     print("Hyper-connections (bf16 streams, n 4, D 4096, 20 Sinkhorn iterations)")
     for t in (1, 64, 4096):
@@ -542,6 +580,14 @@ def _sampling() -> None:
         for min_p, top_k, top_p in ((0.0, 50, 1.0), (0.0, 129280, 0.9), (0.0, 50, 0.95), (0.05, 129280, 1.0)):
             sampling_case(rows, 129280, min_p, top_k, top_p)
     sampling_case(64, 151936, 0.0, 20, 0.8)
+
+
+def _compressor() -> None:
+    print("DeepSeek-V4 compressor pooling (bf16 states, V4-Flash widths, R 64)")
+    for label, ratio, overlap, d in (("HCA r128 D512", 128, False, 512), ("CSA r4 D512", 4, True, 512),
+                                     ("indexer r4 D128", 4, True, 128)):
+        compressor_case(f"{label} decode B64 L4096", ratio, overlap, d, 64, 4096, decode=True)
+        compressor_case(f"{label} prefill B1 L8192", ratio, overlap, d, 1, 8192, decode=False)
 
 
 SECTIONS: dict[str, Callable[[], None]] = {
@@ -557,6 +603,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "fused_moe": _fused_moe,
     "hyper_connection": _hyper_connection,
     "sampling": _sampling,
+    "compressor": _compressor,
 }
 
 

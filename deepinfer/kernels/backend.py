@@ -239,3 +239,19 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
         kernel(x, min_p, top_k, top_p)
         return
     reference.sampling_filters_(x, min_p, top_k, top_p)
+
+
+def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
+                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
+    """DeepSeek-V4 compressor: pool and store the entry of each row [M] whose position
+    completes a window (state_cache [NB, bs, 2, 1, C] -> entry_cache [NBe, bse, 1, 1, D]; see
+    :func:`reference.compress_entries_`). Never synchronises with the host."""
+    if use_triton(state_cache):
+        from deepinfer.kernels.compressor import compress_entries_ as kernel
+        kernel(state_cache, state_table, entry_cache, entry_table, seq, pos, position_bias, norm_weight,
+               eps, inv_freq, rope_scaling, ratio, overlap)
+        return
+    reference.compress_entries_(state_cache, state_table, entry_cache, entry_table, seq, pos, position_bias,
+                                norm_weight, eps, inv_freq, rope_scaling, ratio, overlap)

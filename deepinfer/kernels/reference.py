@@ -517,3 +517,62 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
         rows = on.nonzero().squeeze(1)                                 # [M]
         if rows.numel():
             x[rows] = fn(x[rows], arg[rows])
+
+
+def _table_slots(table: torch.Tensor, block_size: int, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Flat slots ``table[seq, i // bs] * bs + i % bs`` [M, K] of indices [M, K], -1 where index < 0."""
+    i = index.clamp(min=0)
+    col = torch.div(i, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
+    blocks = table[seq[:, None], col].long()
+    return torch.where(index >= 0, blocks * block_size + i % block_size, -1)
+
+
+def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
+                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
+    """DeepSeek-V4 compressor: each row at position p with ``(p+1) % r == 0`` stores entry
+    ``(p+1)/r - 1`` of its sequence: ``rope(RMSNorm(sum_s softmax_s(gate + bias) * kv), p+1-r)``
+    over the states of positions ``p-S+1 .. p`` (S = 2r with overlap: the previous window's
+    channels [0, D), then its own window's [D, 2D); else S = r, channels [0, D)). Slots before
+    position 0 weigh 0. RoPE: adjacent pairs of the trailing R channels, ``cos/sin((p+1-r) *
+    inv_freq) * rope_scaling``.
+
+    state_cache: [NB, bs, 2, 1, C] (kv, raw gate); state_table: [B, nb]; entry_cache:
+    [NBe, bse, 1, 1, D]; entry_table: [B, nbe]; seq, pos: [M]; position_bias: [r, C] float32;
+    norm_weight: [D] float32; inv_freq: [R/2] float32. Every row is pooled (no host sync);
+    rows that complete no window store at slot -1, which the store skips.
+    """
+    r, d = ratio, entry_cache.shape[-1]
+    seq, pos = seq.long(), pos.long()
+    span = (2 if overlap else 1) * r
+    window = pos[:, None] - torch.arange(span - 1, -1, -1, device=pos.device)    # [M, S] p-S+1 .. p
+    bs = state_cache.shape[1]
+    slots = _table_slots(state_table, bs, seq, window)                          # [M, S]
+    safe = slots.clamp(min=0)
+    states = state_cache[torch.div(safe, bs, rounding_mode="floor"), safe % bs, :, 0]  # [M, S, 2, C]
+    kv, gate = states[:, :, 0], states[:, :, 1]
+    if overlap:
+        kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)                   # [M, 2r, D]
+        gate = torch.cat([gate[:, :r, :d] + position_bias[:, :d],
+                          gate[:, r:, d:] + position_bias[:, d:]], dim=1)
+    else:
+        gate = gate + position_bias
+    # No window precedes the first: its slots get softmax weight 0.
+    valid = (slots >= 0)[..., None]
+    kv = torch.where(valid, kv, 0)
+    gate = torch.where(valid, gate, float("-inf"))
+    weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    pooled = (kv * weights).sum(dim=1).float()                                  # [M, D]
+    pooled = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps)
+    pooled = (norm_weight * pooled).to(kv.dtype)
+    freqs = (pos + 1 - r)[:, None].float() * inv_freq[None, :].float()          # [M, R/2]
+    cos = (freqs.cos() * rope_scaling).repeat_interleave(2, dim=-1)
+    sin = (freqs.sin() * rope_scaling).repeat_interleave(2, dim=-1)
+    rot = cos.shape[-1]
+    nope, rope = pooled[:, :-rot], pooled[:, -rot:].float()
+    rotated = torch.stack((-rope[:, 1::2], rope[:, 0::2]), dim=-1).flatten(-2)
+    pooled = torch.cat([nope, (rope * cos + rotated * sin).to(pooled.dtype)], dim=-1)
+    completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
+    store_kv(entry_cache, _table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
+             pooled[:, None])

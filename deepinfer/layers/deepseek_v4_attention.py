@@ -147,11 +147,6 @@ class _Paged:
         blocks = table[seq[:, None], col].long()                                  # [M, K]
         return torch.where(index >= 0, blocks * bs + i % bs, -1)
 
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Entries at flat slots [M, K] (all >= 0) -> [M, K, nt, C]."""
-        bs = self.cache.shape[1]
-        return self.cache[torch.div(slots, bs, rounding_mode="floor"), slots % bs, :, 0]
-
 
 class _StepCaches:
     """The caches of one forward. With a paged cache: each layer's bound cache and its
@@ -236,44 +231,17 @@ class GatedPool(nn.Module):
         pools the entry each token of ``rows`` [M] completes and stores it at its entry slot.
 
         kv, gate: [T, C], ``kv_proj(x)`` and ``gate_proj(x)`` (any row stride). ``rows`` None
-        pools every token; the entries of tokens that complete no window go to slot -1,
-        which the store skips.
+        passes every token (graph-safe decode); tokens that complete no window write nothing.
         """
         r = self.ratio
         state, entries = caches.bind(self.state_cache), caches.bind(self.entry_cache)
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None], gate[:, None])
-        seq, pos = ctx.token_seq.long(), ctx.positions
+        seq, pos = ctx.token_seq, ctx.positions                                    # [T]
         if rows is not None:
-            seq, pos = seq[rows], pos[rows]
-        span = (2 if self.overlap else 1) * r
-        window = pos[:, None] - torch.arange(span - 1, -1, -1, device=kv.device)      # [M, S] p-S+1 .. p
-        slots = state.slots(seq, window)                                            # [M, S]
-        states = state.gather(slots.clamp(min=0))                                   # [M, S, 2, C]
-        pooled = self.pool(states[:, :, 0], states[:, :, 1], slots >= 0, pos, rope)  # [M, D]
-        completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
-        backend.store_kv(entries.cache, entries.slots(seq, completed[:, None])[:, 0], pooled[:, None])
-
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor,
-             rope: InterleavedRope) -> torch.Tensor:
-        """The entry of the window that ends at each position p.
-
-        kv, gate: [M, S, C] states of positions ``p-S+1 .. p`` (with overlap: the previous
-        window, then its own); valid: [M, S], False before position 0; pos: [M] -> [M, D].
-        """
-        r, d = self.ratio, self.head_dim
-        if self.overlap:
-            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)                   # [M, 2r, D]
-            gate = torch.cat([gate[:, :r, :d] + self.position_bias[:, :d],
-                              gate[:, r:, d:] + self.position_bias[:, d:]], dim=1)
-        else:
-            gate = gate + self.position_bias
-        # No window precedes the first: its slots get softmax weight 0.
-        kv = torch.where(valid[..., None], kv, 0)
-        gate = torch.where(valid[..., None], gate, float("-inf"))
-        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entries = self.kv_norm((kv * weights).sum(dim=1))                           # [M, D]
-        cos, sin = rope.cos_sin(pos + 1 - r)
-        return apply_interleaved_rope(entries, cos, sin)
+            seq, pos = seq[rows], pos[rows]                                         # [M]
+        backend.compress_entries_(state.cache, state.meta.block_table, entries.cache, entries.meta.block_table,
+                                  seq, pos, self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
+                                  rope.inv_freq, rope.scaling, r, self.overlap)
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.state_cache, self.entry_cache]
