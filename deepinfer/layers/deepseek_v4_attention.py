@@ -71,8 +71,7 @@ from torch import nn
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.layers.deepseek_v4_common import (CacheSlot, InterleavedRope, RMSNorm,
-                                                 apply_interleaved_rope, rms_unweighted)
+from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -240,16 +239,17 @@ class GatedPool(nn.Module):
         window = pos[:, None] - torch.arange(span - 1, -1, -1, device=x.device)      # [M, S] p-S+1 .. p
         slots = state.slots(seq, window)                                            # [M, S]
         states = state.gather(slots.clamp(min=0))                                   # [M, S, 2, C]
-        pooled = self.pool(states[:, :, 0], states[:, :, 1], slots >= 0, pos, rope)  # [M, D]
+        pooled = self.pool(states[:, :, 0], states[:, :, 1], slots >= 0)           # [M, D]
         completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
-        backend.store_kv(entries.cache, entries.slots(seq, completed[:, None])[:, 0], pooled[:, None])
+        # The entry: kv_norm, then RoPE at the window's first position; stored in the same launch.
+        backend.kv_norm_rope(pooled, self.kv_norm.weight, pos + 1 - r, rope.inv_freq, rope.scaling,
+                             self.kv_norm.eps, entries.cache, entries.slots(seq, completed[:, None])[:, 0])
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor,
-             rope: InterleavedRope) -> torch.Tensor:
-        """The entry of the window that ends at each position p.
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The gated sum (before kv_norm and RoPE) of the window that ends at each position p.
 
         kv, gate: [M, S, C] states of positions ``p-S+1 .. p`` (with overlap: the previous
-        window, then its own); valid: [M, S], False before position 0; pos: [M] -> [M, D].
+        window, then its own); valid: [M, S], False before position 0 -> [M, D].
         """
         r, d = self.ratio, self.head_dim
         if self.overlap:
@@ -262,9 +262,7 @@ class GatedPool(nn.Module):
         kv = torch.where(valid[..., None], kv, 0)
         gate = torch.where(valid[..., None], gate, float("-inf"))
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        entries = self.kv_norm((kv * weights).sum(dim=1))                           # [M, D]
-        cos, sin = rope.cos_sin(pos + 1 - r)
-        return apply_interleaved_rope(entries, cos, sin)
+        return (kv * weights).sum(dim=1)                                            # [M, D]
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.state_cache, self.entry_cache]
@@ -298,9 +296,8 @@ class Indexer(GatedPool):
         q_residual: [T, q_lora]; x: [T, Hd]; positions: [T]; candidates: [T, Nmax] key slots.
         """
         t = x.shape[0]
-        cos, sin = rope.cos_sin(positions)
-        q = apply_interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
-                                   cos, sin)                                          # [T, Hi, Di]
+        q = backend.interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
+                                     positions, rope.inv_freq, rope.scaling)          # [T, Hi, Di]
         weights = self.scorer.weights_proj(x).float() * self.num_heads ** -0.5     # [T, Hi]
         return backend.indexer_topk(q, weights, keys.cache, candidates, self.head_dim ** -0.5,
                                     self.index_topk)
@@ -379,14 +376,14 @@ class DeepseekV4Attention(nn.Module):
                     raise ValueError(f"sequence {b} has {q_len} new of {seq_len} tokens: without a KV "
                                      "cache each sequence must be given whole, from position 0")
         caches = _StepCaches(ctx, cached, x)
-        rope = ropes[self.rope_type]
-        cos, sin = rope.cos_sin(ctx.positions)                                    # [T, R/2]
+        rope, pos = ropes[self.rope_type], ctx.positions
         q_residual = self.q_a_norm(self.q_a_proj(x))                              # [T, q_lora]
-        q = rms_unweighted(self.q_b_proj(q_residual).view(t, h, d), self.eps)
-        q = apply_interleaved_rope(q, cos, sin)                                   # [T, H, D]
-        kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)), cos, sin)      # [T, D]
+        q = backend.q_norm_rope(self.q_b_proj(q_residual).view(t, h, d), pos, rope.inv_freq,
+                                rope.scaling, self.eps)                           # [T, H, D]
         window = caches.bind(self.window_cache)
-        backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
+        # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
+        backend.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
+                             self.kv_norm.eps, window.cache, window.meta.slot_mapping)
         back = torch.arange(self.sliding_window - 1, -1, -1, device=x.device)     # [W]
         sources = [(window.cache, window.slots(ctx.token_seq.long(), ctx.positions[:, None] - back))]
         if self.compressor is not None:
@@ -394,5 +391,5 @@ class DeepseekV4Attention(nn.Module):
         out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
 
         # V carried rope on its trailing channels: undo it at the query position.
-        out = apply_interleaved_rope(out, cos, -sin)
+        out = backend.interleaved_rope(out, pos, rope.inv_freq, rope.scaling, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.view(t, self.o_groups, -1)).flatten(1))

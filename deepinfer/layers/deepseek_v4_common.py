@@ -34,11 +34,6 @@ class RMSNorm(nn.Module):
         return (self.weight * xf).to(x.dtype)
 
 
-def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dim (the factor computed in float32)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:
     """[dim/2] float32: ``base ** (-2i/dim)``."""
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
@@ -68,7 +63,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 class InterleavedRope(nn.Module):
-    """cos/sin tables of one rope type (``rope_type`` "default" or "yarn")."""
+    """One rope type (``rope_type`` "default" or "yarn"): ``inv_freq`` [R/2] float32 and the
+    attention ``scaling`` that the rope kernels (kernels/backend.py) take."""
 
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int) -> None:
         super().__init__()
@@ -93,26 +89,6 @@ class InterleavedRope(nn.Module):
                                       "supported: default, yarn")
         # Derived from the config, so not part of the checkpoint.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, R/2] float32
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
-
-
-def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing R channels of ``x`` in adjacent pairs (2i, 2i+1).
-
-    x: [T, D] or [T, H, D]; cos, sin: [T, R/2]. Pass ``-sin`` for the inverse rotation.
-    """
-    cos = cos.repeat_interleave(2, dim=-1)                                # [T, R]
-    sin = sin.repeat_interleave(2, dim=-1)
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rot = cos.shape[-1]
-    nope, rope = x[..., :-rot], x[..., -rot:].float()
-    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
 
 
 class CacheSlot(nn.Module):
