@@ -130,7 +130,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_fre
     if half < 1 or 2 * half > d or inv_freq.dtype != torch.float32 or inv_freq.stride(0) != 1:
         raise ValueError(f"{name}: inv_freq must be a contiguous float32 [R/2] with 1 <= R <= D={d}, got "
                          f"{inv_freq.dtype} of shape {tuple(inv_freq.shape)}")
-    if weight is not None and (weight.shape != (d,) or weight.dtype != torch.float32 or weight.stride(0) != 1):
+    if weight is not None and (weight.shape != (d,) or weight.dtype != torch.float32
+                               or weight.stride(0) != 1):
         raise ValueError(f"{name}: weight must be a contiguous float32 [D={d}], got {weight.dtype} of "
                          f"shape {tuple(weight.shape)}")
     if cache is not None:
@@ -156,7 +157,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_fre
         slot_mapping if slot_mapping is not None else positions,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         cache.stride(0) if cache is not None else 0, cache.stride(1) if cache is not None else 0,
-        h, d, cache.shape[1] if cache is not None else 1, float(scaling), -1.0 if inverse else 1.0, float(eps),
+        h, d, cache.shape[1] if cache is not None else 1,
+        float(scaling), -1.0 if inverse else 1.0, float(eps),
         HALF=half, NORM=norm, HAS_CACHE=cache is not None,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
 
