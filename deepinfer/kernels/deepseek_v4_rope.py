@@ -70,6 +70,13 @@ def _norm_rope_kernel(
     cos = tl.cos(angle) * scaling
     sin = tl.sin(angle) * scaling * sin_sign
 
+    # The token's cache row (one kv head: tensor 0, head 0); a slot of -1 stores nothing.
+    slot = tl.full([], -1, tl.int64)
+    if HAS_CACHE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+    row = (cache_ptr + (slot // cache_block_size) * stride_cache_block
+           + (slot % cache_block_size) * stride_cache_offset)               # used only when slot >= 0
+
     rstd = tl.zeros([BLOCK_H, 1], dtype=tl.float32)
     w_even = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
     w_odd = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
@@ -87,13 +94,8 @@ def _norm_rope_kernel(
         y = _normalise(x, w, rstd, dtype, NORM)
         tl.store(dst + cols, y.to(out_ptr.dtype.element_ty), mask=head_ok & (cols < nope))
         if HAS_CACHE:
-            slot = tl.load(slot_ptr + token).to(tl.int64)
             if slot >= 0:
-                row = (cache_ptr + (slot // cache_block_size) * stride_cache_block
-                       + (slot % cache_block_size) * stride_cache_offset)
-                # One head per kv token: the [1, D] row of the cache's tensor 0, head 0.
-                tl.store(row + cols, y.to(dtype).to(cache_ptr.dtype.element_ty),
-                         mask=head_ok & (cols < nope))
+                tl.store(row + cols, y.to(dtype).to(cache_ptr.dtype.element_ty), mask=head_ok & (cols < nope))
 
     pair_mask = head_ok & pair_ok
     even = tl.load(src + nope + 2 * pairs, mask=pair_mask, other=0.0).to(tl.float32)
@@ -106,10 +108,7 @@ def _norm_rope_kernel(
     tl.store(dst + nope + 2 * pairs, out_even.to(out_ptr.dtype.element_ty), mask=pair_mask)
     tl.store(dst + nope + 2 * pairs + 1, out_odd.to(out_ptr.dtype.element_ty), mask=pair_mask)
     if HAS_CACHE:
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
-            row = (cache_ptr + (slot // cache_block_size) * stride_cache_block
-                   + (slot % cache_block_size) * stride_cache_offset)
             tl.store(row + nope + 2 * pairs, out_even.to(cache_ptr.dtype.element_ty), mask=pair_mask)
             tl.store(row + nope + 2 * pairs + 1, out_odd.to(cache_ptr.dtype.element_ty), mask=pair_mask)
 
