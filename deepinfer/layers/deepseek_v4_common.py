@@ -4,7 +4,9 @@ RoPE (default and YaRN inverse frequencies), and the paged-cache slot modules.
 V4 keeps norm weights in float32 and multiplies before casting back (unlike the
 Llama-style norm in layers/norm.py), and rotates *adjacent* channel pairs of
 the trailing ``R`` channels of a head (unlike the rotate-half RoPE in
-layers/rotary.py). The numerics follow HF transformers' ``deepseek_v4``.
+layers/rotary.py). The numerics follow HF transformers' ``deepseek_v4``. The rotation
+itself (fused with the q / kv norms) is a kernel: ``kernels/backend.py``
+``q_norm_rope`` / ``kv_norm_rope`` / ``interleaved_rope``.
 
 Shapes: T tokens, H heads, D head dim, R rotary dims (R/2 frequencies).
 """
