@@ -3,8 +3,9 @@
 A development tool for the GPU machine (CUDA, triton): for RMSNorm, RoPE, the
 KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
 attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
-hyper-connection mixing (pre / post / head), the sampling filters, MoE routing and
-the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+hyper-connection mixing (pre / post / head), the DeepSeek-V4 fused norm +
+interleaved rope (against the torch op chains it replaces), the sampling filters,
+MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
 ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
@@ -22,7 +23,7 @@ any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode moe_routing fused_moe hyper_connection sampling compressor)
+      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling compressor)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from deepinfer.kernels import deepseek_v4_rope as v4_rope
 from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
 from deepinfer.kernels.compressor import compress_entries_
@@ -47,6 +49,7 @@ from deepinfer.kernels.rope import apply_rope_qk_
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from deepinfer.kernels.sampling import sampling_filters_
 from deepinfer.kernels.store_kv import store_kv
+from deepinfer.layers.deepseek_v4_common import yarn_inv_freq
 
 H200_COPY_GBPS = 4300.0
 DEV = "cuda"
@@ -456,6 +459,37 @@ def sampling_case(rows: int, vocab: int, min_p: float, top_k: int, top_p: float)
     bench(name + f" (incl. copy {t_copy * 1e3:.1f} us)", kernel, torch_path, 2 * x.numel() * 4)
 
 
+def v4_rope_case(t: int, h: int = 64, d: int = 512, rot: int = 64, bs: int = 16) -> None:
+    """V4-Flash attention at T tokens: q norm + rope [T, 64, 512], kv norm + rope + window-cache
+    store [T, 512], inverse rope of the output; YaRN compress rope at positions up to 1M."""
+    q = torch.randn(t, h, d, device=DEV, dtype=BF16)
+    kv = torch.randn(t, d, device=DEV, dtype=BF16)
+    weight = torch.randn(d, device=DEV)
+    pos = torch.randint(0, 1 << 20, (t,), device=DEV)
+    inv_freq, scaling, eps = yarn_inv_freq(rot, 160000.0, 16.0, 65536, 32, 1).to(DEV), 1.277, 1e-6
+    nb = t // bs + 2
+    cache = torch.randn(nb, bs, 1, 1, d, device=DEV, dtype=BF16)
+    slots = torch.randperm(nb * bs, device=DEV)[:t]
+    ref_cache = cache.clone()
+    check(f"q T={t}", v4_rope.q_norm_rope(q, pos, inv_freq, scaling, eps),
+          reference.q_norm_rope(q, pos, inv_freq, scaling, eps), 1.6e-2, 2e-2)
+    check(f"kv T={t}", v4_rope.kv_norm_rope(kv, weight, pos, inv_freq, scaling, eps, cache, slots),
+          reference.kv_norm_rope(kv, weight, pos, inv_freq, scaling, eps, ref_cache, slots), 1.6e-2, 2e-2)
+    check(f"kv cache T={t}", cache, ref_cache, 1.6e-2, 2e-2)
+    check(f"inverse T={t}", v4_rope.interleaved_rope_(q.clone(), pos, inv_freq, scaling, True),
+          reference.interleaved_rope(q, pos, inv_freq, scaling, True), 1.6e-2, 2e-2)
+    row_bytes = q.numel() * 2
+    bench(f"q_norm_rope T={t}", lambda: v4_rope.q_norm_rope(q, pos, inv_freq, scaling, eps),
+          lambda: reference.q_norm_rope(q, pos, inv_freq, scaling, eps), 2 * row_bytes)
+    bench(f"kv_norm_rope + store T={t}",
+          lambda: v4_rope.kv_norm_rope(kv, weight, pos, inv_freq, scaling, eps, cache, slots),
+          lambda: reference.kv_norm_rope(kv, weight, pos, inv_freq, scaling, eps, ref_cache, slots),
+          3 * kv.numel() * 2)
+    # Rotating q back and forth keeps its norm: the timing loop stays finite. Bytes: the rope channels.
+    bench(f"inverse rope in place T={t}", lambda: v4_rope.interleaved_rope_(q, pos, inv_freq, scaling, True),
+          lambda: reference.interleaved_rope(q, pos, inv_freq, scaling, True), 2 * t * h * rot * 2)
+
+
 def _rms_norm() -> None:
     print("RMSNorm (bf16, eps 1e-6)")
     rms_norm_case(8192, 4096)
@@ -574,6 +608,12 @@ def _hyper_connection() -> None:
         hc_case(t)
 
 
+def _v4_rope() -> None:
+    print("DeepSeek-V4 fused norm + interleaved rope (bf16, H 64, D 512, R 64) vs the torch op chains")
+    for t in (1, 64, 4096):
+        v4_rope_case(t)
+
+
 def _sampling() -> None:
     print("Sampling filters (float32 logits) vs the torch sort/topk path")
     for rows in (1, 64, 256):
@@ -602,6 +642,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "moe_routing": _moe_routing,
     "fused_moe": _fused_moe,
     "hyper_connection": _hyper_connection,
+    "v4_rope": _v4_rope,
     "sampling": _sampling,
     "compressor": _compressor,
 }

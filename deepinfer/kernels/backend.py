@@ -255,3 +255,35 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
         return
     reference.compress_entries_(state_cache, state_table, entry_cache, entry_table, seq, pos, position_bias,
                                 norm_weight, eps, inv_freq, rope_scaling, ratio, overlap)
+
+
+def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                eps: float) -> torch.Tensor:
+    """DeepSeek-V4 queries: per-head unweighted RMS norm then interleaved rope, q [T, H, D]
+    -> [T, H, D] (see :func:`reference.q_norm_rope`)."""
+    if use_triton(q):
+        from deepinfer.kernels.deepseek_v4_rope import q_norm_rope as kernel
+        return kernel(q, positions, inv_freq, scaling, eps)
+    return reference.q_norm_rope(q, positions, inv_freq, scaling, eps)
+
+
+def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 scaling: float, eps: float, cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek-V4 kv: float32-weight RMSNorm then interleaved rope, kv [T, D] -> [T, D]; with a
+    cache [NB, bs, nt, 1, D] also stored at slot_mapping [T] (see :func:`reference.kv_norm_rope`)."""
+    if use_triton(kv):
+        from deepinfer.kernels.deepseek_v4_rope import kv_norm_rope as kernel
+        return kernel(kv, weight, positions, inv_freq, scaling, eps, cache, slot_mapping)
+    return reference.kv_norm_rope(kv, weight, positions, inv_freq, scaling, eps, cache, slot_mapping)
+
+
+def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                     inverse: bool = False) -> torch.Tensor:
+    """x [T, H, D] rotated by DeepSeek-V4's interleaved rope (``inverse``: by minus the angle)
+    -> [T, H, D]. Consumes x: the Triton kernel rotates it in place, so callers must not read
+    x afterwards (see :func:`reference.interleaved_rope`)."""
+    if use_triton(x):
+        from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_ as kernel
+        return kernel(x, positions, inv_freq, scaling, inverse)
+    return reference.interleaved_rope(x, positions, inv_freq, scaling, inverse)

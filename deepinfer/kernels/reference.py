@@ -566,13 +566,63 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     pooled = (kv * weights).sum(dim=1).float()                                  # [M, D]
     pooled = pooled * torch.rsqrt(pooled.pow(2).mean(-1, keepdim=True) + eps)
     pooled = (norm_weight * pooled).to(kv.dtype)
-    freqs = (pos + 1 - r)[:, None].float() * inv_freq[None, :].float()          # [M, R/2]
-    cos = (freqs.cos() * rope_scaling).repeat_interleave(2, dim=-1)
-    sin = (freqs.sin() * rope_scaling).repeat_interleave(2, dim=-1)
-    rot = cos.shape[-1]
-    nope, rope = pooled[:, :-rot], pooled[:, -rot:].float()
-    rotated = torch.stack((-rope[:, 1::2], rope[:, 0::2]), dim=-1).flatten(-2)
-    pooled = torch.cat([nope, (rope * cos + rotated * sin).to(pooled.dtype)], dim=-1)
+    pooled = interleaved_rope(pooled, pos + 1 - r, inv_freq, rope_scaling)     # [M, D]
     completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
     store_kv(entry_cache, _table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
              pooled[:, None])
+
+
+# -- DeepSeek-V4 interleaved partial RoPE with the q / kv RMS norms ---------------------------------
+# The trailing R channels of a head rotate in adjacent pairs (2i, 2i+1) by ``positions * inv_freq[i]``;
+# cos and sin are computed in float32 and scaled by the rope's attention scaling (YaRN mscale).
+# Shapes: T tokens, H heads, D head dim, R rotary dims (R/2 = inv_freq's length).
+
+def interleaved_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> (cos, sin) [T, R/2] float32, each times ``scaling``."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()
+    return freqs.cos() * scaling, freqs.sin() * scaling
+
+
+def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing R channels of ``x`` in adjacent pairs (2i, 2i+1), in float32,
+    cast back to x's dtype. x: [T, D] or [T, H, D]; cos, sin: [T, R/2]. ``-sin`` inverts."""
+    cos = cos.repeat_interleave(2, dim=-1)                                # [T, R]
+    sin = sin.repeat_interleave(2, dim=-1)
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    rot = cos.shape[-1]
+    nope, rope = x[..., :-rot], x[..., -rot:].float()
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
+
+
+def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                     inverse: bool = False) -> torch.Tensor:
+    """x: [T, H, D] rotated at ``positions`` [T] (``inverse``: by minus the angle) -> [T, H, D]."""
+    cos, sin = interleaved_cos_sin(positions, inv_freq, scaling)
+    return apply_interleaved_rope(x, cos, -sin if inverse else sin)
+
+
+def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                eps: float) -> torch.Tensor:
+    """Per-head unweighted RMS norm (the factor computed in float32 and applied in q's dtype),
+    then the rope. q: [T, H, D] -> [T, H, D]."""
+    q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + eps).to(q.dtype)
+    return interleaved_rope(q, positions, inv_freq, scaling)
+
+
+def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                 scaling: float, eps: float, cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """V4 RMSNorm (``weight * x / rms`` in float32, cast back to kv's dtype), then the rope;
+    with a cache, also :func:`store_kv` of the result at ``slot_mapping`` (-1 skipped).
+
+    kv: [T, D]; weight: [D] float32; cache: [NB, bs, 1, 1, D]; slot_mapping: [T] -> [T, D].
+    """
+    xf = kv.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = interleaved_rope((weight * xf).to(kv.dtype)[:, None], positions, inv_freq, scaling)[:, 0]
+    if cache is not None:
+        store_kv(cache, slot_mapping, out[:, None])
+    return out

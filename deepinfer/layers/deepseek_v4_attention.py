@@ -74,8 +74,7 @@ from torch import nn
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.layers.deepseek_v4_common import (CacheSlot, InterleavedRope, RMSNorm,
-                                                 apply_interleaved_rope, rms_unweighted)
+from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
 
 SLIDING = "sliding_attention"
@@ -280,9 +279,8 @@ class Indexer(GatedPool):
         candidates: [T, Nmax] key slots.
         """
         t = q_residual.shape[0]
-        cos, sin = rope.cos_sin(positions)
-        q = apply_interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
-                                   cos, sin)                                          # [T, Hi, Di]
+        q = backend.interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
+                                     positions, rope.inv_freq, rope.scaling)          # [T, Hi, Di]
         weights = weights.float() * self.num_heads ** -0.5                         # [T, Hi]
         return backend.indexer_topk(q, weights, keys.cache, candidates, self.head_dim ** -0.5,
                                     self.index_topk)
@@ -383,15 +381,15 @@ class DeepseekV4Attention(nn.Module):
                     raise ValueError(f"sequence {b} has {q_len} new of {seq_len} tokens: without a KV "
                                      "cache each sequence must be given whole, from position 0")
         caches = _StepCaches(ctx, cached, x)
-        rope = ropes[self.rope_type]
-        cos, sin = rope.cos_sin(ctx.positions)                                    # [T, R/2]
+        rope, pos = ropes[self.rope_type], ctx.positions
         q_a, kv, *projected = self.input_proj(x)                                  # [T, N_i] each
         q_residual = self.q_a_norm(q_a)                                           # [T, q_lora]
-        q = rms_unweighted(self.q_b_proj(q_residual).view(t, h, d), self.eps)
-        q = apply_interleaved_rope(q, cos, sin)                                   # [T, H, D]
-        kv = apply_interleaved_rope(self.kv_norm(kv), cos, sin)                   # [T, D]
+        q = backend.q_norm_rope(self.q_b_proj(q_residual).view(t, h, d), pos, rope.inv_freq,
+                                rope.scaling, self.eps)                           # [T, H, D]
         window = caches.bind(self.window_cache)
-        backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
+        # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
+        backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
+                             self.kv_norm.eps, window.cache, window.meta.slot_mapping)
         back = torch.arange(self.sliding_window - 1, -1, -1, device=x.device)     # [W]
         sources = [(window.cache, window.slots(ctx.token_seq.long(), ctx.positions[:, None] - back))]
         if self.compressor is not None:
@@ -400,5 +398,5 @@ class DeepseekV4Attention(nn.Module):
         out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
 
         # V carried rope on its trailing channels: undo it at the query position.
-        out = apply_interleaved_rope(out, cos, -sin)
+        out = backend.interleaved_rope(out, pos, rope.inv_freq, rope.scaling, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.view(t, self.o_groups, -1)).flatten(1))

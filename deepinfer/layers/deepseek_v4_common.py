@@ -4,7 +4,9 @@ RoPE (default and YaRN inverse frequencies), and the paged-cache slot modules.
 V4 keeps norm weights in float32 and multiplies before casting back (unlike the
 Llama-style norm in layers/norm.py), and rotates *adjacent* channel pairs of
 the trailing ``R`` channels of a head (unlike the rotate-half RoPE in
-layers/rotary.py). The numerics follow HF transformers' ``deepseek_v4``.
+layers/rotary.py). The numerics follow HF transformers' ``deepseek_v4``. The rotation
+itself (fused with the q / kv norms) is a kernel: ``kernels/backend.py``
+``q_norm_rope`` / ``kv_norm_rope`` / ``interleaved_rope``.
 
 Shapes: T tokens, H heads, D head dim, R rotary dims (R/2 frequencies).
 """
@@ -32,11 +34,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * xf).to(x.dtype)
-
-
-def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps)`` over the last dim (the factor computed in float32)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:
@@ -68,7 +65,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 class InterleavedRope(nn.Module):
-    """cos/sin tables of one rope type (``rope_type`` "default" or "yarn")."""
+    """One rope type (``rope_type`` "default" or "yarn"): ``inv_freq`` [R/2] float32 and the
+    attention ``scaling`` that the rope kernels (kernels/backend.py) take."""
 
     def __init__(self, head_dim: int, params: dict, max_position_embeddings: int) -> None:
         super().__init__()
@@ -93,26 +91,6 @@ class InterleavedRope(nn.Module):
                                       "supported: default, yarn")
         # Derived from the config, so not part of the checkpoint.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, R/2] float32
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()
-        return freqs.cos() * self.scaling, freqs.sin() * self.scaling
-
-
-def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the trailing R channels of ``x`` in adjacent pairs (2i, 2i+1).
-
-    x: [T, D] or [T, H, D]; cos, sin: [T, R/2]. Pass ``-sin`` for the inverse rotation.
-    """
-    cos = cos.repeat_interleave(2, dim=-1)                                # [T, R]
-    sin = sin.repeat_interleave(2, dim=-1)
-    if x.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    rot = cos.shape[-1]
-    nope, rope = x[..., :-rot], x[..., -rot:].float()
-    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    return torch.cat([nope, (rope * cos + rotated * sin).to(x.dtype)], dim=-1)
 
 
 class CacheSlot(nn.Module):

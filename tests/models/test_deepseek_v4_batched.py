@@ -149,11 +149,12 @@ class attention_checked_for_syncs:
     """Runs every DeepseekV4Attention forward (only those: the reference MoE syncs by
     design) of a decode_only context under :class:`SyncDetector`, with ``Tensor.tolist`` /
     ``numpy`` (invisible to dispatch) failing there too and the context's host lists
-    unreadable. The cache stores (and the compressor's pooling, which ends in one) go to the
-    Triton kernels, as in a captured CUDA graph (on the CPU in Triton's interpreter, which
-    passes the detector): the reference store drops slots of -1 with a boolean mask, a sync."""
+    unreadable. The cache stores, the compressor's pooling and the fused norm/rope steps go
+    to the Triton kernels, as in a captured CUDA graph (on the CPU in Triton's interpreter,
+    which passes the detector): the reference store drops slots of -1 with a boolean mask, a sync."""
 
     def __enter__(self) -> "attention_checked_for_syncs":
+        from deepinfer.kernels import deepseek_v4_rope
         from deepinfer.kernels.compressor import compress_entries_ as triton_compress_entries_
         from deepinfer.kernels.store_kv import store_kv as triton_store_kv
 
@@ -185,6 +186,9 @@ class attention_checked_for_syncs:
         self.mp.setattr(DeepseekV4Attention, "forward", forward)
         self.mp.setattr(backend, "store_kv", triton_store_kv)
         self.mp.setattr(backend, "compress_entries_", triton_compress_entries_)
+        self.mp.setattr(backend, "kv_norm_rope", deepseek_v4_rope.kv_norm_rope)
+        self.mp.setattr(backend, "q_norm_rope", deepseek_v4_rope.q_norm_rope)
+        self.mp.setattr(backend, "interleaved_rope", deepseek_v4_rope.interleaved_rope_)
         for name in ("tolist", "numpy", "__array__"):
             self.mp.setattr(torch.Tensor, name, refuse(name))
         return self
