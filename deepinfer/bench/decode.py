@@ -16,6 +16,7 @@ in the middle of the window.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from typing import Any
@@ -76,7 +77,7 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         committed.append(_collect(step_outputs(engine), produced))
         step_ms.append((time.perf_counter() - t0) * 1e3)
     window_s = timer.stop()
-    stats = engine.stats
+    stats = copy.copy(engine.stats)   # the engine keeps counting through the profile and drain
     if profile:
         profile_steps(engine, profile, produced)
     drain(engine, rids)

@@ -58,7 +58,20 @@ class MoEConfig:
     num_stages: int
 
 
-def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
+# Pipelined operand tiles of a program must fit in shared memory (227 KB per block on
+# Hopper) with room for the epilogue's layout conversions: float32 tiles (tests) take
+# fewer stages than bf16 ones.
+_SMEM_BUDGET = 144 * 1024
+
+
+def _fit_stages(cfg: MoEConfig, elem_bytes: int) -> int:
+    per_stage = max(cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1,
+                    cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * elem_bytes
+    return max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                elem_bytes: int = 2) -> MoEConfig:
     """Tile config by the mean number of pairs per expert (T*K/E).
 
     <= 4 (decode, T <= 170 at K=6, E=256): weight streaming. 16-row blocks; GEMM1
@@ -79,8 +92,9 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     else:
         cfg = MoEConfig(128, 64, 64, 128, 64, 8, num_warps=8, num_stages=3)
     h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
-    return MoEConfig(cfg.block_m, min(cfg.block_n1, i), min(cfg.block_k1, h), min(cfg.block_n2, h),
-                     min(cfg.block_k2, i), cfg.group_m, cfg.num_warps, cfg.num_stages)
+    cfg = MoEConfig(cfg.block_m, min(cfg.block_n1, i), min(cfg.block_k1, h), min(cfg.block_n2, h),
+                    min(cfg.block_k2, i), cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return MoEConfig(**{**cfg.__dict__, "num_stages": _fit_stages(cfg, elem_bytes)})
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -295,7 +309,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or pick_config(t, k, e, h, i)
+    cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
     num_pid_m = block_expert.shape[0]
