@@ -45,12 +45,12 @@ def use_triton(x: torch.Tensor) -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
     """x: [..., D]; weight: [D] -> [..., D] (see :func:`reference.rms_norm`)."""
     if use_triton(x):
         from deepinfer.kernels.rms_norm import rms_norm as kernel
-        return kernel(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
+        return kernel(x, weight, eps, round_first)
+    return reference.rms_norm(x, weight, eps, round_first)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,7 +111,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
         scores = kernel(q, weights, key_cache, slots, scale)
-        best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
+        if slots.shape[1] <= topk:
+            # Every candidate is kept (short contexts, decode buckets): no sort, the same set in
+            # candidate order, which attention does not depend on.
+            return torch.where(scores > float("-inf"), slots, -1)
+        best, idx = scores.topk(topk, dim=-1)
         return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
     return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
 

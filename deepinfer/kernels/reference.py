@@ -138,14 +138,18 @@ def paged_decode_attention(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
 
     x: [..., D]; weight: [D]. The normalisation runs in float32 and is cast back
-    to x's dtype before the weight multiplies, as in HF Llama/Qwen.
+    to x's dtype before the weight multiplies, as in HF Llama/Qwen; with
+    ``round_first=False`` (DeepSeek-V4) the weight multiplies in float32 and the
+    result is cast to x's dtype once.
     """
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if not round_first:
+        return (weight.float() * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 

@@ -3,7 +3,9 @@
 Each program loads its whole row once (the row fits in registers up to
 ``_MAX_COLS`` columns), so the kernel reads x and writes y exactly once: it is
 bound by memory bandwidth. The sum of squares runs in float32; the normalised
-row is rounded to x's dtype before the weight multiplies, as the reference does.
+row is rounded to x's dtype before the weight multiplies (Llama/Qwen, HF), or,
+with ``round_first=False`` (DeepSeek-V4), the weight multiplies in float32 and
+the result is rounded once to x's dtype.
 """
 
 from __future__ import annotations
@@ -22,24 +24,27 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     x_row_stride, out_row_stride,
     n_cols, eps,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    # Round to x's dtype first: the reference multiplies the weight in that dtype.
-    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * inv_rms
+    if ROUND_FIRST:
+        # Round to x's dtype first: the reference multiplies the weight in that dtype.
+        normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * out_row_stride + cols,
              (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
 
-    x: [..., D]; weight: [D] -> [..., D] in the promoted dtype of x and weight.
+    x: [..., D]; weight: [D] -> [..., D] in the promoted dtype of x and weight
+    (``round_first``), else in x's dtype.
     """
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -52,7 +57,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     weight = weight.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_first else x.dtype
+    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0] == 0:
         return out.view(x.shape)
     # Tile config: the whole row in one block; one warp per 256 elements keeps
@@ -61,5 +67,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     num_warps = min(16, max(1, block // 256))
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight, out, x2.stride(0), out.stride(0), d, eps,
-        BLOCK=block, num_warps=num_warps)
+        BLOCK=block, ROUND_FIRST=round_first, num_warps=num_warps)
     return out.view(x.shape)

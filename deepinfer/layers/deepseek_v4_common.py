@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 
 
@@ -31,9 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        return backend.rms_norm(x, self.weight, self.eps, round_first=False)
 
 
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:

@@ -116,6 +116,19 @@ def test_backend_indexer_topk_uses_the_kernel(monkeypatch, device):
         assert sorted(row) == sorted(ref_row)
 
 
+def test_backend_indexer_keeps_all_candidates_without_sorting(monkeypatch, device):
+    # topk >= candidates: every visible candidate is kept, invisible ones (-inf scores) are -1.
+    gen = torch.Generator().manual_seed(5)
+    q, w, cache, slots = make_inputs(3, 4, 32, 12, 8, 1, torch.float32, device, gen, empty_rows=(1,))
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    picked = backend.indexer_topk(q, w, cache, slots, 0.3, 16)
+    expected = reference.indexer_topk(q, w, cache, slots, 0.3, 16)
+    assert picked.shape == expected.shape == (3, 12)
+    assert (picked[1] == -1).all() and (picked[0] >= 0).any()
+    for row, ref_row in zip(picked.tolist(), expected.tolist()):
+        assert sorted(row) == sorted(ref_row)
+
+
 # --- real shapes (DeepSeek-V4-Flash indexer: Hi 64, Di 128) on the GPU ----------------------------
 
 @pytest.mark.gpu

@@ -38,6 +38,22 @@ def test_rms_norm_strided_rows_and_promoted_weight(device, poison_empty):
     torch.testing.assert_close(out, ref, **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_weight_in_float32(dtype, device, poison_empty):
+    """DeepSeek-V4's norm (round_first=False): float32 weight times the float32 normalised row,
+    rounded once to x's dtype, which differs from rounding the row first."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(9, 96, generator=gen) * 3).to(dtype).to(device)
+    weight = (1 + torch.randn(96, generator=gen) / 3).to(device)           # float32, as V4 keeps it
+    out = rms_norm(x, weight, 1e-6, round_first=False)
+    ref = reference.rms_norm(x, weight, 1e-6, round_first=False)
+    assert out.dtype == ref.dtype == dtype
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    xf = x.float()
+    expected = (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(dtype)
+    torch.testing.assert_close(ref, expected, rtol=0, atol=0)
+
+
 def test_rms_norm_rejects_a_mis_shaped_weight(device):
     with pytest.raises(ValueError, match="weight has shape"):
         rms_norm(torch.randn(2, 8, device=device), torch.randn(4, device=device), 1e-6)
