@@ -37,6 +37,9 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="prompts per round")
     p.add_argument("--iters", type=int, default=5, help="timed rounds after the warm-up")
     p.add_argument("--hf-iters", type=int, default=3, help="timed HF generate calls")
+    p.add_argument("--profile", default=None,
+                   help="after the timed rounds, profile one round (torch.profiler) and write the kernels "
+                        "by device time to this text file")
 
 
 def _add_decode_common(p: argparse.ArgumentParser, context_len: int, steps: int) -> None:

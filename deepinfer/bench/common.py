@@ -240,3 +240,26 @@ class Timer:
     def stop(self) -> float:
         sync(self.device)
         return time.perf_counter() - self._t0
+
+
+def profile_to_file(path: str, label: str, units: int, work) -> None:
+    """Run ``work()`` under torch.profiler and write the kernels by device time to ``path``,
+    headed by kernel launches and device time per unit (``units`` of ``label``)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        work()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")]
+    total_us = sum(e.self_device_time_total for e in kernels) if kernels else 0.0
+    launches = sum(e.count for e in kernels)
+    with open(path, "w") as f:
+        f.write(f"{label}: {launches / units:.0f} kernels/unit, {total_us / units / 1e3:.3f} ms kernel "
+                "time/unit\n\n")
+        f.write(events.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=60,
+                             max_name_column_width=90))
+    print(f"profile of {label} written to {path}")

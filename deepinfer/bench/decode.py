@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from deepinfer.bench.common import (CP, NEXTN, BenchModel, RoutingRecorder, Timer, build_engine, drain,
+                                    profile_to_file,
                                     fmt, free_memory, header, measure_floors, print_header, print_table,
                                     random_prompts, step_outputs, write_json)
 from deepinfer.bench.floors import floor_ms
@@ -106,24 +107,8 @@ PROFILED_STEPS = 4
 def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:
     """Run PROFILED_STEPS decode steps under torch.profiler; write the device kernels by
     total time (with their launch counts per step) to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        for _ in range(PROFILED_STEPS):
-            _collect(step_outputs(engine), produced)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-    events = prof.key_averages()
-    kernels = [e for e in events if getattr(e, "device_type", None) is not None
-               and str(e.device_type).endswith("CUDA")]
-    total_us = sum(e.self_device_time_total for e in kernels) if kernels else 0.0
-    launches = sum(e.count for e in kernels)
-    with open(path, "w") as f:
-        f.write(f"{PROFILED_STEPS} decode steps: {launches / PROFILED_STEPS:.0f} kernels/step, "
-                f"{total_us / PROFILED_STEPS / 1e3:.3f} ms kernel time/step\n\n")
-        f.write(events.table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
-    print(f"profile of {PROFILED_STEPS} decode steps written to {path}")
+    profile_to_file(path, f"{PROFILED_STEPS} decode steps", PROFILED_STEPS,
+                    lambda: [_collect(step_outputs(engine), produced) for _ in range(PROFILED_STEPS)])
 
 
 def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], batch: int, context: int,

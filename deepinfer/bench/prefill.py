@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, measure_floors,
-                                    print_header, print_table, random_prompts, step_outputs, write_json)
+                                    print_header, print_table, profile_to_file, random_prompts, step_outputs,
+                                    write_json)
 from deepinfer.bench.floors import floor_ms
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
@@ -64,6 +65,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
                           max_model_len=args.prompt_len + 1)
     gen = torch.Generator().manual_seed(args.seed)
     result["engine"] = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters, gen)
+    if args.profile:
+        profile_to_file(args.profile, "1 prefill round", 1,
+                        lambda: measure_prefill(engine, args.batch_size, args.prompt_len, 0, 1, gen))
     del engine
     free_memory(model.device)
 

@@ -83,9 +83,13 @@ def test_prefill(tiny_config, tmp_path, capsys):
 
 
 def test_prefill_chunked_over_steps(tiny_config, tmp_path):
+    prof = tmp_path / "prof.txt"
     r = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "48", "--iters", "1",
-             "--max-num-batched-tokens", "16", "--no-hf"], tmp_path / "p.json")
+             "--max-num-batched-tokens", "16", "--no-hf", "--profile", str(prof)], tmp_path / "p.json")
     assert r["engine"]["steps_per_round"] == [3] and r["hf"] is None
+    # The profile of one more round: a header and the profiler's table.
+    head, _, table = prof.read_text().partition("\n\n")
+    assert head.startswith("1 prefill round:") and "Name" in table
 
 
 def test_curve(tiny_config, tmp_path):
