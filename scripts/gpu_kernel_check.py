@@ -41,8 +41,7 @@ from deepinfer.kernels import reference
 from deepinfer.kernels.compressor import compress_entries_
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
-from deepinfer.kernels.fused_moe import (GROUPED_MM_MIN_PAIRS_PER_EXPERT, MoEConfig, fused_moe,
-                                         grouped_mm_available, grouped_mm_moe, pick_config)
+from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, pick_config
 from deepinfer.kernels.moe_routing import grouped_topk_sigmoid, topk_route
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
@@ -384,18 +383,6 @@ def moe_case(t: int, gate_up: torch.Tensor, down: torch.Tensor, sweep: list[MoEC
     print(f"  config {pick_config(t, top_k, e, h, i)}")
     bench(name + " eager", run, lambda: reference.clamped_moe_experts(x, gate_up, down, weights, ids, limit),
           bytes_moved, flops)
-    if t * top_k >= GROUPED_MM_MIN_PAIRS_PER_EXPERT * e:
-        # fused_moe took the grouped-GEMM path; time the Triton tiles beside it.
-        cfg = pick_config(t, top_k, e, h, i)
-        bench(f"T={t} triton {cfg}", lambda: run(cfg), None, bytes_moved, flops)
-        for cfg in sweep:
-            bench(f"T={t} {cfg}", lambda c=cfg: run(c), None, bytes_moved, flops)
-        return
-    if grouped_mm_available(x):
-        check(name + " grouped_mm", grouped_mm_moe(x, gate_up, down, weights, ids, limit), ref,
-              2e-2, 2e-2 * ref.float().abs().max().item())
-        bench(name + " grouped_mm", lambda: grouped_mm_moe(x, gate_up, down, weights, ids, limit), None,
-              bytes_moved, flops)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -575,8 +562,6 @@ def _fused_moe() -> None:
     down = torch.randn(256, 4096, 2048, device=DEV, dtype=BF16) / 45
     for t in (1, 16, 64):
         moe_case(t, gate_up, down, MOE_SWEEP_DECODE)
-    for t in (256, 1024):
-        moe_case(t, gate_up, down, [])
     moe_case(4096, gate_up, down, MOE_SWEEP_PREFILL)
 
 

@@ -309,9 +309,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    if (config is None and x.is_cuda and grouped_mm_available(x)
-            and pairs >= GROUPED_MM_MIN_PAIRS_PER_EXPERT * e):
-        return grouped_mm_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
     cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
@@ -335,87 +332,3 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.view(t, k, h).sum(dim=1)                                     # [T, H]
-
-
-# -- prefill: cuBLAS/CUTLASS grouped GEMMs ------------------------------------------------------------
-#
-# With many pairs per expert the two GEMMs are compute bound, and torch._grouped_mm
-# (CUTLASS on Hopper: wgmma, TMA) runs them faster than the Triton tiles above. The
-# pairs are sorted by expert with device ops only (a stable argsort, counts by
-# scatter-add, no host synchronisation), so each expert's rows are contiguous; two
-# small Triton kernels do the clamped SwiGLU between the GEMMs and the weighted
-# combine after them. The gate_up GEMM's output is rounded to x's dtype before the
-# clamp (the fused kernel clamps its float32 accumulator): outputs agree to within
-# the dtype's rounding, not bitwise.
-
-GROUPED_MM_MIN_PAIRS_PER_EXPERT = 32   # from here (T >= ~1400 at K=6, E=256) prefill takes this path
-
-
-def grouped_mm_available(x: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
-
-
-@triton.jit
-def _swiglu_kernel(h_ptr, act_ptr, inter, limit, stride_h, stride_act,
-                   HAS_LIMIT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    gate = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * stride_h + inter + cols, mask=ok, other=0.0).to(tl.float32)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    tl.store(act_ptr + row * stride_act + cols, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty),
-             mask=ok)
-
-
-@triton.jit
-def _combine_kernel(y_ptr, rank_ptr, w_ptr, out_ptr, hidden, num_valid_ptr, stride_y, stride_out,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_k round(w[t,k] * y[rank[t*K+k]]) over the token's valid pairs (float32 sum)."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < hidden
-    num_valid = tl.load(num_valid_ptr)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for k in tl.static_range(TOP_K):
-        rank = tl.load(rank_ptr + t * TOP_K + k)
-        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
-        if rank < num_valid:                       # pairs outside [0, E) sort past the valid rows
-            y = tl.load(y_ptr + rank.to(tl.int64) * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-            acc += (y * w).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def grouped_mm_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0
-                   ) -> torch.Tensor:
-    """:func:`fused_moe` (same arguments, already validated) through ``torch._grouped_mm``."""
-    t, h = x.shape
-    e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
-    k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).long()
-    valid = (ids >= 0) & (ids < e)
-    key = torch.where(valid, ids, e)                                        # invalid pairs sort last
-    order = torch.argsort(key, stable=True)                                 # [P] pair of each sorted row
-    counts = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = torch.cumsum(counts[:e], 0, dtype=torch.int32)                  # [E] end row of each expert
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-
-    rows = x.index_select(0, order // k)                                    # [P, H] tokens by expert
-    h1 = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offs)   # [P, 2I]
-    act = torch.empty(h1.shape[0], i, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(i))
-    _swiglu_kernel[(h1.shape[0], triton.cdiv(i, block))](
-        h1, act, i, float(swiglu_limit), h1.stride(0), act.stride(0),
-        HAS_LIMIT=swiglu_limit > 0, BLOCK=block, num_warps=4)
-    y = torch._grouped_mm(act, down_proj.transpose(1, 2), offs=offs)       # [P, H]
-
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, block))](
-        y, rank, topk_weights.contiguous(), out, h, offs[-1:], y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK=block, num_warps=4)
-    return out

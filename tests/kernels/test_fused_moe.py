@@ -14,7 +14,6 @@ from deepinfer.kernels import reference
 from deepinfer.kernels.fused_moe import (
     MoEConfig,
     fused_moe,
-    grouped_mm_moe,
     max_padded_pairs,
     moe_align,
     pick_config,
@@ -113,29 +112,6 @@ def test_fused_moe_tile_configs(config, device, poison_empty):
     out = fused_moe(x, gate_up, down, weights, ids, 0.7, config=config)
     torch.testing.assert_close(out, reference.clamped_moe_experts(x, gate_up, down, weights, ids, 0.7),
                                rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("limit", [0.0, 0.5])
-def test_grouped_mm_moe_matches_reference(dtype, limit, device, poison_empty):
-    """The prefill path (torch._grouped_mm between the SwiGLU and combine kernels): experts
-    with no pairs, pairs of no expert (-1), a token with none at all."""
-    if not hasattr(torch, "_grouped_mm"):
-        pytest.fail("this torch has no _grouped_mm, which the prefill MoE path needs")
-    e, h, i, t, k = 8, 64, 48, 37, 3
-    gate_up, down = make_experts(e, h, i, dtype, device, seed=11)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(11)).to(dtype).to(device)
-    weights, ids = make_routing(t, k, [0, 1, 3, 4, 6, 7], device, seed=11)    # 2 and 5 stay empty
-    ids[2, 1] = -1
-    ids[5, :] = -1
-    out = grouped_mm_moe(x, gate_up, down, weights, ids, limit)
-    args = (x.float(), gate_up.float(), down.float(), weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
-    ref = reference.clamped_moe_experts(*args, limit)
-    assert out.shape == x.shape and out.dtype == dtype and (out[5] == 0).all()
-    tol = TOL[dtype] if dtype == torch.float32 else {"rtol": 3e-2, "atol": 2e-2}
-    torch.testing.assert_close(out.float(), ref, **tol)
-    if limit:
-        assert (ref - reference.clamped_moe_experts(*args, 0.0)).abs().max() > 0.05   # the clamp binds
 
 
 def test_pick_config_by_tokens_per_expert():
