@@ -360,6 +360,9 @@ MOE_SWEEP_PREFILL = [
     MoEConfig(64, 128, 64, 128, 64, 8, num_warps=4, num_stages=3),
     MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4),
     MoEConfig(128, 64, 128, 128, 128, 8, num_warps=8, num_stages=2),
+    MoEConfig(128, 128, 64, 256, 64, 16, num_warps=8, num_stages=3),
+    MoEConfig(128, 128, 64, 128, 64, 8, num_warps=8, num_stages=3),
+    MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=2),
 ]
 
 

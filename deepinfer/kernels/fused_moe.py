@@ -78,8 +78,8 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
       tiles of 32 gate + 32 up columns, so one token's 6 experts at I=2048 make
       6 * 64 = 384 programs (about 3 per SM), each streaming 512 KB.
     <= 48: medium batches, 32-row blocks.
-    <= 128: 64-row blocks (T=4096 at K=6, E=256 averages 96 pairs per expert).
-    above: 128-row blocks.
+    above: 128-row blocks, 128 + 128 GEMM1 columns (T=4096 at K=6, E=256 averages 96 pairs
+      per expert).
     Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
@@ -87,10 +87,10 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         cfg = MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=4)
     elif per_expert <= 48:
         cfg = MoEConfig(32, 64, 128, 64, 128, 4, num_warps=4, num_stages=4)
-    elif per_expert <= 128:
-        cfg = MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4)
     else:
-        cfg = MoEConfig(128, 64, 64, 128, 64, 8, num_warps=8, num_stages=3)
+        # Best of the H200 sweep at T=4096 (scripts/gpu_kernel_check.py fused_moe): 275 TFLOP/s
+        # against 259 for 64-row blocks.
+        cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=3)
     h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
     cfg = MoEConfig(cfg.block_m, min(cfg.block_n1, i), min(cfg.block_k1, h), min(cfg.block_n2, h),
                     min(cfg.block_k2, i), cfg.group_m, cfg.num_warps, cfg.num_stages)
