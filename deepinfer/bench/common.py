@@ -262,4 +262,8 @@ def profile_to_file(path: str, label: str, units: int, work) -> None:
                 "time/unit\n\n")
         f.write(events.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=60,
                              max_name_column_width=90))
+        # Host side: the runner's phases (deepinfer.prepare/forward/sample/finish) and the ops
+        # that cost the CPU most, to tell launch-bound or synchronising code from slow kernels.
+        f.write("\n\nby CPU time\n")
+        f.write(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=90))
     print(f"profile of {label} written to {path}")

@@ -29,9 +29,10 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
     vocab = engine.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     timer = Timer(engine.config.device)
-    rounds, steps = [], []
+    rounds, steps, gpu_ms = [], [], []
     for i in range(warmup + iters):
         prompts = random_prompts(batch, prompt_len, vocab, gen)
+        engine.reset_stats()
         timer.start()
         pending = {engine.add_request(p, params) for p in prompts}
         launched = engine.stats.steps
@@ -45,8 +46,13 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
         if i >= warmup:
             rounds.append(elapsed)
             steps.append(n_steps)
+            gpu_ms.append(engine.stats.gpu_step_ms)
     mean_s = statistics.fmean(rounds)
+    # CUDA: the device time of the round's steps (start to end event of each); the rest of the
+    # round is host work the device waited for (scheduling, input preparation, launches).
+    gpu = statistics.fmean(gpu_ms) if engine.config.device.type == "cuda" else None
     return {"round_ms": [t * 1e3 for t in rounds], "ms": mean_s * 1e3, "steps_per_round": steps,
+            "gpu_ms": gpu,
             "input_tok_s": batch * prompt_len / mean_s, "input_tok_s_per_gpu": batch * prompt_len / mean_s}
 
 
@@ -104,6 +110,9 @@ def report(result: dict[str, Any]) -> None:
     print_table(f"prefill, batch {result['batch']} x {result['prompt_len']} tokens "
                 f"({result['timed_rounds']} rounds after {result['warmup_rounds']} warm-up)",
                 ["", "prompt", "ms", "input tok/s/GPU", "x floor"], rows)
+    if e.get("gpu_ms") is not None:
+        print(f"engine: device busy {e['gpu_ms']:.3g} ms of the {e['ms']:.3g} ms round (the rest: host work "
+              "before and between launches)")
     print(f"floor: {f['flops'] / 1e12:.3g} TFLOP -> {f['flops_ms']:.3g} ms; {f['bytes'] / 1e9:.3g} GB -> "
           f"{f['bytes_ms']:.3g} ms ({f['bound']}-bound); engine at "
           f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate")

@@ -68,6 +68,7 @@ class EngineStats:
     gpu_idle_ms: float = 0.0     # CUDA: device idle time between consecutive steps, summed
     gpu_busy_ms: float = 0.0     # CUDA: device time of the measured steps, summed
     measured_steps: int = 0      # steps with both figures (not the first after idle)
+    gpu_step_ms: float = 0.0     # CUDA: device time of every step, the first after idle too
 
     @property
     def gpu_idle_ms_per_step(self) -> float | None:
@@ -224,6 +225,8 @@ class Engine:
             logger.exception("step failed")
             self.scheduler.fail(launched.plan, f"internal error: {exc}")
             return []
+        if result.gpu_busy_ms is not None:
+            self.stats.gpu_step_ms += result.gpu_busy_ms
         if result.gpu_idle_ms is not None and result.gpu_busy_ms is not None:
             self.stats.gpu_idle_ms += result.gpu_idle_ms
             self.stats.gpu_busy_ms += result.gpu_busy_ms

@@ -23,6 +23,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
@@ -208,12 +209,14 @@ class ModelRunner:
         if plan.is_empty:
             return handle
 
-        input_ids, ctx = self._prepare(plan.seqs)
-        self._fill_placeholders(input_ids, ctx.query_start_loc, plan.seqs)
+        with record_function("deepinfer.prepare"):
+            input_ids, ctx = self._prepare(plan.seqs)
+            self._fill_placeholders(input_ids, ctx.query_start_loc, plan.seqs)
         if self.device.type == "cuda":
             handle.start, handle.prev_end = torch.cuda.Event(enable_timing=True), self._prev_end
             handle.start.record()
-        hidden = self._forward(input_ids, ctx)                            # [T, H]
+        with record_function("deepinfer.forward"):
+            hidden = self._forward(input_ids, ctx)                        # [T, H]
 
         # Rows whose logits are needed: prompt-logprob rows, then one row per sampled sequence.
         rows: list[int] = []
@@ -223,8 +226,9 @@ class ModelRunner:
                 rows.append(start + len(seq.token_ids) - 1)
         self._last_sampled = None
         if rows:
-            logits = self.model.compute_logits(hidden.index_select(0, self._indices(rows)))  # [N, V]
-            self._launch_sampling(plan, logits, handle)
+            with record_function("deepinfer.sample"):
+                logits = self.model.compute_logits(hidden.index_select(0, self._indices(rows)))  # [N, V]
+                self._launch_sampling(plan, logits, handle)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
             handle.end.record()
@@ -285,6 +289,10 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self, handle: StepHandle) -> StepResult:
         """Wait for a launched step and build its result."""
+        with record_function("deepinfer.finish"):
+            return self._finish(handle)
+
+    def _finish(self, handle: StepHandle) -> StepResult:
         result = StepResult()
         if handle.end is not None:
             handle.end.synchronize()
