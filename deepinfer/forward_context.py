@@ -52,6 +52,9 @@ class ForwardContext:
     token_seq: torch.Tensor | None = None           # [T] int32, sequence row b of each token
     max_seq_len: int = 0                            # >= every seq_lens[b]; 0: max(seq_lens)
     decode_only: bool = False                       # every sequence has exactly one new token
+    # Results that several layers of this one forward share (e.g. a KV-cache group's slot
+    # tables), keyed by their maker; a context is built per forward, so they never go stale.
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         device = self.positions.device

@@ -245,6 +245,16 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
     reference.sampling_filters_(x, min_p, top_k, top_p)
 
 
+def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, positions: torch.Tensor,
+                width: int, ratio: int, sliding: bool) -> torch.Tensor:
+    """[T, width] int64 slots of the window tokens (``sliding``) or the compressed entries each
+    token sees, -1 for none (see :func:`reference.paged_slots`)."""
+    if use_triton(positions):
+        from deepinfer.kernels.paged_slots import paged_slots as kernel
+        return kernel(block_table, block_size, seq, positions, width, ratio, sliding)
+    return reference.paged_slots(block_table, block_size, seq, positions, width, ratio, sliding)
+
+
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
                       entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,

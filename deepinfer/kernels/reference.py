@@ -531,6 +531,24 @@ def _table_slots(table: torch.Tensor, block_size: int, seq: torch.Tensor, index:
     return torch.where(index >= 0, blocks * block_size + i % block_size, -1)
 
 
+def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, positions: torch.Tensor,
+                width: int, ratio: int, sliding: bool) -> torch.Tensor:
+    """Flat slots of what each token sees in a paged cache, [T, width] int64, -1 for none.
+
+    ``sliding``: column i is the token at ``p + 1 - width + i`` of the token's sequence (the
+    window ending at its position p), -1 before position 0. Otherwise column i is compressed
+    entry i, visible while ``i < (p + 1) // ratio``. block_table: [B, nb]; seq: [T] sequence
+    row of each token; positions: [T].
+    """
+    p = positions.long()
+    cols = torch.arange(width, device=p.device)
+    if sliding:
+        index = p[:, None] + 1 - width + cols[None, :]                            # [T, W]
+    else:
+        index = torch.where(cols[None, :] < ((p + 1) // ratio)[:, None], cols[None, :], -1)
+    return _table_slots(block_table, block_size, seq.long(), index)
+
+
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
                       entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -133,18 +133,18 @@ class _Paged:
     cache: torch.Tensor
     meta: GroupMetadata
 
-    def slots(self, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Flat slots ``block_table[seq, i // bs] * bs + i % bs`` of the entries (or tokens)
-        ``index`` of each row's sequence, -1 where ``index`` < 0.
-
-        seq: [M] sequence row of each token; index: [M, K] -> [M, K] int64.
-        """
-        bs, table = self.meta.block_size, self.meta.block_table
-        i = index.clamp(min=0)
-        # Indices dropped below may lie past the table's width: clamp their column.
-        col = torch.div(i, bs, rounding_mode="floor").clamp(max=table.shape[1] - 1)
-        blocks = table[seq[:, None], col].long()                                  # [M, K]
-        return torch.where(index >= 0, blocks * bs + i % bs, -1)
+    def slots(self, ctx: ForwardContext, width: int, ratio: int, sliding: bool) -> torch.Tensor:
+        """[T, width] int64 flat slots (``block_table[seq, i // bs] * bs + i % bs``) of what each
+        token sees, -1 for none: ``sliding``, its window's last ``width`` tokens; otherwise the
+        compressed entries ``0 .. (p+1)//ratio - 1`` (see :func:`reference.paged_slots`).
+        Layers of one KV-cache group share the table: it is built once per forward."""
+        key = ("paged_slots", id(self.meta), width, ratio, sliding)
+        hit = ctx.memo.get(key)
+        if hit is None or hit[0] is not self.meta:
+            table = backend.paged_slots(self.meta.block_table, self.meta.block_size, ctx.token_seq,
+                                        ctx.positions, width, ratio, sliding)
+            hit = ctx.memo[key] = (self.meta, table)      # holding meta keeps its id unique
+        return hit[1]
 
 
 class _StepCaches:
@@ -314,9 +314,7 @@ class Compressor(GatedPool):
         self.update(kv, gate, ctx, caches, rope, rows)
         entries = caches.bind(self.entry_cache)
         n_max = max(1, -(-ctx.max_seq_len // r))
-        index = torch.arange(n_max, device=kv.device)[None, :]                        # [1, Nmax]
-        visible = torch.where(index < ((ctx.positions + 1) // r)[:, None], index, -1)  # [T, Nmax]
-        slots = entries.slots(ctx.token_seq.long(), visible)                          # [T, Nmax]
+        slots = entries.slots(ctx, n_max, r, sliding=False)                           # [T, Nmax]
         if self.indexer is None:
             return entries.cache, slots
         index_kv, index_gate, index_weights = projected[2:]
@@ -390,8 +388,7 @@ class DeepseekV4Attention(nn.Module):
         # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
         backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
                              self.kv_norm.eps, window.cache, window.meta.slot_mapping)
-        back = torch.arange(self.sliding_window - 1, -1, -1, device=x.device)     # [W]
-        sources = [(window.cache, window.slots(ctx.token_seq.long(), ctx.positions[:, None] - back))]
+        sources = [(window.cache, window.slots(ctx, self.sliding_window, 1, sliding=True))]  # [T, W]
         if self.compressor is not None:
             sources.append(self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
                                                             ropes["compress"]))
