@@ -605,10 +605,53 @@ def compressor_case(name: str, ratio: int, overlap: bool, d: int, b: int, seq_le
           lambda: reference.compress_entries_(state, state_table, ref, entry_table, *rest), moved)
 
 
+def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
+    """Device time per call (us) of ``fn`` replayed ``reps`` times in one CUDA graph (no host work)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
+
+
+def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> None:
+    """hc_pre launch configs at T tokens, each checked and timed as CUDA-graph replays."""
+    s = torch.randn(t, n, d, device=DEV, dtype=BF16)
+    m = (2 + n) * n
+    fn = torch.randn(m, n * d, device=DEV) / 64
+    base, scale = torch.randn(m, device=DEV), torch.rand(3, device=DEV) + 0.5
+    args = (s, fn, base, scale, 20, 1e-6, 1e-6)
+    rx, _, rcomb = reference.hc_pre(*args)
+    moved = s.numel() * 2 + fn.numel() * 4 + t * d * 2
+    default = hc.pick_config(t, s.device)
+    for cfg in [default] + configs:
+        x, _, comb = hc.hc_pre(*args, config=cfg)
+        ok = torch.allclose(x.float(), rx.float(), rtol=1.6e-2, atol=1e-2) and torch.allclose(comb, rcomb,
+                                                                                              rtol=1e-4, atol=1e-5)
+        if not ok:
+            failures.append(f"hc_pre T={t} {cfg}")
+        us = graph_us(lambda c=cfg: hc.hc_pre(*args, config=c))
+        tag = "default" if cfg is default else "       "
+        print(f"  sweep pre T={t:5d} {tag} {cfg}: {us:8.1f} us graph  {moved / us / 1e3:7.0f} GB/s"
+              f"{'' if ok else '  FAIL'}")
+    post_out = torch.randn(t, d, device=DEV, dtype=BF16)
+    _, rpost, _ = reference.hc_pre(*args)
+    print(f"  post T={t:5d}: {graph_us(lambda: hc.hc_post(post_out, s, rpost, rcomb)):8.1f} us graph")
+
+
 def _hyper_connection() -> None:
     print("Hyper-connections (bf16 streams, n 4, D 4096, 20 Sinkhorn iterations)")
     for t in (1, 64, 4096):
         hc_case(t)
+    small = [hc.HCConfig(16, bk, ns, w, one) for one in (0, 16) for bk in (64, 256) for ns in (None, 16, 128)
+             for w in (4, 8)]
+    for t in (1, 4, 16):
+        hc_sweep(t, small)
+    hc_sweep(64, [hc.HCConfig(bt, bk, ns, w, 0) for bt in (16, 32) for bk in (64, 128) for ns in (None, 8, 32)
+                  for w in (4, 8)])
+    hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0) for bt in (64, 128) for bk in (64, 128) for ns in (None, 8, 16)])
 
 
 def _v4_rope() -> None:

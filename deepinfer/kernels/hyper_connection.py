@@ -41,6 +41,7 @@ graph capture (run the model eagerly once first, as warm-up does anyway).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -143,16 +144,21 @@ def _hc_pre_kernel(
                      comb, mask=m3)
 
         if COLLAPSE:
-            # x = sum_j pre_j * s_j over D tiles, summed in stream order as the reference.
-            for d0 in range(0, D, BLOCK_D):
-                ds = d0 + tl.arange(0, BLOCK_D)
-                m = tmask[:, None] & (ds < D)[None, :]
-                xo = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)         # [BT, BD]
-                for jj in tl.static_range(N):
-                    pj = tl.sum(tl.where(j[None, :] == jj, pre, 0.0), axis=1)         # [BT]
-                    sv = tl.load(s_ptr + toks[:, None] * s_stride + jj * D + ds[None, :], mask=m, other=0.0)
-                    xo += pj[:, None] * sv.to(tl.float32)
-                tl.store(x_ptr + toks[:, None] * x_stride + ds[None, :], xo.to(x_ptr.dtype.element_ty), mask=m)
+            # x = sum_j pre_j * s_j, token by token over full-width D tiles (a decode block has
+            # few tokens: one load wave per token), summed in stream order as the reference.
+            rows_t = tl.arange(0, BLOCK_T)
+            for tt in range(0, tl.minimum(BLOCK_T, T - tb * BLOCK_T)):
+                tok = (tb * BLOCK_T + tt).to(tl.int64)
+                pt = tl.sum(tl.where(rows_t[:, None] == tt, pre, 0.0), axis=0)          # [NP]
+                for d0 in range(0, D, BLOCK_D):
+                    ds = d0 + tl.arange(0, BLOCK_D)
+                    dmask = ds < D
+                    xo = tl.zeros([BLOCK_D], tl.float32)
+                    for jj in tl.static_range(N):
+                        pj = tl.sum(tl.where(j == jj, pt, 0.0), axis=0)
+                        sv = tl.load(s_ptr + tok * s_stride + jj * D + ds, mask=dmask, other=0.0)
+                        xo += pj * sv.to(tl.float32)
+                    tl.store(x_ptr + tok * x_stride + ds, xo.to(x_ptr.dtype.element_ty), mask=dmask)
         else:
             tl.store(pre_ptr + toks[:, None] * N + j[None, :], pre, mask=m2)
 
@@ -194,6 +200,24 @@ def _hc_post_kernel(
              mask=kmask[:, None] & dmask[None, :])
 
 
+class HCConfig(NamedTuple):
+    """Launch config of :func:`hc_pre` / :func:`hc_head`."""
+
+    block_t: int                  # tokens per program (>= 16: tl.dot's minimum)
+    block_k: int                  # columns of K per inner step
+    num_splits: int | None        # programs along K per token block; None: about 2 per SM
+    num_warps: int
+    one_launch_max_t: int         # up to this T the finishing program also collapses
+
+
+def pick_config(t: int, device: torch.device) -> HCConfig:
+    """Token blocks of 16 rows for decode, bigger as T grows so ``fn`` (M*K*4 bytes) is
+    re-read from L2 fewer times; K split over about two programs per SM."""
+    if t <= 16:
+        return HCConfig(16, 64, None, 4, _ONE_LAUNCH_MAX_T)
+    return HCConfig(32 if t <= 1024 else 64, 64, None, 8, _ONE_LAUNCH_MAX_T)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -223,7 +247,7 @@ def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
-         who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         config: HCConfig | None, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s2 = _streams_2d(streams, who)
     t, n, d = streams.shape
     nmix = (2 + n) * n if full else n
@@ -244,32 +268,32 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if t == 0:
         return x, post, comb
 
-    # Tile config. Token blocks: 16 rows (tl.dot's minimum) for decode, bigger as T grows so
-    # fn (M*K*4 bytes) is re-read from L2 fewer times. K splits: about two programs per SM,
-    # each of at least _MIN_SPLIT_COLS columns.
+    cfg = config or pick_config(t, dev)
+    if num_splits is not None:
+        cfg = cfg._replace(num_splits=num_splits)
     k_total = n * d
-    block_t = 16 if t <= 16 else 32 if t <= 1024 else 64
-    block_k = 64
+    block_t, block_k = cfg.block_t, cfg.block_k
     n_tb = triton.cdiv(t, block_t)
-    if num_splits is None:
+    splits = cfg.num_splits
+    if splits is None:
         target = 2 * _sm_count(dev) if dev.type == "cuda" else 4
-        num_splits = max(1, min(triton.cdiv(k_total, _MIN_SPLIT_COLS), triton.cdiv(target, n_tb)))
-    cols_per_split = triton.cdiv(triton.cdiv(k_total, num_splits), block_k) * block_k
-    num_splits = triton.cdiv(k_total, cols_per_split)
+        splits = max(1, min(triton.cdiv(k_total, _MIN_SPLIT_COLS), triton.cdiv(target, n_tb)))
+    cols_per_split = triton.cdiv(triton.cdiv(k_total, splits), block_k) * block_k
+    splits = triton.cdiv(k_total, cols_per_split)
     ncol = max(_MIN_DOT, triton.next_power_of_2(nmix + 1))                  # partial row: M dots, sum of squares
-    block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_t * ncol)))  # splits per reduce load
-    collapse = t <= _ONE_LAUNCH_MAX_T
-    part = torch.empty(num_splits, t, ncol, dtype=torch.float32, device=dev)  # per-split partial sums
+    block_s = max(1, min(triton.next_power_of_2(splits), 8192 // (block_t * ncol)))  # splits per reduce load
+    collapse = t <= cfg.one_launch_max_t
+    part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
     pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
     counters = _zeroed_counters(dev, n_tb)
-    _hc_pre_kernel[(num_splits, n_tb)](
+    _hc_pre_kernel[(splits, n_tb)](
         s2, fn, base, scale, part, counters, x, pre, post, comb,
         t, d, s2.stride(0), x.stride(0),
-        cols_per_split, num_splits, sinkhorn_iters, hc_eps, norm_eps,
+        cols_per_split, splits, sinkhorn_iters, hc_eps, norm_eps,
         N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
         PRECISION="tf32x3" if dev.type == "cuda" else "ieee",
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
-        BLOCK_D=min(triton.next_power_of_2(d), 8192 // block_t), num_warps=4 if block_t == 16 else 8)
+        BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps)
     if not collapse:
         # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of the grid.
         block_d = min(triton.next_power_of_2(d), 1024)
@@ -279,18 +303,19 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None,
+           config: HCConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
     (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
-    ``num_splits`` overrides the number of K splits (tests, tuning)."""
-    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, "hc_pre")
+    ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
+    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config, "hc_pre")
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            hc_eps: float, norm_eps: float, num_splits: int | None = None) -> torch.Tensor:
+            hc_eps: float, norm_eps: float, num_splits: int | None = None,
+            config: HCConfig | None = None) -> torch.Tensor:
     """streams [T, n, D]; fn [n, n*D] float32; base [n]; scale [1] -> [T, D] (the final collapse)."""
-    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, "hc_head")[0]
+    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, config, "hc_head")[0]
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
