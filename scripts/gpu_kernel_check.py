@@ -636,6 +636,10 @@ def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> N
         tag = "default" if cfg is default else "       "
         print(f"  sweep pre T={t:5d} {tag} {cfg}: {us:8.1f} us graph  {moved / us / 1e3:7.0f} GB/s"
               f"{'' if ok else '  FAIL'}")
+    one_iter = (s, fn, base, scale, 1, 1e-6, 1e-6)
+    print(f"  pre T={t:5d} default, 1 Sinkhorn iteration: {graph_us(lambda: hc.hc_pre(*one_iter)):8.1f} us graph")
+    hfn, hbase, hscale = fn[:n].contiguous(), base[:n].contiguous(), scale[:1].contiguous()
+    print(f"  head T={t:5d} default: {graph_us(lambda: hc.hc_head(s, hfn, hbase, hscale, 1e-6, 1e-6)):8.1f} us graph")
     post_out = torch.randn(t, d, device=DEV, dtype=BF16)
     _, rpost, _ = reference.hc_pre(*args)
     print(f"  post T={t:5d}: {graph_us(lambda: hc.hc_post(post_out, s, rpost, rcomb)):8.1f} us graph")

@@ -118,7 +118,7 @@ def test_hc_launchers_name_the_bad_argument(device):
                    torch.rand(2, 4, 3, device=device))
 
 
-def test_layers_give_the_same_streams_on_both_backends(monkeypatch):
+def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
     """HyperConnection / HyperHead through kernels/backend.py: forcing Triton (interpreter on
     the CPU) reproduces the torch path."""
     from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
@@ -127,8 +127,9 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch):
     conn, head = HyperConnection(n, d, 20, 1e-6, 1e-6), HyperHead(n, d, 1e-6, 1e-6)
     for prm in list(conn.parameters()) + list(head.parameters()):
         torch.nn.init.normal_(prm, std=0.3)
-    s = torch.randn(t, n, d) * 2
-    block_out = torch.randn(t, d)
+    conn, head = conn.to(device), head.to(device)
+    s = (torch.randn(t, n, d) * 2).to(device)
+    block_out = torch.randn(t, d).to(device)
 
     def run():
         x, post, comb = conn(s)
