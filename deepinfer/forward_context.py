@@ -52,8 +52,9 @@ class ForwardContext:
     token_seq: torch.Tensor | None = None           # [T] int32, sequence row b of each token
     max_seq_len: int = 0                            # >= every seq_lens[b]; 0: max(seq_lens)
     decode_only: bool = False                       # every sequence has exactly one new token
-    # Results that several layers of this one forward share (e.g. a KV-cache group's slot
-    # tables), keyed by their maker; a context is built per forward, so they never go stale.
+    # Results that several layers of one forward share (e.g. a KV-cache group's slot tables),
+    # keyed by their maker. A context serves one forward: build a new one for the next (or
+    # clear this), else the next forward (or a CUDA-graph capture) reuses stale results.
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:

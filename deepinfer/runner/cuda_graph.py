@@ -164,11 +164,14 @@ class DecodeGraphs:
             slots.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            ids, ctx = self.input_ids[:n], self._context(n, [1] * n)
+            ids = self.input_ids[:n]
             for _ in range(_WARMUP_RUNS):
-                self.model(ids, ctx)
+                self.model(ids, self._context(n, [1] * n))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
+            # A fresh context: one that a warm-up forward used holds results of that forward
+            # (ForwardContext.memo), which the graph must compute itself.
+            ctx = self._context(n, [1] * n)
             try:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[n] = self.model(ids, ctx)
