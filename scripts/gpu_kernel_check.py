@@ -5,7 +5,7 @@ KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
 attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
 hyper-connection mixing (pre / post / head), the DeepSeek-V4 fused norm +
 interleaved rope (against the torch op chains it replaces), the sampling filters,
-MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
 ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
@@ -23,7 +23,7 @@ any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling compressor)
+      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor)
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from deepinfer.kernels.compressor import compress_entries_
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
 from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, pick_config
+from deepinfer.kernels.greedy import greedy_sample
 from deepinfer.kernels.moe_routing import grouped_topk_sigmoid, topk_route
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
@@ -462,6 +463,37 @@ def sampling_case(rows: int, vocab: int, min_p: float, top_k: int, top_p: float)
     bench(name + f" (incl. copy {t_copy * 1e3:.1f} us)", kernel, torch_path, 2 * x.numel() * 4)
 
 
+def greedy_case(rows: int, vocab: int, pad: int = 128) -> None:
+    """Float32 logits with padding columns (huge, must be ignored): tokens must equal the
+    reference's, logprobs within float32 rounding. Times the kernel eagerly, as a CUDA-graph
+    replay (its two launches without the Python launch overhead) and at other tile widths;
+    bandwidth counts one read of the real vocabulary."""
+    x = torch.randn(rows, vocab + pad, device=DEV) * 3
+    x[:, vocab:] = 1e4
+    tokens, logprobs = greedy_sample(x, vocab)
+    ref_tokens, ref_logprobs = reference.greedy_sample(x, vocab)
+    name = f"rows={rows} V={vocab}"
+    same = bool(torch.equal(tokens, ref_tokens))
+    if not same:
+        failures.append(name + " tokens")
+    print(f"  check {name} tokens: {'ok' if same else 'FAIL (differ from the reference)'}")
+    check(name + " logprobs", logprobs, ref_logprobs, 1e-5, 2e-5)
+    bytes_moved = rows * vocab * 4
+    bench(name + " eager", lambda: greedy_sample(x, vocab), lambda: reference.greedy_sample(x, vocab),
+          bytes_moved)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        greedy_sample(x, vocab)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        greedy_sample(x, vocab)
+    bench(name + " graph", graph.replay, None, bytes_moved)
+    for block in (1024, 4096, 8192):
+        bench(f"{name} block={block}", lambda b=block: greedy_sample(x, vocab, block=b), None, bytes_moved)
+
+
 def v4_rope_case(t: int, h: int = 64, d: int = 512, rot: int = 64, bs: int = 16) -> None:
     """V4-Flash attention at T tokens: q norm + rope [T, 64, 512], kv norm + rope + window-cache
     store [T, 512], inverse rope of the output; YaRN compress rope at positions up to 1M."""
@@ -672,6 +704,12 @@ def _sampling() -> None:
     sampling_case(64, 151936, 0.0, 20, 0.8)
 
 
+def _greedy() -> None:
+    print("Greedy sampling (float32 logits, argmax + logprob) vs the torch argmax/logsumexp path")
+    for rows in (1, 16, 64):
+        greedy_case(rows, 129280)
+
+
 def _compressor() -> None:
     print("DeepSeek-V4 compressor pooling (bf16 states, V4-Flash widths, R 64)")
     for label, ratio, overlap, d in (("HCA r128 D512", 128, False, 512), ("CSA r4 D512", 4, True, 512),
@@ -694,6 +732,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "hyper_connection": _hyper_connection,
     "v4_rope": _v4_rope,
     "sampling": _sampling,
+    "greedy": _greedy,
     "compressor": _compressor,
 }
 

@@ -255,6 +255,16 @@ def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, p
     return reference.paged_slots(block_table, block_size, seq, positions, width, ratio, sliding)
 
 
+def greedy_sample(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [N, V'] -> (argmax over the first ``vocab_size`` columns [N] int64, its raw
+    logprob [N] float32) (see :func:`reference.greedy_sample`). The Triton kernel reads the
+    row once, split over programs, and never synchronises with the host."""
+    if use_triton(logits):
+        from deepinfer.kernels.greedy import greedy_sample as kernel
+        return kernel(logits, vocab_size)
+    return reference.greedy_sample(logits, vocab_size)
+
+
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
                       entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -523,6 +523,22 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
             x[rows] = fn(x[rows], arg[rows])
 
 
+# -- greedy sampling ---------------------------------------------------------------------------------
+
+def greedy_sample(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most likely token of each row and its raw logprob, in float32.
+
+    logits: [N, V'] (any float dtype) with V' >= vocab_size; columns past ``vocab_size``
+    (padding) are ignored -> (token ids [N] int64, logprobs [N] float32). Ties go to the
+    lowest index (``torch.argmax``); the logprob is ``x[token] - logsumexp(x)``. A row that
+    is -inf throughout gives token 0 and logprob nan (-inf - -inf).
+    """
+    x = logits[:, :vocab_size].float()                                 # [N, V]
+    tokens = x.argmax(-1)                                              # [N]
+    logprobs = x.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(x, dim=-1)
+    return tokens, logprobs
+
+
 def _table_slots(table: torch.Tensor, block_size: int, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Flat slots ``table[seq, i // bs] * bs + i % bs`` [M, K] of indices [M, K], -1 where index < 0."""
     i = index.clamp(min=0)

@@ -21,6 +21,12 @@ from a generator keyed by (seed, stream_index, output position), so its token
 does not depend on which other rows share the batch; unseeded rows draw theirs
 from the sampler's own generator in one call.
 
+A batch of plain greedy rows only (no processor applies, no top logprobs: the common
+decode case) takes a fast path: one pass over the raw logits (``backend.greedy_sample``,
+the split-V kernel of kernels/greedy.py on CUDA) gives each row's argmax and its logprob,
+with no float32 copy, no processed clone and no gathers. Same tokens as the general path;
+the logprobs agree up to float32 rounding (the kernel sums in another order).
+
 Host syncs: ``Sampler.sample`` leaves its result on the device (``SampleTensors``)
 and builds its small index/parameter tensors through runner/transfer.py, so
 launching a step does not wait for the device (overlapped scheduling); the one
@@ -179,6 +185,16 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num: in
 
 # -- the sampler ------------------------------------------------------------------------------------
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits and nothing but its logprob
+    is asked for: greedy, and no processor (grammar, min_tokens, logit_bias, penalties)
+    and no top logprobs."""
+    p = row.params
+    return (p.greedy and not row.grammar and len(row.output_token_ids) >= p.min_tokens
+            and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and p.logprobs is None)
+
+
 class Sampler:
     """Samples one token per row; holds the generator shared by unseeded rows."""
 
@@ -206,6 +222,9 @@ class Sampler:
         (params, output lengths) is read before this returns, so the caller may change
         them afterwards."""
         self._check(logits, rows, token_bitmask)
+        if all(_plain_greedy(r) for r in rows):
+            tokens, sampled = backend.greedy_sample(logits, self.vocab_size)   # [N] int64, [N] float32
+            return SampleTensors(tokens, sampled, [], [])
         raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
         lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
         tokens = self._sample(self._process(raw, rows, token_bitmask), rows)  # [N] int64

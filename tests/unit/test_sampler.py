@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from deepinfer.kernels import backend
 from deepinfer.kernels.reference import apply_min_p, apply_top_k, apply_top_p
 from deepinfer.runner.sampler import Sampler, SamplingRow, prompt_logprobs, stream_seed
 from deepinfer.sampling_params import SamplingParams
@@ -70,6 +71,59 @@ def test_greedy_is_argmax_and_padding_never_chosen(device):
     flat[:, v:] = 1e4
     toks = s(flat, [row() for _ in range(2000)]).token_ids
     assert max(toks) < v and len(set(toks)) > v // 2
+
+
+@pytest.fixture
+def greedy_calls(monkeypatch) -> list[tuple]:
+    """The arguments of each backend.greedy_sample call (the sampler's fast path)."""
+    calls: list[tuple] = []
+    real = backend.greedy_sample
+    monkeypatch.setattr(backend, "greedy_sample", lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_plain_greedy_batch_takes_the_fast_path(device, greedy_calls):
+    v, pad = 50, 14
+    logits = rand_logits(5, v + pad, seed=3, device=device)
+    logits[:, v:] = 1e4
+    s = Sampler(v, {EOS}, seed=1, device=device)
+    rows = [row(temperature=0.0, output=[1] * i, min_tokens=2, repetition_penalty=1.0) for i in range(2, 7)]
+    out = s(logits, rows)
+    assert len(greedy_calls) == 1
+    assert out.token_ids == logits[:, :v].argmax(-1).tolist()
+    ref = torch.log_softmax(logits[:, :v], -1)
+    for i, t in enumerate(out.token_ids):
+        assert out.sampled_logprobs[i] == pytest.approx(ref[i, t].item(), abs=1e-5)
+    assert out.logprobs == [None] * 5
+    # The general path (logprobs asked for, here none) gives the same tokens and logprobs.
+    general = s(logits, [row(temperature=0.0, logprobs=0) for _ in range(5)])
+    assert len(greedy_calls) == 1
+    assert general.token_ids == out.token_ids
+    assert general.sampled_logprobs == pytest.approx(out.sampled_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(logprobs=2), dict(logit_bias={7: 0.5}),
+                                dict(min_tokens=1), dict(repetition_penalty=1.2),
+                                dict(frequency_penalty=0.5), dict(presence_penalty=-0.5), "grammar"])
+def test_any_row_that_needs_more_takes_the_general_path(kw, greedy_calls):
+    """One row beyond plain greedy sends the batch down the general path; the plain greedy rows
+    get the same tokens and logprobs as on the fast path."""
+    v = 40
+    logits = rand_logits(4, v, seed=5)
+    s = Sampler(v, {EOS}, seed=3)
+    plain = [row(temperature=0.0) for _ in range(3)]
+    fast = s(logits[:3], plain)
+    assert len(greedy_calls) == 1
+    grammar = kw == "grammar"
+    other = row(**{"temperature": 0.0, **({} if grammar else kw)})
+    other.grammar = grammar
+    bitmask = torch.full((4, (v + 31) // 32), -1, dtype=torch.int32) if grammar else None
+    out = s(logits, plain + [other], bitmask)
+    assert len(greedy_calls) == 1
+    assert out.token_ids[:3] == fast.token_ids
+    assert out.sampled_logprobs[:3] == pytest.approx(fast.sampled_logprobs, abs=1e-5)
+    assert 0 <= out.token_ids[3] < v
 
 
 def test_shape_and_device_errors():
