@@ -16,17 +16,18 @@ partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
 (s @ fn.T)``), the sigmoids, the softmax and the Sinkhorn-Knopp iterations in
 float32 and writes post/comb. Then the collapse ``x = sum_j pre_j s_j``:
 
-- decode (T <= 16, one token block): the same finishing program collapses its
-  tokens, re-reading at most 512 KiB that its sibling programs have just brought
-  into L2. One launch in all.
-- larger T: the finishing program writes ``pre`` and a second launch collapses
-  over a (token, D tile) grid, since one program per token block would read a
-  megabyte or more alone. The streams are then read twice (the second time from
+- one token (``HCConfig.one_launch_max_t``): the same finishing program
+  collapses it, one load wave over the 4 x D stream values its sibling programs
+  have just brought into L2. One launch in all.
+- more tokens: the finishing program writes ``pre`` and a second launch
+  collapses over a (token, D tile) grid: a finishing program collapsing 16
+  tokens alone takes longer than the extra launch (measured on the H200; see
+  :func:`pick_config`). The streams are then read twice (the second time from
   L2 while they fit there: T <= ~1500 in bf16).
 
-Small T spreads K over up to 64 programs (at least 256 columns each) so that
+Small T spreads K over many programs (at least 256 columns each) so that
 ``fn`` is read in parallel; large T uses bigger token blocks so ``fn`` is
-re-read less from L2 (64 x 1.5 MiB at T=4096).
+re-read less from L2 (32 x 1.5 MiB at T=4096).
 
 The counters live in one zeroed int32 buffer per device that the finishing
 program resets, so a launch needs no memset and replays under a CUDA graph. Two
@@ -48,7 +49,7 @@ import triton
 import triton.language as tl
 
 _MIN_DOT = 16              # tl.dot needs every tile side >= 16
-_ONE_LAUNCH_MAX_T = 16     # up to here the finishing program also collapses (one launch)
+_ONE_LAUNCH_MAX_T = 1      # up to here the finishing program also collapses (one launch)
 _MIN_SPLIT_COLS = 256      # columns of K per program at least: caps the partials to reduce
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
@@ -211,11 +212,21 @@ class HCConfig(NamedTuple):
 
 
 def pick_config(t: int, device: torch.device) -> HCConfig:
-    """Token blocks of 16 rows for decode, bigger as T grows so ``fn`` (M*K*4 bytes) is
-    re-read from L2 fewer times; K split over about two programs per SM."""
+    """From the H200 sweep (``scripts/gpu_kernel_check.py hyper_connection``, CUDA-graph
+    replays, n 4, D 4096): one launch only for a single token (the finishing program's
+    collapse is then one load wave; from T=4 on the parallel second launch wins: 21 us vs 31
+    at T=16); 16-token blocks over 32 K splits up to a few hundred tokens (20 us at T=64 vs
+    31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
+    re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
+    467 with 64-token blocks)."""
+    del device
     if t <= 16:
         return HCConfig(16, 64, None, 4, _ONE_LAUNCH_MAX_T)
-    return HCConfig(32 if t <= 1024 else 64, 64, None, 8, _ONE_LAUNCH_MAX_T)
+    if t <= 256:
+        return HCConfig(16, 64, 32, 4, _ONE_LAUNCH_MAX_T)
+    if t <= 1024:
+        return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T)
+    return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T)
 
 
 @functools.cache

@@ -34,8 +34,8 @@ def streams_of(t: int, n: int, d: int, dtype: torch.dtype, gen: torch.Generator,
                                           (16, 4, 1024, 40), (40, 4, 512, 32)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
-    """T <= 16: one launch (the finishing program collapses); T=40: two token blocks and the
-    separate collapse launch. 3 and 5 splits leave a short last split; n=3 pads the streams
+    """T = 1: one launch (the finishing program collapses); more tokens: the separate
+    collapse launch; T=40: several token blocks. 3 and 5 splits leave a short last split; n=3 pads the streams
     to a power of two inside the kernel. 32 splits take several loads to reduce."""
     gen = torch.Generator().manual_seed(t * 10 + n)
     s = streams_of(t, n, d, dtype, gen, device)
@@ -49,6 +49,22 @@ def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
     torch.testing.assert_close(x, rx, **TOL[dtype])
     # Doubly stochastic after Sinkhorn: the last normalisation is over columns.
     torch.testing.assert_close(comb.sum(-2), torch.ones(t, n, device=device), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,cfg", [(7, hc.HCConfig(16, 64, None, 4, 16)), (3, hc.HCConfig(16, 32, 4, 4, 16)),
+                                   (130, hc.HCConfig(128, 64, 2, 8, 0)), (40, hc.HCConfig(64, 32, 3, 8, 0))])
+def test_hc_pre_launch_configs(t, cfg, device, poison_empty):
+    """Configs pick_config does not choose at these sizes: several tokens collapsed by the
+    finishing program (one launch), and token blocks of 64 and 128 rows."""
+    gen = torch.Generator().manual_seed(t)
+    n, d = 4, 64
+    s = streams_of(t, n, d, torch.float32, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg)
+    rx, rpost, rcomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(post, rpost, **MIX_TOL)
+    torch.testing.assert_close(comb, rcomb, **MIX_TOL)
+    torch.testing.assert_close(x, rx, **TOL[torch.float32])
 
 
 def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
