@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -51,7 +52,11 @@ def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
 def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int,
                    gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
     """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps."""
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + PROFILED_STEPS + 2, ignore_eos=True)
+    # Requests whose prefill ends early decode while the others still prefill (one token per
+    # prefill step at most): they must not run out of tokens inside the timed window.
+    prefill_bound = -(-batch * context // engine.config.scheduler.max_num_batched_tokens) + batch
+    params = SamplingParams(temperature=0.0, max_tokens=prefill_bound + warmup + steps + PROFILED_STEPS + 2,
+                            ignore_eos=True)
     timer = Timer(engine.config.device)
     prompts = random_prompts(batch, context, engine.config.model.vocab_size, gen)
     timer.start()
@@ -83,6 +88,9 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         profile_steps(engine, profile, produced)
     drain(engine, rids)
 
+    if min(committed) < batch:
+        print(f"warning: B={batch}: a timed step committed only {min(committed)} tokens (sequences ended or "
+              "were preempted inside the window); the step time is not that of a full batch", file=sys.stderr)
     sps = steps / window_s
     effective = sum(committed) / window_s
     return {
