@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from deepinfer.bench.common import BenchModel, build_engine, free_memory, header, measure_floors, write_json
-from deepinfer.bench.decode import add_hf, check_decode_args, decode_point, report
+from deepinfer.bench.decode import add_hf, check_decode_args, decode_point, decode_tokens, report
 
 
 def parse_batches(text: str) -> list[int]:
@@ -38,7 +38,8 @@ def run_curve(args: argparse.Namespace) -> dict[str, Any]:
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, context_len=args.context_len,
                   max_num_batched_tokens=budget)
     engine = build_engine(model, args, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
-                          max_model_len=args.context_len + args.warmup + args.steps + 16)
+                          max_model_len=args.context_len + decode_tokens(max(batches), args.context_len, budget,
+                                                                         args.warmup, args.steps))
     gen = torch.Generator().manual_seed(args.seed)
     points = []
     for b in batches:

@@ -49,13 +49,19 @@ def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
     return new
 
 
+def decode_tokens(batch: int, context: int, budget: int, warmup: int, steps: int) -> int:
+    """Output tokens each request may produce. Requests whose prefill ends early decode (one
+    token a step) while the others still prefill, in at most ceil(B * L / (budget - B)) + 1
+    steps: they must not end, nor reach max_model_len, inside the timed window."""
+    prefill_steps = -(-batch * context // max(1, budget - batch)) + 1
+    return prefill_steps + warmup + steps + PROFILED_STEPS + 2
+
+
 def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int,
                    gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
     """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps."""
-    # Requests whose prefill ends early decode while the others still prefill (one token per
-    # prefill step at most): they must not run out of tokens inside the timed window.
-    prefill_bound = -(-batch * context // engine.config.scheduler.max_num_batched_tokens) + batch
-    params = SamplingParams(temperature=0.0, max_tokens=prefill_bound + warmup + steps + PROFILED_STEPS + 2,
+    budget = engine.config.scheduler.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, budget, warmup, steps),
                             ignore_eos=True)
     timer = Timer(engine.config.device)
     prompts = random_prompts(batch, context, engine.config.model.vocab_size, gen)
@@ -155,7 +161,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     budget = args.max_num_batched_tokens or max(4096, args.batch_size)
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
-                          max_model_len=args.context_len + args.warmup + args.steps + PROFILED_STEPS + 16)
+                          max_model_len=args.context_len + decode_tokens(args.batch_size, args.context_len, budget,
+                                                                         args.warmup, args.steps))
     gen = torch.Generator().manual_seed(args.seed)
     point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
                          args.steps, gen, args.profile)
