@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from deepinfer.scheduler.kv_cache import KVCacheGroup
 from deepinfer.scheduler.plan import ScheduledSeq
 
@@ -26,6 +28,22 @@ def token_slot(table: Sequence[int], pos: int, block_size: int, compress_ratio: 
         return -1
     e = (pos + 1) // compress_ratio - 1           # this token completes compressed entry e
     return table[e // block_size] * block_size + e % block_size
+
+
+def seq_slots(table: Sequence[int], start: int, n: int, block_size: int, compress_ratio: int) -> list[int]:
+    """:func:`token_slot` of the positions ``start .. start+n-1`` of one sequence; long runs
+    (prefill chunks) vectorised with numpy, a Python call per token costing ~1 us."""
+    if n < 64:
+        return [token_slot(table, p, block_size, compress_ratio) for p in range(start, start + n)]
+    pos = np.arange(start, start + n, dtype=np.int64)
+    rows = np.asarray(table, dtype=np.int64)
+    if compress_ratio == 1:
+        return (rows[pos // block_size] * block_size + pos % block_size).tolist()
+    e = (pos + 1) // compress_ratio - 1                      # entry a token would complete
+    done = (pos + 1) % compress_ratio == 0
+    e_ok = np.where(done, e, 0)
+    slots = np.where(done, rows[e_ok // block_size] * block_size + e_ok % block_size, -1)
+    return slots.tolist()
 
 
 @dataclass
@@ -69,7 +87,9 @@ class StepInputs:
         for gid, group in enumerate(groups):
             rows = [seq.block_tables[gid] for seq in seqs]
             tables.append(rows)
-            slots.append([token_slot(row, p, group.block_size, group.compress_ratio)
-                          for seq, row in zip(seqs, rows)
-                          for p in range(seq.start_pos, seq.start_pos + len(seq.token_ids))])
+            flat: list[int] = []
+            for seq, row in zip(seqs, rows):
+                flat += seq_slots(row, seq.start_pos, len(seq.token_ids), group.block_size,
+                                  group.compress_ratio)
+            slots.append(flat)
         return cls(ids, positions, starts, seq_lens, tables, slots)

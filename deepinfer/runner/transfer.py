@@ -27,10 +27,21 @@ def _staged(host: torch.Tensor) -> torch.Tensor:
     return staged
 
 
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+
+def _host(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of ``values``; a long Python list goes through numpy, which converts
+    it several times faster than ``torch.as_tensor`` (a 4,096-token prefill's lists)."""
+    if isinstance(values, list) and len(values) > 256 and dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.asarray(values, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.as_tensor(values, dtype=dtype)
+
+
 def to_device(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: torch.dtype,
               device: torch.device | str) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without a host sync on CUDA."""
-    host = torch.as_tensor(values, dtype=dtype)
+    host = _host(values, dtype)
     if torch.device(device).type != "cuda" or host.numel() == 0:   # an empty copy moves nothing
         return host.to(device)
     return _staged(host).to(device, non_blocking=True)
@@ -50,7 +61,7 @@ def copy_to_host(t: torch.Tensor) -> torch.Tensor:
 def copy_into(dst: torch.Tensor, values: Sequence[int] | Sequence[float] | np.ndarray) -> None:
     """``dst.copy_(values)`` from host values, without a host sync on CUDA (``dst`` is
     written in stream order, after the work already queued)."""
-    host = torch.as_tensor(values, dtype=dst.dtype).view(dst.shape)
+    host = _host(values, dst.dtype).view(dst.shape)
     if dst.device.type == "cuda" and host.numel():
         host = _staged(host)
     dst.copy_(host, non_blocking=dst.device.type == "cuda")

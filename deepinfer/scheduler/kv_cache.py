@@ -33,6 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from deepinfer.kv_spec import KVCacheSpec
 
 NULL_BLOCK = 0
@@ -90,11 +92,19 @@ def page_bytes(groups: Sequence[KVCacheGroup]) -> int:
     return max(g.bytes_per_block for g in groups)
 
 
-def hash_block(parent: bytes | None, group_id: int, token_ids: Sequence[int]) -> bytes:
+def hash_block(parent: bytes | None, group_id: int, token_bytes: bytes) -> bytes:
+    """The chained hash of one full block: its parent's hash, the group and the block's
+    token ids as little-endian uint32 (:func:`token_bytes`)."""
     h = hashlib.sha256(parent or b"root")
     h.update(group_id.to_bytes(4, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little") for t in token_ids))
+    h.update(token_bytes)
     return h.digest()
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32, the form block hashes take (one numpy conversion
+    for a whole prompt, not a Python call per token)."""
+    return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
 class BlockPool:
@@ -341,13 +351,18 @@ class KVCacheManager:
 
     def block_hashes(self, req_id: str, token_ids: Sequence[int]) -> list[list[bytes]]:
         per_group = self._hashes.setdefault(req_id, [[] for _ in self.managers])
+        raw: bytes | None = None
+        done = min((len(h) * m.group.tokens_per_block for h, m in zip(per_group, self.managers)), default=0)
         for gid, m in enumerate(self.managers):
             hashes = per_group[gid]
             tpb = m.group.tokens_per_block
             while (len(hashes) + 1) * tpb <= len(token_ids):
+                if raw is None:      # the tokens no group has hashed yet, converted once
+                    raw = token_bytes(token_ids[done:])
                 i = len(hashes)
                 parent = hashes[-1] if hashes else None
-                hashes.append(hash_block(parent, gid, token_ids[i * tpb:(i + 1) * tpb]))
+                lo = (i * tpb - done) * 4
+                hashes.append(hash_block(parent, gid, raw[lo:lo + tpb * 4]))
         return per_group
 
     def find_prefix_hit(self, req_id: str, token_ids: Sequence[int]) -> int:
