@@ -208,6 +208,15 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``, gate/up [T, I] -> [T, I]
+    (see :func:`reference.clamped_swiglu`)."""
+    if use_triton(gate):
+        from deepinfer.kernels.activation import clamped_swiglu as kernel
+        return kernel(gate, up, limit)
+    return reference.clamped_swiglu(gate, up, limit)
+
+
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

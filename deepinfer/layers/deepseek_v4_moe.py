@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import backend
-from deepinfer.kernels.reference import clamped_swiglu
 from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import FusedMoE
 
@@ -87,10 +86,13 @@ class DeepseekV4SharedExpert(nn.Module):
         once the weights are loaded (``CausalLM.after_load``)."""
         self.gate_up.fuse()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [T, H] -> [T, H], plus ``residual`` [T, H] added in the down projection's GEMM
         gate, up = self.gate_up(x)                                                # [T, I] each
-        return self.down_proj(clamped_swiglu(gate, up, self.swiglu_limit))
+        act = backend.clamped_swiglu(gate, up, self.swiglu_limit)                 # [T, I]
+        if residual is None:
+            return self.down_proj(act)
+        return torch.addmm(residual, act, self.down_proj.weight.t())
 
 
 class DeepseekV4MoE(nn.Module):
@@ -106,4 +108,4 @@ class DeepseekV4MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H], input_ids: [T] (hash layers route by token) -> [T, H]
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        return self.shared_experts(x, residual=self.experts(x, weights, ids))
