@@ -39,10 +39,10 @@ def seq_slots(table: Sequence[int], start: int, n: int, block_size: int, compres
     rows = np.asarray(table, dtype=np.int64)
     if compress_ratio == 1:
         return (rows[pos // block_size] * block_size + pos % block_size).tolist()
-    e = (pos + 1) // compress_ratio - 1                      # entry a token would complete
-    done = (pos + 1) % compress_ratio == 0
-    e_ok = np.where(done, e, 0)
-    slots = np.where(done, rows[e_ok // block_size] * block_size + e_ok % block_size, -1)
+    slots = np.full(n, -1, dtype=np.int64)
+    done = np.flatnonzero((pos + 1) % compress_ratio == 0)   # tokens that complete an entry
+    e = (pos[done] + 1) // compress_ratio - 1                # (the table may hold no block yet)
+    slots[done] = rows[e // block_size] * block_size + e % block_size
     return slots.tolist()
 
 

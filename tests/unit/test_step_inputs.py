@@ -21,6 +21,12 @@ def test_seq_slots_match_token_slot(block_size, ratio):
         assert seq_slots(table, start, n, block_size, ratio) == expected
 
 
+def test_seq_slots_of_a_chunk_that_completes_no_entry():
+    """A long chunk before a compressed group's first entry: its table holds no block yet."""
+    assert seq_slots([], 0, 100, 4, 128) == [-1] * 100
+    assert seq_slots([7], 100, 100, 4, 128) == [-1] * 27 + [7 * 4] + [-1] * 72
+
+
 def test_token_bytes_are_little_endian_uint32():
     ids = [0, 1, 255, 256, 129_279, 2**32 - 1]
     assert token_bytes(ids) == b"".join(t.to_bytes(4, "little") for t in ids)
