@@ -349,16 +349,19 @@ class KVCacheManager:
         """Blocks one sequence of ``num_tokens`` tokens needs at its peak."""
         return sum(m.max_blocks_held(num_tokens) for m in self.managers)
 
-    def block_hashes(self, req_id: str, token_ids: Sequence[int]) -> list[list[bytes]]:
+    def block_hashes(self, req_id: str, token_ids: Sequence[int], limit: int | None = None) -> list[list[bytes]]:
+        """Per group, the chained hashes of the full blocks among the first ``limit`` (default:
+        all) of ``token_ids``, computed once per request and extended as it grows."""
+        n = len(token_ids) if limit is None else min(limit, len(token_ids))
         per_group = self._hashes.setdefault(req_id, [[] for _ in self.managers])
         raw: bytes | None = None
         done = min((len(h) * m.group.tokens_per_block for h, m in zip(per_group, self.managers)), default=0)
         for gid, m in enumerate(self.managers):
             hashes = per_group[gid]
             tpb = m.group.tokens_per_block
-            while (len(hashes) + 1) * tpb <= len(token_ids):
+            while (len(hashes) + 1) * tpb <= n:
                 if raw is None:      # the tokens no group has hashed yet, converted once
-                    raw = token_bytes(token_ids[done:])
+                    raw = token_bytes(token_ids[done:n])
                 i = len(hashes)
                 parent = hashes[-1] if hashes else None
                 lo = (i * tpb - done) * 4
@@ -405,7 +408,12 @@ class KVCacheManager:
         """Register blocks completed by the ``num_computed`` tokens now in the cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self.block_hashes(req_id, token_ids[:num_computed])
+        # Most decode steps complete no block in any group: skip hashing then (a per-step cost
+        # for every running sequence otherwise).
+        if all((m.num_cached.get(req_id, 0) + 1) * m.group.tokens_per_block > num_computed
+               for m in self.managers):
+            return
+        hashes = self.block_hashes(req_id, token_ids, num_computed)
         for gid, m in enumerate(self.managers):
             m.cache_full_blocks(req_id, hashes[gid], num_computed)
 
