@@ -9,8 +9,9 @@ Each token's keys and values are compressed into one latent vector
 ``c = RMSNorm(W_dkv x)`` of kv_lora_rank R, plus one rotary key ``k_pe`` of
 rope dim Dr shared by all heads. The cache stores only ``[c, k_pe]`` (one
 "head" of R + Dr); per-head keys ``[W_uk c, k_pe]`` and values ``W_uv c`` are
-re-expanded with kv_b_proj when attending (the reference path; absorbing
-W_uk/W_uv into q/o is a later optimisation).
+re-expanded with kv_b_proj when attending prompt chunks; decode steps attend
+in the absorbed form instead (W_uk folded into q, W_uv applied to the
+attention-weighted latent: ``kernels/mla_decode.py``), one launch for the batch.
 
 Shape legend:
     T   tokens in the flattened batch;  L  context length of one sequence
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepinfer.forward_context import ForwardContext
-from deepinfer.kernels import reference
+from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import inv_frequencies, rope_parameters
@@ -238,9 +239,13 @@ class MLAttention(nn.Module):
                 s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
                 pos = ctx.positions[s:e]
                 out[s:e] = self._attend(q[s:e], entries[s:e], pos, pos)
+        elif ctx.decode_only:
+            meta = ctx.groups[self.group_id]
+            backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
+            out = self._decode_absorbed(q_nope, q_pe, ctx, meta)
         else:
             meta = ctx.groups[self.group_id]
-            reference.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
+            backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
             for b in range(ctx.num_seqs):
                 s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
                 if e == s:
@@ -250,7 +255,26 @@ class MLAttention(nn.Module):
                 q_pos = torch.arange(length - (e - s), length, device=x.device)
                 k_pos = torch.arange(length, device=x.device)
                 out[s:e] = self._attend(q[s:e], ctx_entries[:, 0, 0].to(x.dtype), q_pos, k_pos)
-        return self.o_proj(out.view(t, -1))                              # [T, H]
+        return self.o_proj(out.reshape(t, -1))                           # [T, H]
+
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
+                         meta: GroupMetadata) -> torch.Tensor:
+        """One new token per sequence, attending over the cached latents without expanding
+        them: with kv_b_proj = [W_uk; W_uv] per head, ``q_nope . (W_uk c) = (W_uk^T q_nope) . c``
+        and the values' ``W_uv`` applies once to the attention-weighted latent
+        (``kernels.backend.mla_decode``). Reads only device tensors (``seq_lens_t``), so a
+        decode step never waits for the host.
+
+        q_nope: [B, Nh, Dn]; q_pe: [B, Nh, Dr] (roped) -> [B, Nh, Dv].
+        """
+        c = self.cfg
+        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        w_uk, w_uv = w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # [Nh, Dn, R], [Nh, Dv, R]
+        q_latent = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)             # [B, Nh, R]
+        q_abs = torch.cat((q_latent, q_pe), dim=-1)                       # [B, Nh, R+Dr]
+        latent_out = backend.mla_decode(q_abs, self.kv_cache, meta.block_table, ctx.seq_lens_t,
+                                        self.scale, c.kv_lora_rank, ctx.max_seq_len)  # [B, Nh, R]
+        return torch.einsum("tnr,nvr->tnv", latent_out, w_uv)             # [B, Nh, Dv]
 
     def _attend(self, q: torch.Tensor, entries: torch.Tensor, q_pos: torch.Tensor,
                 k_pos: torch.Tensor) -> torch.Tensor:
