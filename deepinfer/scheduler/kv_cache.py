@@ -192,6 +192,9 @@ class GroupManager:
         self.tables: dict[str, list[int]] = {}
         # Number of leading blocks of each sequence already registered in the prefix cache.
         self.num_cached: dict[str, int] = {}
+        # Sliding groups: blocks before this index of each table are already freed (NULL), so
+        # a step scans only the blocks that just left the window, not the whole dead prefix.
+        self.freed_upto: dict[str, int] = {}
 
     # -- sizes -------------------------------------------------------------
     def entries_for(self, num_tokens: int) -> int:
@@ -218,8 +221,11 @@ class GroupManager:
     def num_new_blocks(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         table = self.tables.get(req_id, [])
         need = self.blocks_for(num_tokens) - len(table)
+        if need <= 0:                      # most decode steps: the last block has room
+            return 0
         # Sliding blocks that leave the window before this step are freed first.
-        reusable = sum(1 for b in table[: self.first_live_token(num_computed) // self.group.tokens_per_block]
+        dead = self.first_live_token(num_computed) // self.group.tokens_per_block
+        reusable = sum(1 for b in table[self.freed_upto.get(req_id, 0):dead]
                        if b != NULL_BLOCK and self.pool.ref_cnt[b] == 1)
         return max(0, need - reusable)
 
@@ -230,11 +236,13 @@ class GroupManager:
         table = self.tables.get(req_id)
         if not table:
             return
-        dead = self.first_live_token(num_computed) // self.group.tokens_per_block
-        for i in range(min(dead, len(table))):
+        dead = min(self.first_live_token(num_computed) // self.group.tokens_per_block, len(table))
+        start = self.freed_upto.get(req_id, 0)
+        for i in range(start, dead):
             if table[i] != NULL_BLOCK:
                 self.pool.release(table[i])
                 table[i] = NULL_BLOCK
+        self.freed_upto[req_id] = max(start, dead)
 
     def allocate(self, req_id: str, num_tokens: int) -> None:
         table = self.tables.setdefault(req_id, [])
@@ -257,12 +265,15 @@ class GroupManager:
         for block in reversed(self.tables.pop(req_id, [])):
             self.pool.release(block)
         self.num_cached.pop(req_id, None)
+        self.freed_upto.pop(req_id, None)
 
     def truncate(self, req_id: str, num_tokens: int) -> None:
         table = self.tables.get(req_id, [])
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
             self.pool.release(table.pop())
+        if req_id in self.freed_upto:
+            self.freed_upto[req_id] = min(self.freed_upto[req_id], len(table))
         self.num_cached[req_id] = min(self.num_cached.get(req_id, 0),
                                       num_tokens // self.group.tokens_per_block)
 
@@ -297,6 +308,7 @@ class GroupManager:
             table.append(block)
         self.tables[req_id] = table
         self.num_cached[req_id] = n
+        self.freed_upto[req_id] = first
 
     def fork(self, src: str, dst: str, num_tokens: int) -> tuple[int, int] | None:
         """Share ``src``'s blocks with ``dst``; the partially filled last block is
@@ -315,6 +327,7 @@ class GroupManager:
             self.pool.acquire(block)
         self.tables[dst] = table
         self.num_cached[dst] = self.num_cached.get(src, 0)
+        self.freed_upto[dst] = self.freed_upto.get(src, 0)
         return copy
 
 
