@@ -33,6 +33,8 @@ def token_slot(table: Sequence[int], pos: int, block_size: int, compress_ratio: 
 def seq_slots(table: Sequence[int], start: int, n: int, block_size: int, compress_ratio: int) -> list[int]:
     """:func:`token_slot` of the positions ``start .. start+n-1`` of one sequence; long runs
     (prefill chunks) vectorised with numpy, a Python call per token costing ~1 us."""
+    if n == 1:                                               # a decode step
+        return [token_slot(table, start, block_size, compress_ratio)]
     if n < 64:
         return [token_slot(table, p, block_size, compress_ratio) for p in range(start, start + n)]
     pos = np.arange(start, start + n, dtype=np.int64)
