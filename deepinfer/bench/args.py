@@ -56,6 +56,9 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="after the timed window, profile a few decode steps (torch.profiler) and write "
                         "the kernels by device time to this text file")
+    p.add_argument("--compare-sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="after the timed window, time as many steps again with overlapped scheduling "
+                        "off, to report the GPU idle time between steps without it")
 
 
 def add_curve_args(p: argparse.ArgumentParser) -> None:

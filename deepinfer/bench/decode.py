@@ -54,12 +54,40 @@ def decode_tokens(batch: int, context: int, budget: int, warmup: int, steps: int
     token a step) while the others still prefill, in at most ceil(B * L / (budget - B)) + 1
     steps: they must not end, nor reach max_model_len, inside the timed window."""
     prefill_steps = -(-batch * context // max(1, budget - batch)) + 1
-    return prefill_steps + warmup + steps + PROFILED_STEPS + 2
+    return prefill_steps + warmup + 2 * steps + PROFILED_STEPS + 3      # 2x: the --compare-sync window
+
+
+def _timed_window(engine: Engine, steps: int, produced: dict[str, int]) -> tuple[float, list[int], list[float]]:
+    """(seconds, tokens committed per step, ms per step) of ``steps`` engine steps."""
+    committed, step_ms = [], []
+    timer = Timer(engine.config.device)
+    timer.start()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        committed.append(_collect(step_outputs(engine), produced))
+        step_ms.append((time.perf_counter() - t0) * 1e3)
+    return timer.stop(), committed, step_ms
+
+
+def _without_overlap(engine: Engine, steps: int, produced: dict[str, int]) -> dict[str, Any]:
+    """The same decode with overlapped scheduling off: each step's plan waits for the last
+    step's results (one transitional step first, then ``steps`` timed)."""
+    engine.async_scheduling = False
+    try:
+        _collect(step_outputs(engine), produced)
+        engine.reset_stats()
+        window_s, _, _ = _timed_window(engine, steps, produced)
+        stats = copy.copy(engine.stats)
+    finally:
+        engine.async_scheduling = engine.config.scheduler.async_scheduling
+    return {"ms_per_step": window_s * 1e3 / steps, "steps": stats.steps, "overlapped_steps": stats.overlapped_steps,
+            "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step, "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step}
 
 
 def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps: int,
-                   gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
-    """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps."""
+                   gen: torch.Generator, profile: str | None = None, compare_sync: bool = False) -> dict[str, Any]:
+    """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps
+    (and, with ``compare_sync``, as many again without overlapped scheduling)."""
     budget = engine.config.scheduler.max_num_batched_tokens
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, budget, warmup, steps),
                             ignore_eos=True)
@@ -81,15 +109,11 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
     finally:
         recorder.remove()
 
-    committed, step_ms = [], []
     engine.reset_stats()
-    timer.start()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        committed.append(_collect(step_outputs(engine), produced))
-        step_ms.append((time.perf_counter() - t0) * 1e3)
-    window_s = timer.stop()
+    window_s, committed, step_ms = _timed_window(engine, steps, produced)
     stats = copy.copy(engine.stats)   # the engine keeps counting through the profile and drain
+    without = (_without_overlap(engine, steps, produced)
+               if compare_sync and engine.config.scheduler.async_scheduling else None)
     if profile:
         profile_steps(engine, profile, produced)
     drain(engine, rids)
@@ -111,6 +135,7 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         "cuda_graphs": engine.runner.decode_graphs is not None,
         "overlapped_steps": stats.overlapped_steps, "sync_steps": stats.sync_steps,
         "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step, "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step,
+        "without_overlap": without,
         "distinct_experts_counted": recorder.distinct_per_layer(),
     }
 
@@ -126,9 +151,10 @@ def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:
 
 
 def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], batch: int, context: int,
-                 warmup: int, steps: int, gen: torch.Generator, profile: str | None = None) -> dict[str, Any]:
+                 warmup: int, steps: int, gen: torch.Generator, profile: str | None = None,
+                 compare_sync: bool = False) -> dict[str, Any]:
     """One (batch, context) measurement with its floor."""
-    eng = measure_decode(engine, batch, context, warmup, steps, gen, profile)
+    eng = measure_decode(engine, batch, context, warmup, steps, gen, profile, compare_sync)
     counted = eng.pop("distinct_experts_counted")
     mid = context + warmup + (steps + 1) // 2       # tokens per sequence after the window's middle step
     work = model.cost.decode_step(batch, mid, counted)
@@ -165,7 +191,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                                                                          args.warmup, args.steps))
     gen = torch.Generator().manual_seed(args.seed)
     point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
-                         args.steps, gen, args.profile)
+                         args.steps, gen, args.profile, args.compare_sync)
     del engine
     free_memory(model.device)
     if not args.no_hf:
@@ -200,5 +226,10 @@ def report(result: dict[str, Any], points: list[dict[str, Any]]) -> None:
               f"{'on' if e['async_scheduling'] else 'off'} ({e['overlapped_steps']} overlapped, "
               f"{e['sync_steps']} synchronous steps); GPU busy {fmt(e['gpu_busy_ms_per_step'])} ms/step, "
               f"idle between steps {fmt(e['gpu_idle_ms_per_step'])} ms/step")
+        w = e.get("without_overlap")
+        if w:
+            print(f"B={p['batch']}: without overlapped scheduling: {fmt(w['ms_per_step'])} ms/step, GPU busy "
+                  f"{fmt(w['gpu_busy_ms_per_step'])} ms/step, idle between steps "
+                  f"{fmt(w['gpu_idle_ms_per_step'])} ms/step")
         if p["hf"] and "skipped" in p["hf"]:
             print(f"B={p['batch']}: HF transformers skipped ({p['hf']['skipped']})")

@@ -58,6 +58,10 @@ def test_decode(tiny_config, tmp_path, capsys):
     assert e["full_acceptance_tok_s"] == pytest.approx(e["steps_per_s"] * batch)
     assert e["tokens_committed"] == batch * steps and e["min_tokens_per_step"] == batch
     assert e["ms_per_step"] == pytest.approx(1e3 / e["steps_per_s"])
+    # The same window again with overlapped scheduling off: every step waited for the last one.
+    w = e["without_overlap"]
+    positive(w, "ms_per_step")
+    assert w["steps"] == steps and w["overlapped_steps"] == 0 and e["overlapped_steps"] == steps
     positive(f, "weight_bytes", "kv_bytes", "bytes", "flops", "floor_ms")
     assert f["distinct_experts_source"] == "counted"
     assert all(1 <= x <= 8 for x in f["distinct_experts"])    # 8 experts, 2 per token
