@@ -54,6 +54,7 @@ CASES = [
     (3, 20, 32, [(8, 2, 9), (8, 1, 30)], torch.float32, None),                   # two head blocks
     (4, 4, 32, [(8, 1, 16), (4, 1, 0)], torch.float32, None),                    # empty second source
     (4, 4, 32, [(4, 1, 3), (8, 1, 37)], torch.float32, SparseAttentionConfig(16, 16, 3, 4, 2)),
+    (3, 6, 64, [(8, 1, 40), (4, 1, 33)], torch.float16, SparseAttentionConfig(64, 64, 1, 8, 2)),  # prefill tiles
 ]
 
 
@@ -186,7 +187,7 @@ def test_triton_sparse_attention_gpu_sizes(t, decode, dtype, poison_empty):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block_h,block_n,num_warps", [(16, 32, 4), (32, 32, 4), (32, 64, 8),
-                                                       (64, 32, 8)])
+                                                       (64, 32, 8), (64, 64, 8)])
 @pytest.mark.parametrize("t,decode,splits", [(16, True, 4), (512, False, 1)])
 def test_triton_sparse_attention_gpu_configs(block_h, block_n, num_warps, t, decode, splits,
                                              poison_empty):
