@@ -27,6 +27,7 @@ from deepinfer.scheduler.kv_cache import KVCacheGroup
 from deepinfer.scheduler.plan import ScheduledSeq
 
 from ..engine.conftest import make_checkpoint
+from ..engine.test_deepseek_engine import v3_dir  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
 
@@ -195,6 +196,12 @@ def _padded_vs_plain(model: str | None) -> None:
 
 def test_padded_decode_matches_plain_on_the_embedded_model():
     _padded_vs_plain(None)
+
+
+def test_padded_decode_matches_plain_on_deepseek_v3(v3_dir):
+    """DeepSeek-V3's decode steps (absorbed MLA over device seq_lens) through the graphs'
+    padded static inputs: padding rows (length 1, null block table) change nothing."""
+    _padded_vs_plain(str(v3_dir))
 
 
 @pytest.fixture(scope="module")
