@@ -159,7 +159,8 @@ def drain(engine: Engine, request_ids: list[str]) -> None:
 
 class RoutingRecorder:
     """Forward hooks on the MoE routers that keep each call's expert ids (device tensors, so
-    recording does not synchronise). Calls made by CUDA-graph replays are not seen; then
+    recording does not synchronise). Calls made by CUDA-graph replays are not seen (the decode
+    bench runs its recorded warm-up steps eagerly); with no call recorded
     :meth:`distinct_per_layer` returns None and the caller falls back to the estimate."""
 
     def __init__(self, model: torch.nn.Module) -> None:
