@@ -76,6 +76,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode step reads
+        one token of a sequence that may hold thousands)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

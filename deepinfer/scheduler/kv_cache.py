@@ -417,14 +417,16 @@ class KVCacheManager:
             m.allocate(req_id, num_tokens)
         return True
 
+    def completes_block(self, req_id: str, num_computed: int) -> bool:
+        """Whether ``num_computed`` cached tokens fill a block some group has not registered
+        in the prefix cache yet. Most decode steps fill none: then there is nothing to hash
+        (callers skip even building the token list)."""
+        return self.enable_prefix_caching and any(
+            (m.num_cached.get(req_id, 0) + 1) * m.group.tokens_per_block <= num_computed for m in self.managers)
+
     def cache_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register blocks completed by the ``num_computed`` tokens now in the cache."""
-        if not self.enable_prefix_caching:
-            return
-        # Most decode steps complete no block in any group: skip hashing then (a per-step cost
-        # for every running sequence otherwise).
-        if all((m.num_cached.get(req_id, 0) + 1) * m.group.tokens_per_block > num_computed
-               for m in self.managers):
+        if not self.completes_block(req_id, num_computed):
             return
         hashes = self.block_hashes(req_id, token_ids, num_computed)
         for gid, m in enumerate(self.managers):

@@ -225,7 +225,7 @@ class Scheduler:
         pending = self._pending.get(req.request_id, 0)
         assert pending <= 1, f"{req.request_id} has {pending} tokens in flight while being planned"
         sample = start + n == req.num_tokens + pending
-        token_ids = req.all_token_ids[start:start + n]
+        token_ids = req.token_ids_between(start, start + n)
         if pending:
             # The only token left to compute is the one the launched step samples.
             token_ids.append(PLACEHOLDER_TOKEN_ID)
@@ -279,7 +279,8 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue   # ended after this plan was made: its tokens are dropped
             done = seq.start_pos + len(seq.token_ids)   # tokens in the cache now this step landed
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
+            if self.kv.completes_block(req.request_id, done):
+                self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
             if seq.req_id in result.prompt_logprobs and not req.prompt_logprobs_done:
                 if not req.prompt_logprobs:
                     req.prompt_logprobs.append(None)

@@ -34,3 +34,14 @@ def test_token_bytes_are_little_endian_uint32():
     raw = token_bytes(ids)
     assert hash_block(None, 3, raw[8:16]) == hash_block(None, 3, token_bytes(ids[2:4]))
     assert hash_block(None, 3, raw[8:16]) != hash_block(None, 2, raw[8:16])
+
+
+def test_token_ids_between_equals_the_slice():
+    from deepinfer.request import Request
+    from deepinfer.sampling_params import SamplingParams
+
+    req = Request("r", "r", 0, [5, 6, 7, 8], SamplingParams(), 0, output_token_ids=[9, 10, 11])
+    everything = req.all_token_ids
+    for start in range(8):
+        for end in range(start, 9):
+            assert req.token_ids_between(start, end) == everything[start:end]
