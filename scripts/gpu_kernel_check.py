@@ -83,6 +83,21 @@ def bench(name: str, kernel: Callable[[], object], ref: Callable[[], object] | N
     return t_kernel
 
 
+def captured(fn: Callable[[], object], reps: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``reps`` calls of ``fn``, after one warm-up call on a side stream
+    (compiles the kernels, allocates what a first call allocates)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return graph
+
+
 def layer_cache(lens: list[int], bs: int, hkv: int, d: int, layers: int = 3):
     """A middle layer's strided view into pages shared by ``layers`` layers, with shuffled blocks."""
     need = [-(-n // bs) for n in lens]
@@ -387,15 +402,7 @@ def moe_case(t: int, gate_up: torch.Tensor, down: torch.Tensor, sweep: list[MoEC
     print(f"  config {pick_config(t, top_k, e, h, i)}")
     bench(name + " eager", run, lambda: reference.clamped_moe_experts(x, gate_up, down, weights, ids, limit),
           bytes_moved, flops)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    bench(name + " graph", graph.replay, None, bytes_moved, flops)
+    bench(name + " graph", captured(run).replay, None, bytes_moved, flops)
     for cfg in sweep:
         bench(f"T={t} {cfg}", lambda c=cfg: run(c), None, bytes_moved, flops)
 def hc_case(t: int, n: int = 4, d: int = 4096, iters: int = 20) -> None:
@@ -481,15 +488,7 @@ def greedy_case(rows: int, vocab: int, pad: int = 128) -> None:
     bytes_moved = rows * vocab * 4
     bench(name + " eager", lambda: greedy_sample(x, vocab), lambda: reference.greedy_sample(x, vocab),
           bytes_moved)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        greedy_sample(x, vocab)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        greedy_sample(x, vocab)
-    bench(name + " graph", graph.replay, None, bytes_moved)
+    bench(name + " graph", captured(lambda: greedy_sample(x, vocab)).replay, None, bytes_moved)
     for block in (1024, 4096, 8192):
         bench(f"{name} block={block}", lambda b=block: greedy_sample(x, vocab, block=b), None, bytes_moved)
 
@@ -639,13 +638,7 @@ def compressor_case(name: str, ratio: int, overlap: bool, d: int, b: int, seq_le
 
 def graph_us(fn: Callable[[], object], reps: int = 20) -> float:
     """Device time per call (us) of ``fn`` replayed ``reps`` times in one CUDA graph (no host work)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
+    return do_bench(captured(fn, reps).replay, warmup=10, rep=100, return_mode="median") * 1e3 / reps
 
 
 def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> None:

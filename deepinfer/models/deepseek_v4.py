@@ -264,7 +264,6 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids: [T] -> pre-head streams [T, n, Hd]
-        ctx.memo.clear()                  # shared slot tables are built afresh by this forward
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         ropes = self.rotary_emb.by_type()
