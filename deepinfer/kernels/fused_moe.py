@@ -97,11 +97,6 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     return MoEConfig(**{**cfg.__dict__, "num_stages": _fit_stages(cfg, elem_bytes)})
 
 
-# Above this many (token, slot) pairs per expert on average, fused_moe hands the batch to
-# torch._grouped_mm (CUTLASS, wgmma + TMA on Hopper) instead of the Triton kernels.
-GROUPED_MM_MIN_PAIRS_PER_EXPERT = 48
-
-
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound on the padded length of the sorted pairs, a multiple of ``block_m``: every
     touched expert (at most min(P, E)) pads its run by at most block_m - 1."""
@@ -277,85 +272,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-@triton.jit
-def _combine_kernel(y_ptr, rows_ptr, weights_ptr, out_ptr, hidden, stride_y, stride_out,
-                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_k round(y[rows[t, k]] * w[t, k]) for the K rows of token t (row -1: none),
-    float32 sum, one rounding to out's dtype at the end."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < hidden
-    acc = tl.zeros([BLOCK_H], tl.float32)
-    for k in tl.static_range(TOP_K):
-        row = tl.load(rows_ptr + t * TOP_K + k).to(tl.int64)
-        w = tl.load(weights_ptr + t * TOP_K + k).to(tl.float32)
-        ok = col_ok & (cols * 0 + row >= 0)
-        y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
-        acc += (y * w).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-def grouped_mm_supported(x: torch.Tensor, hidden: int, inter: int) -> bool:
-    """Whether :func:`grouped_mm_moe` can run: bf16 CUDA tensors on Hopper or newer (CUTLASS
-    grouped GEMM behind ``torch._grouped_mm``), widths whose rows are 16-byte aligned."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] >= 9
-            and hidden % 8 == 0 and inter % 8 == 0)
-
-
-def grouped_mm_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   swiglu_limit: float = 0.0) -> torch.Tensor:
-    """:func:`fused_moe`'s result through ``torch._grouped_mm`` (prefill-sized batches).
-
-    The pairs are sorted by expert on the device (stable argsort; no host sync), x's rows
-    gathered in that order, and the two expert GEMMs run as grouped GEMMs over the runs
-    (offsets = cumulative counts); the clamped SwiGLU is one launch between them
-    (:mod:`kernels.activation`), and :func:`_combine_kernel` weights and sums each token's K
-    rows. Rounding follows :func:`reference.clamped_moe_experts`: gate/up and the down
-    output are rounded to x's dtype by the GEMMs, each weighted row once more.
-    Pairs whose id is outside [0, E) sort last, past the final offset, and contribute nothing.
-    """
-    from deepinfer.kernels.activation import clamped_swiglu
-
-    t, h = x.shape
-    e, i, k = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2, topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).long()                                              # [P]
-    valid = (ids >= 0) & (ids < e)
-    key = torch.where(valid, ids, e)                                               # others sort last
-    order = torch.argsort(key, stable=True)                                        # [P] sorted -> pair
-    counts = torch.zeros(e + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
-    offs = counts[:e].cumsum(0, dtype=torch.int32)                                 # [E] run ends
-    rows = torch.empty_like(order)
-    rows[order] = torch.arange(order.numel(), device=x.device)                     # pair -> sorted row
-    rows = torch.where(valid, rows, -1)
-
-    xs = x.index_select(0, order // k)                                             # [P, H]
-    gate_up = torch._grouped_mm(xs, gate_up_proj.transpose(1, 2), offs=offs)      # [P, 2I]
-    act = clamped_swiglu(gate_up[:, :i], gate_up[:, i:], swiglu_limit)            # [P, I]
-    y = torch._grouped_mm(act, down_proj.transpose(1, 2), offs=offs)              # [P, H]
-    out = torch.empty_like(x)
-    block_h = min(1024, triton.next_power_of_2(h))
-    _combine_kernel[(t, triton.cdiv(h, block_h))](
-        y, rows, topk_weights.contiguous(), out, h, y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_H=block_h, num_warps=4)
-    return out
-
-
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
-              config: MoEConfig | None = None, impl: str | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t),
     e = ids[t,k], L = swiglu_limit (0: no clamp).
 
     x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I];
     topk_weights: [T, K] (float32); topk_ids: [T, K] integer -> [T, H] in x's dtype.
     A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
-    ``config`` overrides :func:`pick_config` (benchmarks sweep it). ``impl``: "triton" (the
-    kernels above), "grouped_mm" (:func:`grouped_mm_moe`) or None: grouped_mm for
-    prefill-sized batches (over :data:`GROUPED_MM_MIN_PAIRS_PER_EXPERT` pairs per expert)
-    where :func:`grouped_mm_supported`, else triton.
+    ``config`` overrides :func:`pick_config` (benchmarks sweep it).
     """
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
@@ -383,13 +309,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    if impl not in (None, "triton", "grouped_mm"):
-        raise ValueError(f"fused_moe: impl={impl!r} must be None, 'triton' or 'grouped_mm'")
-    if impl is None and config is None and pairs > GROUPED_MM_MIN_PAIRS_PER_EXPERT * e \
-            and grouped_mm_supported(x, h, i):
-        impl = "grouped_mm"
-    if impl == "grouped_mm":
-        return grouped_mm_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
     cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)

@@ -14,7 +14,6 @@ from deepinfer.kernels import reference
 from deepinfer.kernels.fused_moe import (
     MoEConfig,
     fused_moe,
-    grouped_mm_supported,
     max_padded_pairs,
     moe_align,
     pick_config,
@@ -100,38 +99,6 @@ def test_fused_moe_skips_ids_outside_the_experts(device, poison_empty):
     ref = reference.moe_experts(x, gate_up, down, weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert (out[3] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 7, 40])
-def test_grouped_mm_path_matches_reference(dtype, t, device, poison_empty):
-    """The prefill path (torch._grouped_mm over expert-sorted rows, one SwiGLU launch, the
-    combine kernel): empty experts, ids outside [0, E) and a clamp that binds. Widths are
-    multiples of 8 (16-byte rows, as grouped GEMMs need)."""
-    e, h, i, k = 8, 32, 48, 3
-    gate_up, down = make_experts(e, h, i, dtype, device, seed=t)
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(device)
-    weights, ids = make_routing(t, k, [0, 1, 3, 4, 6, 7], device, seed=t)    # 2 and 5 get nothing
-    ids[0, 1] = -1
-    ids[t // 2, :] = -1
-    out = fused_moe(x, gate_up, down, weights, ids, 0.5, impl="grouped_mm")
-    assert out.shape == x.shape and out.dtype == dtype and not out.isnan().any()
-    args = (x.float(), gate_up.float(), down.float(), weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
-    torch.testing.assert_close(out.float(), reference.clamped_moe_experts(*args, 0.5), **TOL[dtype])
-    assert (out[t // 2] == 0).all()
-    # The Triton path gives the same result (same rounding points up to the GEMMs' own blocking).
-    torch.testing.assert_close(out, fused_moe(x, gate_up, down, weights, ids, 0.5, impl="triton"),
-                               **TOL[dtype])
-
-
-def test_grouped_mm_only_where_supported(device):
-    x = torch.randn(4, 32, device=device)
-    assert not grouped_mm_supported(x, 32, 48)                    # float32
-    assert not grouped_mm_supported(x.bfloat16(), 30, 48)         # rows not 16-byte aligned (or no CUDA)
-    assert grouped_mm_supported(x.bfloat16(), 32, 48) == (ON_CUDA and torch.cuda.get_device_capability()[0] >= 9)
-    with pytest.raises(ValueError, match="impl="):
-        fused_moe(x, *make_experts(2, 32, 16, torch.float32, device), torch.ones(4, 1, device=device),
-                  torch.zeros(4, 1, dtype=torch.long, device=device), impl="cutlass")
 
 
 @pytest.mark.parametrize("config", [MoEConfig(16, 16, 16, 16, 16, 1, 4, 2), MoEConfig(32, 32, 32, 32, 16, 2, 4, 2)])
