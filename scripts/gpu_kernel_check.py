@@ -676,8 +676,10 @@ def _hyper_connection() -> None:
         hc_case(t)
     small = [hc.HCConfig(16, bk, ns, w, one) for one in (0, 16) for bk in (64, 256) for ns in (None, 16, 128)
              for w in (4, 8)]
-    for t in (1, 4, 16):
-        hc_sweep(t, small)
+    fma = [hc.HCConfig(1, bk, ns, w, 1) for bk in (64, 128, 256) for ns in (None, 32, 64, 128) for w in (1, 2, 4)]
+    hc_sweep(1, small + fma)
+    for t in (4, 16):
+        hc_sweep(t, small + [hc.HCConfig(4, bk, ns, w, 0) for bk in (32, 64) for ns in (None, 64) for w in (2, 4)])
     hc_sweep(64, [hc.HCConfig(bt, bk, ns, w, 0) for bt in (16, 32) for bk in (64, 128) for ns in (None, 8, 32)
                   for w in (4, 8)])
     hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0) for bt in (64, 128) for bk in (64, 128) for ns in (None, 8, 16)])

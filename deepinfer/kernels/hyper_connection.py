@@ -63,7 +63,7 @@ def _hc_pre_kernel(
     cols_per_split, n_splits, sinkhorn_iters,
     hc_eps, norm_eps,
     N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr, NCOL: tl.constexpr,
-    FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr,
+    FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -85,7 +85,10 @@ def _hc_pre_kernel(
                     mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)   # [BT, BK]
         w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None],
                     mask=kmask[:, None] & (cols[None, :] < NMIX), other=0.0)          # [BK, NCOL]
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if USE_DOT:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        else:                                                         # few tokens: float32 FMAs
+            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
         sq += tl.sum(x * x, axis=1)
     acc = tl.where(cols[None, :] == NMIX, sq[:, None], acc)
     rows = part_ptr + toks[:, None] * NCOL + cols[None, :]            # [BT, NCOL] split 0's rows
@@ -204,7 +207,8 @@ def _hc_post_kernel(
 class HCConfig(NamedTuple):
     """Launch config of :func:`hc_pre` / :func:`hc_head`."""
 
-    block_t: int                  # tokens per program (>= 16: tl.dot's minimum)
+    block_t: int                  # tokens per program; >= 16 (tl.dot's minimum): tensor-core dots,
+                                  # below: float32 FMAs (decode: no 16-row padding)
     block_k: int                  # columns of K per inner step
     num_splits: int | None        # programs along K per token block; None: about 2 per SM
     num_warps: int
@@ -292,6 +296,8 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     cols_per_split = triton.cdiv(triton.cdiv(k_total, splits), block_k) * block_k
     splits = triton.cdiv(k_total, cols_per_split)
     ncol = max(_MIN_DOT, triton.next_power_of_2(nmix + 1))                  # partial row: M dots, sum of squares
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"{who}: config block_t={block_t} must be a power of two")
     block_s = max(1, min(triton.next_power_of_2(splits), 8192 // (block_t * ncol)))  # splits per reduce load
     collapse = t <= cfg.one_launch_max_t
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
@@ -302,7 +308,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         t, d, s2.stride(0), x.stride(0),
         cols_per_split, splits, sinkhorn_iters, hc_eps, norm_eps,
         N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
-        PRECISION="tf32x3" if dev.type == "cuda" else "ieee",
+        PRECISION="tf32x3" if dev.type == "cuda" else "ieee", USE_DOT=block_t >= _MIN_DOT,
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps)
     if not collapse:

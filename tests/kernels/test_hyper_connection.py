@@ -52,10 +52,13 @@ def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
 
 
 @pytest.mark.parametrize("t,cfg", [(7, hc.HCConfig(16, 64, None, 4, 16)), (3, hc.HCConfig(16, 32, 4, 4, 16)),
-                                   (130, hc.HCConfig(128, 64, 2, 8, 0)), (40, hc.HCConfig(64, 32, 3, 8, 0))])
+                                   (130, hc.HCConfig(128, 64, 2, 8, 0)), (40, hc.HCConfig(64, 32, 3, 8, 0)),
+                                   (1, hc.HCConfig(1, 64, 5, 2, 1)), (6, hc.HCConfig(4, 32, None, 4, 0)),
+                                   (3, hc.HCConfig(2, 128, 2, 1, 4))])
 def test_hc_pre_launch_configs(t, cfg, device, poison_empty):
     """Configs pick_config does not choose at these sizes: several tokens collapsed by the
-    finishing program (one launch), and token blocks of 64 and 128 rows."""
+    finishing program (one launch), token blocks of 64 and 128 rows, and blocks under 16
+    rows (float32 FMAs instead of tl.dot)."""
     gen = torch.Generator().manual_seed(t)
     n, d = 4, 64
     s = streams_of(t, n, d, torch.float32, gen, device)
