@@ -10,6 +10,7 @@ import torch
 from deepinfer.kernels import backend, gemv as gemv_module, reference
 from deepinfer.kernels.gemv import GemvConfig, gemv, grouped_gemv, pick_config
 from deepinfer.layers.deepseek_v4_attention import GroupedLinear
+from deepinfer.layers.deepseek_v4_moe import DeepseekV4SharedExpert
 from deepinfer.layers.linear import Linear
 
 from .conftest import ON_CUDA
@@ -174,6 +175,25 @@ def test_backend_dispatch(monkeypatch, device):
     for got, want in zip(results["triton"], results["torch"]):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_shared_expert_across_backends(monkeypatch, device):
+    """The fused gate_up projection and the down projection with the routed experts' output
+    as its residual, through the GEMV (triton) and through F.linear / addmm (torch)."""
+    expert = DeepseekV4SharedExpert(32, 48, swiglu_limit=2.0).to(device)
+    with torch.no_grad():
+        for i, p in enumerate(expert.parameters()):
+            p.copy_(rand(*p.shape, seed=20 + i) / p.shape[1] ** 0.5)
+    expert.fuse_projections()
+    x, residual = rand(3, 32, seed=30, device=device), rand(3, 32, seed=31, device=device)
+    results = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", name)
+        with torch.no_grad():
+            results[name] = (expert(x), expert(x, residual=residual))
+    for got, want in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(results["torch"][1], results["torch"][0] + residual, **TOL[torch.float32])
 
 
 def test_linear_keeps_nn_linear_parameters():
