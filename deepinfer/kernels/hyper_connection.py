@@ -219,13 +219,17 @@ def pick_config(t: int, device: torch.device) -> HCConfig:
     """From the H200 sweep (``scripts/gpu_kernel_check.py hyper_connection``, CUDA-graph
     replays, n 4, D 4096): one launch only for a single token (the finishing program's
     collapse is then one load wave; from T=4 on the parallel second launch wins: 21 us vs 31
-    at T=16); 16-token blocks over 32 K splits up to a few hundred tokens (20 us at T=64 vs
-    31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
+    at T=16); up to 16 tokens, blocks of 1 (T=1) or 4 tokens projected with float32 FMAs
+    rather than a 16-row-padded tl.dot (2026-12-04 sweep: T=1 7.2 us vs 17.9, T=4 12.0 vs
+    20.3, T=16 12.9 vs 21.2); 16-token blocks over 32 K splits up to a few hundred tokens
+    (20 us at T=64 vs 31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
     467 with 64-token blocks)."""
     del device
+    if t == 1:
+        return HCConfig(1, 256, 64, 4, _ONE_LAUNCH_MAX_T)
     if t <= 16:
-        return HCConfig(16, 64, None, 4, _ONE_LAUNCH_MAX_T)
+        return HCConfig(4, 64, None, 2, _ONE_LAUNCH_MAX_T)
     if t <= 256:
         return HCConfig(16, 64, 32, 4, _ONE_LAUNCH_MAX_T)
     if t <= 1024:
