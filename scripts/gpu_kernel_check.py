@@ -5,8 +5,7 @@ KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
 attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
 hyper-connection mixing (pre / post / head), the DeepSeek-V4 fused norm +
 interleaved rope (against the torch op chains it replaces), the sampling filters,
-greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), the decode GEMV,
-MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
 ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
@@ -19,15 +18,12 @@ defaults from. The fused MoE (DeepSeek-V4-Flash widths:
 E=256, K=6, H=4096, I=2048, bf16) reports, per token count, the bytes of the experts
 actually touched / time (decode is bound by streaming them), TFLOP/s of the useful
 expert FLOPs (prefill is compute bound), eager and CUDA-graph times, and a sweep of
-tile configs beside the one :func:`fused_moe.pick_config` chooses. The decode GEMV
-(DeepSeek-V4-Flash projections at M = 1 and 16 rows, bf16) reports GB/s of weight bytes
-for cuBLAS (``F.linear``; the bmm for the grouped o_a) and the kernel, eager and as a
-CUDA-graph replay, and a sweep of configs beside :func:`gemv.pick_config`'s. Exit status
-1 if any check fails.
+tile configs beside the one :func:`fused_moe.pick_config` chooses. Exit status 1 if
+any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor gemv)
+      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor)
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
@@ -47,8 +42,6 @@ from deepinfer.kernels.compressor import compress_entries_
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from deepinfer.kernels.mla_decode import MLADecodeConfig, mla_decode
 from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, pick_config
-from deepinfer.kernels.gemv import GemvConfig, gemv, grouped_gemv, split_for
-from deepinfer.kernels.gemv import pick_config as gemv_pick_config
 from deepinfer.kernels.greedy import greedy_sample
 from deepinfer.kernels.moe_routing import grouped_topk_sigmoid, topk_route
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
@@ -720,69 +713,6 @@ def _compressor() -> None:
         compressor_case(f"{label} prefill B1 L8192", ratio, overlap, d, 1, 8192, decode=False)
 
 
-# DeepSeek-V4-Flash decode projections (bf16): name, K (in), N (out), groups (o_a: N per group).
-GEMV_SHAPES = [("q_b", 1024, 32768, 1), ("input_proj CSA", 4096, 7168, 1), ("o_b", 8192, 4096, 1),
-               ("shared gate_up", 4096, 4096, 1), ("shared down", 2048, 4096, 1),
-               ("compressor HCA", 4096, 1024, 1), ("compressor CSA", 4096, 2048, 1), ("o_a grouped", 4096, 1024, 8)]
-# (use_dot, block_n, block_k, num_warps, num_stages); each at no split, split_for's and twice that.
-GEMV_SWEEP_FMA = [(False, 16, 256, 4, 2), (False, 32, 128, 4, 2), (False, 32, 256, 4, 2), (False, 32, 256, 8, 3),
-                  (False, 64, 128, 8, 2), (False, 16, 512, 4, 2)]
-GEMV_SWEEP_DOT = [(True, 32, 128, 4, 4), (True, 64, 128, 4, 4), (True, 64, 256, 4, 3), (True, 128, 128, 8, 3),
-                  (True, 128, 64, 4, 4), (True, 32, 256, 4, 4)]
-
-
-def gemv_case(name: str, k: int, n: int, groups: int, m: int) -> None:
-    """x [m, k] (grouped: [m, 8, k]) times a bf16 weight [groups * n, k]: checked against cuBLAS
-    in bf16, timed with L2 flushed between calls (a decode step streams every weight cold).
-    Bytes: the weight, x and the output once."""
-    w = torch.randn(groups * n, k, device=DEV, dtype=BF16) / k ** 0.5
-    x = torch.randn(m, k, device=DEV, dtype=BF16) if groups == 1 else torch.randn(m, groups, k, device=DEV,
-                                                                                   dtype=BF16)
-
-    def run(config: GemvConfig | None = None) -> torch.Tensor:
-        return gemv(x, w, config=config) if groups == 1 else grouped_gemv(x, w, config=config)
-
-    def ref() -> torch.Tensor:
-        return F.linear(x, w) if groups == 1 else reference.grouped_gemv(x, w)
-
-    label = f"{name} M={m} K={k} N={groups}x{n}" if groups > 1 else f"{name} M={m} K={k} N={n}"
-    check(label, run(), ref(), 1.6e-2, 1e-2)
-    moved = w.numel() * 2 + x.numel() * 2 + m * groups * n * 2
-    t_ref = do_bench(ref, warmup=25, rep=100, return_mode="median")
-    print(f"  time  {label}: cuBLAS {t_ref * 1e3:7.1f} us  {moved / t_ref / 1e6:5.0f} GB/s "
-          f"({moved / t_ref / 1e6 / H200_COPY_GBPS:4.0%} of copy)")
-    default = gemv_pick_config(m, n, k, groups)
-    t_default = bench(f"{label} pick {default}", run, None, moved)
-    bench(f"{label} pick, graph", captured(run).replay, None, moved)
-    best = (t_default, default)
-    for use_dot, bn, bk, warps, stages in (GEMV_SWEEP_FMA if m <= 4 else []) + GEMV_SWEEP_DOT:
-        auto = split_for(groups * triton.cdiv(n, bn), k)
-        for split in sorted({1, auto, 2 * auto}):
-            cfg = GemvConfig(bn, bk, split, use_dot, warps, stages)
-            if cfg == default:
-                continue
-            try:
-                out = run(cfg)
-                t = do_bench(lambda c=cfg: run(c), warmup=10, rep=50, return_mode="median")
-            except triton.runtime.errors.OutOfResources as e:
-                print(f"  sweep {label} {cfg}: does not fit ({e})")
-                continue
-            ok = torch.allclose(out.float(), ref().float(), rtol=1.6e-2, atol=1e-2)
-            if not ok:
-                failures.append(f"gemv {label} {cfg}")
-            print(f"  sweep {label} {cfg}: {t * 1e3:7.1f} us  {moved / t / 1e6:5.0f} GB/s{'' if ok else '  FAIL'}")
-            best = min(best, (t, cfg), key=lambda b: b[0])
-    print(f"  best  {label}: {best[1]} {best[0] * 1e3:.1f} us ({t_ref / best[0]:.2f}x cuBLAS)")
-
-
-def _gemv() -> None:
-    print("Decode GEMV, DeepSeek-V4-Flash projections (bf16) vs cuBLAS; bytes: weight + x + output")
-    for name, k, n, groups in GEMV_SHAPES:
-        for m in (1, 16):
-            gemv_case(name, k, n, groups, m)
-    torch.cuda.empty_cache()
-
-
 SECTIONS: dict[str, Callable[[], None]] = {
     "rms_norm": _rms_norm,
     "rope": _rope,
@@ -799,7 +729,6 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "sampling": _sampling,
     "greedy": _greedy,
     "compressor": _compressor,
-    "gemv": _gemv,
 }
 
 

@@ -53,31 +53,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     return reference.rms_norm(x, weight, eps, round_first)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ ``residual`` [..., N], added before rounding) -> [..., N]
-    (see :func:`reference.gemv`). The Triton GEMV streams the weight once at decode sizes (at
-    most 16 rows of x); larger inputs and other layouts take F.linear / addmm (cuBLAS)."""
-    if use_triton(x):
-        from deepinfer.kernels import gemv
-        if gemv.fits(x, weight, residual):
-            n, k = weight.shape
-            res = residual.reshape(-1, n) if residual is not None else None
-            return gemv.gemv(x.reshape(-1, k), weight, residual=res).view(*x.shape[:-1], n)
-    return reference.gemv(x, weight, residual)
-
-
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """Block-diagonal projection: x [T, G, Kg], weight [G*Ng, Kg] -> [T, G, Ng] (see
-    :func:`reference.grouped_gemv`); the Triton GEMV for T <= 16, the bmm otherwise."""
-    if x.dim() != 3 or x.shape[1] != groups:
-        raise ValueError(f"grouped_linear: x must be [T, {groups}, Kg] ({groups} groups), got {tuple(x.shape)}")
-    if use_triton(x):
-        from deepinfer.kernels import gemv
-        if gemv.fits(x, weight, grouped=True):
-            return gemv.grouped_gemv(x, weight)
-    return reference.grouped_gemv(x, weight)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D]; cos, sin: [T, D/2] float32 -> rotated copy [T, H, D]
     (see :func:`reference.apply_rope`)."""

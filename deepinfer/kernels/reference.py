@@ -10,7 +10,6 @@ tensor 0 is K, tensor 1 is V (a single-tensor cache stores K=V).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -522,25 +521,6 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
         rows = on.nonzero().squeeze(1)                                 # [M]
         if rows.numel():
             x[rows] = fn(x[rows], arg[rows])
-
-
-# -- decode-sized linear layers ----------------------------------------------------------------------
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T``: x [..., K], weight [N, K] -> [..., N] in x's dtype (``F.linear``). With
-    ``residual`` [..., N]: ``residual + x @ weight.T`` as one ``torch.addmm`` (the sum is rounded
-    once)."""
-    if residual is None:
-        return F.linear(x, weight)
-    n = weight.shape[0]
-    return torch.addmm(residual.reshape(-1, n), x.reshape(-1, x.shape[-1]), weight.t()).view(residual.shape)
-
-
-def grouped_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal projection: x [T, G, Kg], weight [G*Ng, Kg] (the G groups' [Ng, Kg]
-    matrices stacked on rows) -> [T, G, Ng], ``out[:, g] = x[:, g] @ W_g^T`` (one bmm)."""
-    w = weight.view(x.shape[1], -1, x.shape[2]).transpose(1, 2)        # [G, Kg, Ng]
-    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
 # -- greedy sampling ---------------------------------------------------------------------------------

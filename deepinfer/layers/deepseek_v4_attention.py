@@ -76,7 +76,6 @@ from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
-from deepinfer.layers.linear import Linear
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -114,8 +113,7 @@ class DeepseekV4AttentionConfig:
 class GroupedLinear(nn.Linear):
     """Block-diagonal projection: group g's [Hd/g] slice -> its own [out/g] outputs.
 
-    weight: [out, in_per_group] holding the g groups' matrices stacked on rows; computed by
-    :func:`backend.grouped_linear` (the Triton GEMV at decode sizes, one bmm otherwise).
+    weight: [out, in_per_group] holding the g groups' matrices stacked on rows.
     """
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
@@ -124,7 +122,8 @@ class GroupedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, g, in_per_group] -> [T, g, out/g]
-        return backend.grouped_linear(x, self.weight, self.groups)
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)     # [g, in, out/g]
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
 @dataclass
@@ -209,8 +208,8 @@ class GatedPool(nn.Module):
         self.head_dim = head_dim
         self.overlap = overlap
         width = (2 if overlap else 1) * head_dim
-        self.kv_proj = Linear(hidden_size, width)
-        self.gate_proj = Linear(hidden_size, width)
+        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
         self.kv_norm = RMSNorm(head_dim, eps)
         self.state_cache = CacheSlot(KVCacheSpec(
@@ -220,7 +219,7 @@ class GatedPool(nn.Module):
             kind="compressed", num_kv_heads=1, head_size=head_dim, dtype=cache_dtype, num_tensors=1,
             compress_ratio=ratio))
 
-    def projections(self) -> list[Linear]:
+    def projections(self) -> list[nn.Linear]:
         """The projections of the block input x this pool takes, in :meth:`update`'s order
         (the attention computes them, fused with its own)."""
         return [self.kv_proj, self.gate_proj]
@@ -250,7 +249,7 @@ class GatedPool(nn.Module):
 class IndexerScorer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
-        self.weights_proj = Linear(hidden_size, num_heads)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False)
 
 
 class Indexer(GatedPool):
@@ -264,10 +263,10 @@ class Indexer(GatedPool):
                          cfg.rms_norm_eps, cfg.sliding_window, cfg.cache_dtype)
         self.num_heads = cfg.index_n_heads
         self.index_topk = cfg.index_topk
-        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = IndexerScorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def projections(self) -> list[Linear]:
+    def projections(self) -> list[nn.Linear]:
         """The pool's projections of x, then the scorer's (``weights`` of :meth:`select`)."""
         return super().projections() + [self.scorer.weights_proj]
 
@@ -296,7 +295,7 @@ class Compressor(GatedPool):
                          cfg.sliding_window, cfg.cache_dtype)
         self.indexer = Indexer(cfg) if sparse else None
 
-    def projections(self) -> list[Linear]:
+    def projections(self) -> list[nn.Linear]:
         """The pool's projections of x, then the indexer's: the order of ``projected``
         in :meth:`attended_entries`."""
         return super().projections() + (self.indexer.projections() if self.indexer is not None else [])
@@ -342,14 +341,14 @@ class DeepseekV4Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         # Sliding layers use the plain "main" rope; CSA/HCA layers share the compressor's YaRN rope.
         self.rope_type = "main" if cfg.layer_type == SLIDING else "compress"
-        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim)
-        self.kv_proj = Linear(cfg.hidden_size, cfg.head_dim)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.o_a_proj = GroupedLinear(cfg.num_heads * cfg.head_dim // cfg.o_groups,
                                       cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32))
         self.compressor = Compressor(cfg) if cfg.layer_type != SLIDING else None
         self.window_cache = CacheSlot(KVCacheSpec(

@@ -20,7 +20,6 @@ from torch import nn
 
 from deepinfer.kernels import backend
 from deepinfer.layers.fused_linear import FusedProjection
-from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import FusedMoE
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
@@ -75,9 +74,9 @@ class DeepseekV4Experts(FusedMoE):
 class DeepseekV4SharedExpert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.swiglu_limit = swiglu_limit
         # gate and up: one GEMM once fuse_projections() has run (layers/fused_linear.py).
         self.gate_up = FusedProjection([self.gate_proj, self.up_proj])
@@ -91,7 +90,9 @@ class DeepseekV4SharedExpert(nn.Module):
         # x: [T, H] -> [T, H], plus ``residual`` [T, H] added in the down projection's GEMM
         gate, up = self.gate_up(x)                                                # [T, I] each
         act = backend.clamped_swiglu(gate, up, self.swiglu_limit)                 # [T, I]
-        return backend.linear(act, self.down_proj.weight, residual)
+        if residual is None:
+            return self.down_proj(act)
+        return torch.addmm(residual, act, self.down_proj.weight.t())
 
 
 class DeepseekV4MoE(nn.Module):

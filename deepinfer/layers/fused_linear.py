@@ -4,9 +4,8 @@ At batch 1 a decode step is bound by kernel launches, not bytes: a layer that ru
 seven small GEMVs on one input pays seven launches. :class:`FusedProjection` keeps
 the projections as the separate ``nn.Linear`` modules the checkpoint names (module
 tree, parameter names and ``state_dict`` unchanged) and, once :meth:`fuse` has run,
-computes them as one ``backend.linear(x, W)`` with ``W = cat(W_1, ..., W_n)``
-[sum_out, in] (the Triton GEMV at decode sizes on CUDA, F.linear otherwise), returning
-the pieces as column views of the one output.
+computes them as ``F.linear(x, W)`` with ``W = cat(W_1, ..., W_n)`` [sum_out, in],
+returning the pieces as column views of the one output.
 
 Contract:
 
@@ -35,9 +34,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from deepinfer.kernels import backend
 
 
 class FusedProjection:
@@ -86,4 +84,4 @@ class FusedProjection:
             raise RuntimeError(f"FusedProjection: the weight of projection(s) {stale} (out widths "
                                f"{[self.sizes[i] for i in stale]}) was replaced after fuse(), so the "
                                "fused buffer is stale; call fuse_projections() again")
-        return backend.linear(x, self.weight).split(self.sizes, dim=-1)
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)
