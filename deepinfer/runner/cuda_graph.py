@@ -12,10 +12,12 @@ block-table row of null blocks and slot -1 in every group, so padding stores
 nothing and its attention reads only the null block (never written, zeros).
 Only the first B rows of the output belong to real sequences.
 
-Buffers. One set, sized for the largest bucket; bucket n's graph was captured
-on the first n rows (views), so every graph reads the same addresses and a
-step only rewrites those rows. Block tables are ``[max_bs, blocks for
-max_model_len]`` per group; the columns past a step's widest table are zeroed,
+Buffers. One set per bucket: bucket n's graph was captured on its views, so
+each replay reads the same addresses. A bucket's inputs (ids, positions,
+seq_lens, and per KV-cache group the slot mapping and the block table
+``[n, blocks for max_model_len]``) are contiguous typed views of one device
+buffer, rewritten each step whole by a single host-to-device copy from a pinned
+mirror (:class:`_Bucket`): columns past a sequence's table hold the null block,
 so no row keeps a block id its sequence no longer owns.
 
 Capture. The context passed at capture is ``decode_only`` with ``max_seq_len =
@@ -34,27 +36,98 @@ padding, slots and slicing without a GPU.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.runner.inputs import StepInputs
-from deepinfer.runner.transfer import copy_into
 from deepinfer.scheduler.kv_cache import KVCacheGroup
 
 logger = logging.getLogger(__name__)
 
 # Forwards per bucket before its capture.
 _WARMUP_RUNS = 2
+# Byte alignment of each field in a bucket's packed input buffer.
+_ALIGN = 16
+# Up to this many sequences a step writes block-table rows one by one; above, through one
+# numpy conversion of the padded rows.
+_ROW_LOOP_MAX = 32
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def max_blocks_per_seq(group: KVCacheGroup, max_model_len: int) -> int:
     """Widest block table a sequence of at most ``max_model_len`` tokens has in ``group``."""
     entries = max_model_len // group.compress_ratio if group.kind == "compressed" else max_model_len
     return max(1, -(-entries // group.block_size))
+
+
+class _Bucket:
+    """Bucket n's static inputs: contiguous typed views of one device buffer, rewritten each
+    step by a single host-to-device copy from a pinned host mirror of the same layout.
+
+    One copy instead of one per tensor: a decode step's inputs are a dozen tiny tensors, and
+    each separate copy costs host time (staging) and a few microseconds of the stream between
+    two replays. Two mirrors alternate: the host fills one while the copy from the other may
+    still be queued behind the step the device is running (overlapped scheduling); a mirror
+    is reused only once its previous copy has completed (an event, normally long passed).
+    """
+
+    def __init__(self, n: int, widths: Sequence[int], device: torch.device) -> None:
+        fields = [("input_ids", torch.long, (n,)), ("positions", torch.long, (n,)),
+                  ("seq_lens", torch.int32, (n,))]
+        fields += [(f"slots{g}", torch.long, (n,)) for g in range(len(widths))]
+        fields += [(f"table{g}", torch.int32, (n, w)) for g, w in enumerate(widths)]
+        layout, size = [], 0
+        for name, dtype, shape in fields:
+            nbytes = math.prod(shape) * dtype.itemsize
+            layout.append((name, dtype, shape, size, nbytes))
+            size += -(-nbytes // _ALIGN) * _ALIGN
+        self.n = n
+        self.num_groups = len(widths)
+        self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.views = {name: self.buffer[off:off + nb].view(dtype).view(shape)
+                      for name, dtype, shape, off, nb in layout}
+        pinned = device.type == "cuda"
+        self._mirrors = [torch.zeros(size, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._host = [{name: m.numpy()[off:off + nb].view(_NUMPY[dtype]).reshape(shape)
+                       for name, dtype, shape, off, nb in layout} for m in self._mirrors]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        # The rows of a decode step: sequence b is row b, whatever the step (never rewritten).
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n+1]
+        self.token_seq = torch.arange(n, dtype=torch.int32, device=device)           # [n]
+        self.fill_padding()
+
+    def fill_padding(self) -> None:
+        """Every row padding (token 0 at position 0, seq_len 1, slot -1, null blocks)."""
+        host = self.host()
+        for name, view in host.items():
+            view.fill(1 if name == "seq_lens" else -1 if name.startswith("slots") else 0)
+        self.upload()
+
+    def host(self) -> dict[str, np.ndarray]:
+        """The mirror to fill for the next :meth:`upload` (its last copy has completed)."""
+        event = self._copied[self._turn]
+        if event is not None:
+            event.synchronize()
+        return self._host[self._turn]
+
+    def upload(self) -> None:
+        """Copy the mirror :meth:`host` returned into the device buffer, in stream order."""
+        mirror = self._mirrors[self._turn]
+        if self.buffer.device.type == "cuda":
+            self.buffer.copy_(mirror, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[self._turn] = event
+        else:
+            self.buffer.copy_(mirror)
+        self._turn ^= 1
 
 
 class DecodeGraphs:
@@ -71,17 +144,8 @@ class DecodeGraphs:
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
         self.device = device
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)             # [max_bs]
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)             # [max_bs]
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)              # [max_bs]
-        # One token per sequence: row b is sequence b, whatever the step.
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)  # [max_bs+1]
-        self.token_seq = torch.arange(n, dtype=torch.int32, device=device)           # [max_bs]
-        self.block_tables = [torch.zeros(n, max_blocks_per_seq(g, max_model_len), dtype=torch.int32,
-                                         device=device) for g in self.groups]        # [max_bs, M_g]
-        self.slot_mappings = [torch.full((n,), -1, dtype=torch.long, device=device)
-                              for _ in self.groups]                                  # [max_bs]
+        widths = [max_blocks_per_seq(g, max_model_len) for g in self.groups]
+        self.buckets = {n: _Bucket(n, widths, device) for n in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -96,14 +160,15 @@ class DecodeGraphs:
         return next((n for n in self.sizes if n >= num_seqs), None)
 
     def holds(self, input_ids: torch.Tensor) -> bool:
-        """Whether ``input_ids`` is a view of this object's static token buffer (from :meth:`prepare`)."""
-        return input_ids.untyped_storage().data_ptr() == self.input_ids.untyped_storage().data_ptr()
+        """Whether ``input_ids`` is a bucket's static token buffer (from :meth:`prepare`)."""
+        ptr = input_ids.untyped_storage().data_ptr()
+        return any(ptr == b.buffer.untyped_storage().data_ptr() for b in self.buckets.values())
 
     # -- one step ----------------------------------------------------------------
     @torch.inference_mode()
     def prepare(self, inputs: StepInputs) -> tuple[torch.Tensor, ForwardContext]:
-        """Write a decode step's inputs (B sequences) into the first n = bucket rows of the
-        static buffers, padding rows B..n-1; returns (input ids [n], context) as views."""
+        """Write a decode step's inputs (B sequences) into bucket n's static buffers, padding
+        rows B..n-1, with one host-to-device copy; returns (input ids [n], context) as views."""
         if not inputs.decode_only:
             raise ValueError("decode graphs take decode-only steps (one new token per sequence)")
         b = inputs.num_seqs
@@ -111,24 +176,32 @@ class DecodeGraphs:
         if n is None:
             raise ValueError(f"a decode step of {b} sequences exceeds the largest graph bucket "
                              f"{self.max_batch_size}")
-        pad = n - b
-        # Copies from pinned staging buffers, queued behind the step the device is running:
-        # the host never waits, so overlapped scheduling can prepare step N+1 during step N.
-        copy_into(self.input_ids[:n], inputs.input_ids + [0] * pad)
-        copy_into(self.positions[:n], inputs.positions + [0] * pad)
-        seq_lens = inputs.seq_lens + [1] * pad
-        copy_into(self.seq_lens[:n], seq_lens)
-        for gid, (table, slots) in enumerate(zip(self.block_tables, self.slot_mappings)):
-            rows = inputs.block_tables[gid]
+        bucket = self.buckets[n]
+        host = bucket.host()
+        host["input_ids"][:b] = inputs.input_ids
+        host["input_ids"][b:] = 0
+        host["positions"][:b] = inputs.positions
+        host["positions"][b:] = 0
+        host["seq_lens"][:b] = inputs.seq_lens
+        host["seq_lens"][b:] = 1
+        for gid in range(bucket.num_groups):
+            rows, table = inputs.block_tables[gid], host[f"table{gid}"]
             width = max(1, max(len(r) for r in rows))
             if width > table.shape[1]:
                 raise ValueError(f"KV-cache group {gid}: a block table of {width} blocks exceeds the "
                                  f"{table.shape[1]} that max_model_len={self.max_model_len} allows")
-            padded = [r + [0] * (width - len(r)) for r in rows] + [[0] * width] * pad
-            copy_into(table[:n, :width], padded)
-            table[:n, width:].zero_()
-            copy_into(slots[:n], inputs.slot_mappings[gid] + [-1] * pad)
-        return self.input_ids[:n], self._context(n, seq_lens)
+            # Whole rows: columns past a sequence's table (and padding rows) hold the null block.
+            table.fill(0)
+            if b <= _ROW_LOOP_MAX:
+                for i, r in enumerate(rows):
+                    table[i, :len(r)] = r
+            else:
+                table[:b, :width] = np.asarray([r + [0] * (width - len(r)) for r in rows], dtype=np.int32)
+            slots = host[f"slots{gid}"]
+            slots[:b] = inputs.slot_mappings[gid]
+            slots[b:] = -1
+        bucket.upload()
+        return bucket.views["input_ids"], self._context(n, inputs.seq_lens + [1] * (n - b))
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states [n, H] of a step from :meth:`prepare`: the captured graph's replay,
@@ -141,12 +214,14 @@ class DecodeGraphs:
         return self.outputs[n]
 
     def _context(self, n: int, seq_lens: list[int]) -> ForwardContext:
-        groups = [GroupMetadata(block_size=g.block_size, block_table=table[:n], slot_mapping=slots[:n])
-                  for g, table, slots in zip(self.groups, self.block_tables, self.slot_mappings)]
-        return ForwardContext(positions=self.positions[:n], query_start_loc=list(range(n + 1)),
+        bucket = self.buckets[n]
+        views = bucket.views
+        groups = [GroupMetadata(block_size=g.block_size, block_table=views[f"table{gid}"],
+                                slot_mapping=views[f"slots{gid}"]) for gid, g in enumerate(self.groups)]
+        return ForwardContext(positions=views["positions"], query_start_loc=list(range(n + 1)),
                               seq_lens=seq_lens, groups=groups,
-                              query_start_loc_t=self.query_start_loc[:n + 1],
-                              seq_lens_t=self.seq_lens[:n], token_seq=self.token_seq[:n],
+                              query_start_loc_t=bucket.query_start_loc,
+                              seq_lens_t=views["seq_lens"], token_seq=bucket.token_seq,
                               max_seq_len=self.max_model_len, decode_only=True)
 
     # -- capture -------------------------------------------------------------------
@@ -155,16 +230,11 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        # Every row is padding while capturing: the warm-up forwards store nothing.
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.seq_lens.fill_(1)
-        for table, slots in zip(self.block_tables, self.slot_mappings):
-            table.zero_()
-            slots.fill_(-1)
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            ids = self.input_ids[:n]
+            # Every row is padding while capturing: the warm-up forwards store nothing.
+            self.buckets[n].fill_padding()
+            ids = self.buckets[n].views["input_ids"]
             for _ in range(_WARMUP_RUNS):
                 self.model(ids, self._context(n, [1] * n))
             torch.cuda.synchronize(self.device)

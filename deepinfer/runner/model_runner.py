@@ -53,6 +53,13 @@ from deepinfer.structured.bitmask import allocate_token_bitmask
 logger = logging.getLogger(__name__)
 
 
+
+def _run_start(values: list[int]) -> int | None:
+    """values[0] when ``values`` is a non-empty run of consecutive ints, else None."""
+    if values and values[-1] - values[0] == len(values) - 1 and values == list(range(values[0], values[-1] + 1)):
+        return values[0]
+    return None
+
 @dataclass
 class _RunnerRequest:
     prompt_token_ids: list[int]
@@ -227,7 +234,7 @@ class ModelRunner:
         self._last_sampled = None
         if rows:
             with record_function("deepinfer.sample"):
-                logits = self.model.compute_logits(hidden.index_select(0, self._indices(rows)))  # [N, V]
+                logits = self.model.compute_logits(self._select(hidden, rows))          # [N, V]
                 self._launch_sampling(plan, logits, handle)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
@@ -260,7 +267,7 @@ class ModelRunner:
                 r += 1
         if not sample_rows:
             return
-        out = self.sampler.sample(logits.index_select(0, self._indices(sample_rows)), sampling_rows,
+        out = self.sampler.sample(self._select(logits, sample_rows), sampling_rows,
                                   self._token_bitmask(handle.sampled_states))
         # The sampler has read the output lengths (seeds, min_tokens); hold each token's slot
         # until finish() knows its value.
@@ -284,6 +291,9 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"placeholder tokens for {missing}, which the previous step did not sample")
         src = [index[seq.req_id] for seq in seqs if seq.placeholder]
+        if _run_start(dst) is not None and _run_start(src) is not None:    # decode: row b <- row b
+            input_ids[dst[0]:dst[0] + len(dst)].copy_(tokens[src[0]:src[0] + len(src)])
+            return
         input_ids.index_copy_(0, self._indices(dst), tokens.index_select(0, self._indices(src)))
 
     @torch.inference_mode()
@@ -322,6 +332,13 @@ class ModelRunner:
 
     def _indices(self, values: list[int]) -> torch.Tensor:
         return to_device(values, torch.long, self.device)
+
+    def _select(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``t[rows]``: a view when the rows are consecutive (a decode step's), else a gather."""
+        first = _run_start(rows)
+        if first is not None:
+            return t[first:first + len(rows)]
+        return t.index_select(0, self._indices(rows))
 
     @staticmethod
     def _new_matcher(grammar: CompiledGrammar, output_token_ids: list[int]) -> GrammarMatcher:

@@ -102,7 +102,8 @@ class _Echo(nn.Module):
 def test_prepare_pads_to_the_bucket_and_clears_stale_rows():
     groups = [group("full", 4), group("compressed", 2, ratio=4)]
     graphs = DecodeGraphs(_Echo(), groups, sizes=[1, 2, 4], max_model_len=64, device=CPU, capture=False)
-    assert graphs.block_tables[0].shape == (4, 16) and graphs.block_tables[1].shape == (4, 8)
+    views = graphs.buckets[4].views
+    assert views["table0"].shape == (4, 16) and views["table1"].shape == (4, 8)
 
     def seq(tok: int, pos: int, full: list[int], comp: list[int]) -> ScheduledSeq:
         return ScheduledSeq(req_id=str(tok), token_ids=[tok], start_pos=pos, block_tables=[full, comp],
