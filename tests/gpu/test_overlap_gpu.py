@@ -106,7 +106,10 @@ def test_idle_between_steps_with_a_busy_device():
     cycles = spin_cycles(spin_ms)
     figures = {}
     for on in (True, False):
-        llm = LLM(device=CUDA, async_scheduling=on, max_num_seqs=32, gpu_memory_utilization=0.25)
+        # Eager: the hook below must run on every step; a decode CUDA graph, captured when the
+        # engine is built, would replay the forward without it.
+        llm = LLM(device=CUDA, async_scheduling=on, max_num_seqs=32, gpu_memory_utilization=0.25,
+                  enforce_eager=True)
         # The spin is queued after every forward, so each step's device work lasts >= spin_ms
         # past the point where launching it stops waiting for the device. (The eager forward
         # still waits for the device here and there: paged-attention launchers and
