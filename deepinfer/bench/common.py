@@ -23,7 +23,7 @@ import torch
 from deepinfer.bench.floors import DeepseekV4Cost, measure_hbm_bandwidth, measure_matmul_tflops
 from deepinfer.bench.model_shapes import V4_ARCH, resolve_config
 from deepinfer.config import resolve_dtype
-from deepinfer.engine.engine import Engine
+from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import build_engine_config, resolve_device
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4Router
@@ -102,6 +102,7 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
         async_scheduling=args.async_scheduling)
     engine = Engine(config)
     check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
+    freeze_heap()   # no full-collection pauses inside timed windows; free_memory unfreezes
     return engine
 
 
@@ -131,6 +132,7 @@ def check_finite(model: torch.nn.Module, device: torch.device, vocab_size: int, 
 
 
 def free_memory(device: torch.device) -> None:
+    gc.unfreeze()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -26,6 +26,7 @@ between consecutive steps (CUDA events around each step's device work).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -47,6 +48,17 @@ from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
 
+
+
+def freeze_heap() -> None:
+    """Collect garbage, then move every object alive now to the garbage collector's permanent
+    generation (``gc.freeze``), for a process that holds one engine for its lifetime (the
+    server, a benchmark). An engine holds hundreds of thousands of long-lived objects (one per
+    KV-cache block); left in the collected generations, each full collection traverses them
+    all, pausing a step for tens of milliseconds (a 93 ms step in an H200 decode curve at B=128).
+    Frozen objects are never collected: call :func:`gc.unfreeze` before releasing the engine."""
+    gc.collect()
+    gc.freeze()
 
 @dataclass
 class _UserRequest:

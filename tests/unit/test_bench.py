@@ -129,3 +129,23 @@ def test_bad_arguments_fail_clearly(tiny_config, tmp_path, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "decode", "--config", tiny_config, "--steps", "0", "--device", "cpu"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_engine_is_frozen_then_released(tiny_config):
+    """build_engine moves the live heap (the engine's KV-block objects among it) to the GC's
+    permanent generation, so full collections inside timed windows skip it; free_memory
+    unfreezes, so a released engine's cycles are collected again."""
+    import gc
+
+    from deepinfer.bench.common import BenchModel, build_engine, free_memory
+    from deepinfer.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "decode", "--config", tiny_config, *COMMON])
+    model = BenchModel.from_args(args)
+    engine = build_engine(model, args, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    try:
+        assert gc.get_freeze_count() >= engine.kv.pool.num_blocks
+    finally:
+        del engine
+        free_memory(model.device)
+    assert gc.get_freeze_count() == 0

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deepinfer.engine.engine import Engine
+from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from deepinfer.entrypoints.openai.chat import create_chat_completion
@@ -219,6 +219,7 @@ def run_server(args: argparse.Namespace) -> None:
     from deepinfer.entrypoints.llm import build_engine_config
 
     engine = Engine(build_engine_config(**engine_kwargs(args)))
+    freeze_heap()   # the engine lives as long as the process
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key)
     logger.warning("serving %s on http://%s:%d", app.state.server_state.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
