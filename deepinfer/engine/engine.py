@@ -144,10 +144,10 @@ class Engine:
             ids = self.tokenizer.encode(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.config.model.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is out of range [0, "
-                                 f"{self.config.model.vocab_size})")
+            vocab = self.config.model.vocab_size
+            if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
         if not ids:
             raise ValueError("prompt is empty: it must contain at least one token")
         arrival = next(self._arrival)

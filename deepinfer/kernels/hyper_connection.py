@@ -10,7 +10,8 @@ with M tiny, so its cost is reading the streams (T*K*2 bytes in bf16) and, at
 small T, reading ``fn`` (M*K*4 bytes, 1.5 MiB at V4-Flash widths). Programs tile
 (split of K) x (block of tokens): each reads its stream tile once, accumulating
 the dot products with ``fn`` (``tl.dot``, tf32x3 on the GPU: about float32
-accuracy) and the sum of squares, and writes them as a partial. The last
+accuracy; blocks under 16 tokens, decode's, use float32 FMAs instead of a
+tensor-core tile padded to 16 rows) and the sum of squares, and writes them as a partial. The last
 program of a token block to arrive (an atomic counter per block) sums the
 partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
 (s @ fn.T)``), the sigmoids, the softmax and the Sinkhorn-Knopp iterations in

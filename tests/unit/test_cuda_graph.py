@@ -136,6 +136,27 @@ def test_prepare_pads_to_the_bucket_and_clears_stale_rows():
     assert graphs.run(ids, ctx)[:, 0].tolist() == [10, 12, 11, 0]
 
 
+def test_bucket_inputs_share_one_buffer_and_mirrors_alternate():
+    """A bucket's inputs are typed views of one buffer that one copy fills; consecutive steps
+    fill alternate host mirrors, and the buffer holds the latest step whichever was used."""
+    groups = [group("full", 4), group("compressed", 2, ratio=4)]
+    graphs = DecodeGraphs(_Echo(), groups, sizes=[2], max_model_len=32, device=CPU, capture=False)
+    bucket = graphs.buckets[2]
+    storage = bucket.buffer.untyped_storage().data_ptr()
+    for name, view in bucket.views.items():
+        assert view.untyped_storage().data_ptr() == storage and view.is_contiguous(), name
+    assert bucket.views["slots1"].dtype == torch.long and bucket.views["table1"].dtype == torch.int32
+    mirrors = []
+    for tok in (3, 4, 5):
+        mirrors.append(id(bucket.host()))
+        seq = ScheduledSeq(req_id="a", token_ids=[tok], start_pos=tok - 3, block_tables=[[tok], []],
+                           sample=True)                  # positions 0-2 complete no compressed entry
+        ids, ctx = graphs.prepare(StepInputs.build([seq], groups))
+        assert ids.tolist() == [tok, 0] and ctx.positions.tolist() == [tok - 3, 0]
+        assert ctx.groups[0].block_table[0, :2].tolist() == [tok, 0]
+    assert mirrors[0] != mirrors[1] and mirrors[0] == mirrors[2]
+
+
 def test_prepare_refuses_what_no_bucket_holds():
     groups = [group("full", 4)]
     graphs = DecodeGraphs(_Echo(), groups, sizes=[2], max_model_len=8, device=CPU, capture=False)
