@@ -1,24 +1,35 @@
 """``deepinfer bench prefill``: input tokens per second per GPU.
 
-One round adds ``batch`` fresh random prompts of ``prompt_len`` tokens (``max_tokens=1``,
-so each request ends when its prefill samples a token) and steps the engine until all
-finish. The first ``--warmup`` rounds are discarded (they compile kernels and warm
-allocators); the figure is ``batch x prompt_len / mean round time`` over the next
-``--iters`` rounds. Floor: the prefill's useful FLOPs / measured matmul rate (or its
-bytes / measured bandwidth, whichever is larger; bench/floors.py).
+Two figures, both over random prompts of ``prompt_len`` tokens with ``max_tokens=1`` (a
+request ends when its prefill samples a token):
+
+* round (latency of a batch that arrives alone): one round adds ``batch`` prompts and steps
+  the engine until all finish; the first ``--warmup`` rounds are discarded (they compile
+  kernels and warm allocators), the figure is ``batch x prompt_len / mean round time`` over
+  the next ``--iters`` rounds. The engine is idle between rounds, so the host work before the
+  first launch and after the last sync counts.
+* steady (throughput under load, DESIGN.md's definition): ``(warmup + iters) x batch``
+  prompts are queued at once and the engine prefills ``batch`` of them a step (the token
+  budget); the figure is the input tokens of the ``iters`` steps after the warm-up ones over
+  the time between their completions, so overlapped scheduling hides the host work as it
+  would in a serving engine.
+
+Floor: the prefill's useful FLOPs / measured matmul rate (or its bytes / measured bandwidth,
+whichever is larger; bench/floors.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any
 
 import torch
 
 from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, measure_floors,
                                     print_header, print_table, profile_to_file, random_prompts, step_outputs,
-                                    write_json)
+                                    sync, write_json)
 from deepinfer.bench.floors import floor_ms
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
@@ -56,6 +67,42 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
             "input_tok_s": batch * prompt_len / mean_s, "input_tok_s_per_gpu": batch * prompt_len / mean_s}
 
 
+def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, iters: int,
+                   gen: torch.Generator) -> dict[str, Any]:
+    """Queue ``(warmup + iters) x batch`` prompts at once and time the ``iters`` steps of
+    ``batch`` prompts after the warm-up ones, from the completion of the last warm-up prompt
+    to that of the last timed one (host clock, device synchronised at both ends)."""
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prompts = random_prompts((warmup + iters) * batch, prompt_len, vocab, gen)
+    order = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    done = [0.0] * len(prompts)
+    finished = 0
+    start_at = warmup * batch            # prompts finished when the window opens
+    if start_at == 0:
+        sync(engine.config.device)
+        t0 = time.perf_counter()
+        engine.reset_stats()
+    while finished < len(prompts):
+        for out in step_outputs(engine):
+            if out.finished:
+                done[order[out.request_id]] = time.perf_counter()
+                finished += 1
+                if finished == start_at:
+                    t0 = done[order[out.request_id]]
+                    engine.reset_stats()
+    sync(engine.config.device)
+    stats = engine.stats
+    elapsed = max(done) - t0
+    tokens = iters * batch * prompt_len
+    cuda = engine.config.device.type == "cuda"
+    # ms: per batch of prompts (one engine step unless the budget chunks the prompts).
+    return {"ms": elapsed * 1e3 / iters, "input_tok_s_per_gpu": tokens / elapsed,
+            "steps": stats.steps, "overlapped_steps": stats.overlapped_steps,
+            "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step if cuda else None,
+            "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step if cuda else None}
+
+
 def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.prompt_len, args.batch_size, args.iters) < 1 or args.warmup < 0:
         raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
@@ -67,10 +114,13 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     result.update(batch=args.batch_size, prompt_len=args.prompt_len, warmup_rounds=args.warmup,
                   timed_rounds=args.iters, max_num_batched_tokens=budget)
 
-    engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
+    # Twice the batch: under steady load the next batch is admitted while the last is in flight.
+    engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
                           max_model_len=args.prompt_len + 1)
     gen = torch.Generator().manual_seed(args.seed)
     result["engine"] = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters, gen)
+    result["engine"]["steady"] = measure_steady(engine, args.batch_size, args.prompt_len, args.warmup,
+                                                args.iters, gen)
     if args.profile:
         profile_to_file(args.profile, "1 prefill round", 1,
                         lambda: measure_prefill(engine, args.batch_size, args.prompt_len, 0, 1, gen))
@@ -81,8 +131,9 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     floor = {**work, **floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])}
     result["floor"] = floor
     result["engine_over_floor"] = result["engine"]["ms"] / floor["floor_ms"]
-    result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3) / (
-        result["measured"]["matmul_tflop_s"] * 1e12)
+    peak = result["measured"]["matmul_tflop_s"] * 1e12
+    result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3) / peak
+    result["steady_matmul_peak_share"] = work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3) / peak
 
     result["hf"] = None
     if not args.no_hf:
@@ -101,7 +152,10 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
 def report(result: dict[str, Any]) -> None:
     print_header(result)
     e, f, hf = result["engine"], result["floor"], result["hf"]
-    rows = [["engine", result["prompt_len"], e["ms"], e["input_tok_s_per_gpu"], result["engine_over_floor"]],
+    st = e["steady"]
+    rows = [["engine, round", result["prompt_len"], e["ms"], e["input_tok_s_per_gpu"], result["engine_over_floor"]],
+            ["engine, steady", result["prompt_len"], st["ms"], st["input_tok_s_per_gpu"],
+             st["ms"] / f["floor_ms"]],
             ["floor", result["prompt_len"], f["floor_ms"],
              result["batch"] * result["prompt_len"] / (f["floor_ms"] * 1e-3), 1.0]]
     if hf and "ms" in hf:
@@ -113,8 +167,12 @@ def report(result: dict[str, Any]) -> None:
     if e.get("gpu_ms") is not None:
         print(f"engine: device busy {e['gpu_ms']:.3g} ms of the {e['ms']:.3g} ms round (the rest: host work "
               "before and between launches)")
+    if st.get("gpu_busy_ms_per_step") is not None:
+        print(f"steady: {st['overlapped_steps']}/{st['steps']} steps overlapped; device busy "
+              f"{st['gpu_busy_ms_per_step']:.3g} ms/step, idle between steps {st['gpu_idle_ms_per_step']:.3g} ms/step")
     print(f"floor: {f['flops'] / 1e12:.3g} TFLOP -> {f['flops_ms']:.3g} ms; {f['bytes'] / 1e9:.3g} GB -> "
           f"{f['bytes_ms']:.3g} ms ({f['bound']}-bound); engine at "
-          f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate")
+          f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate per round, "
+          f"{100 * result['steady_matmul_peak_share']:.1f}% steady")
     if hf and "skipped" in hf:
         print(f"HF transformers: skipped ({hf['skipped']})")

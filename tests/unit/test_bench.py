@@ -81,9 +81,17 @@ def test_prefill(tiny_config, tmp_path, capsys):
     positive(e, "ms", "input_tok_s", "input_tok_s_per_gpu")
     assert e["input_tok_s"] == pytest.approx(2 * 48 / (e["ms"] * 1e-3))
     positive(f, "flops", "bytes", "floor_ms")
-    positive(r, "engine_over_floor", "matmul_peak_share")
+    positive(r, "engine_over_floor", "matmul_peak_share", "steady_matmul_peak_share")
+    # Steady: (1 warm-up + 2 timed) x 2 prompts queued at once, 2 prompts a step. The window
+    # opens when the warm-up step lands, after the first timed step was launched behind it:
+    # the last timed step is launched inside the window, overlapped with the one before.
+    st = e["steady"]
+    positive(st, "ms", "input_tok_s_per_gpu")
+    assert st["input_tok_s_per_gpu"] == pytest.approx(2 * 48 / (st["ms"] * 1e-3))
+    assert st["steps"] == st["overlapped_steps"] == 1
     positive(r["hf"], "ms", "input_tok_s")
-    assert "input tok/s/GPU" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "input tok/s/GPU" in out and "engine, steady" in out and "steady" in out
 
 
 def test_prefill_chunked_over_steps(tiny_config, tmp_path):
