@@ -53,12 +53,12 @@ from deepinfer.structured.bitmask import allocate_token_bitmask
 logger = logging.getLogger(__name__)
 
 
-
 def _run_start(values: list[int]) -> int | None:
     """values[0] when ``values`` is a non-empty run of consecutive ints, else None."""
     if values and values[-1] - values[0] == len(values) - 1 and values == list(range(values[0], values[-1] + 1)):
         return values[0]
     return None
+
 
 @dataclass
 class _RunnerRequest:

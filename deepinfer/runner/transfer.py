@@ -58,12 +58,3 @@ def copy_to_host(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
-
-
-def copy_into(dst: torch.Tensor, values: Sequence[int] | Sequence[float] | np.ndarray) -> None:
-    """``dst.copy_(values)`` from host values, without a host sync on CUDA (``dst`` is
-    written in stream order, after the work already queued)."""
-    host = _host(values, dst.dtype).view(dst.shape)
-    if dst.device.type == "cuda" and host.numel():
-        host = _staged(host)
-    dst.copy_(host, non_blocking=dst.device.type == "cuda")
