@@ -12,6 +12,7 @@ This module imports no torch: ``from deepinfer import SamplingParams`` stays che
 from __future__ import annotations
 
 import copy
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, fields
@@ -130,6 +131,20 @@ class StructuredOutputsParams:
         return cls(**d)
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs the engine's steps return for a request (vLLM's names).
+
+    CUMULATIVE: an output every step the request advances, holding all its tokens so far
+    (and ``delta_text``, the text since the previous output). FINAL_ONLY: only the finished
+    output; ``LLM.generate`` asks for this, sparing the per-step copies of every token list.
+    DELTA (only the new tokens in each output) is not supported yet.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM names and defaults).
@@ -162,9 +177,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind={self.output_kind!r} must be a RequestOutputKind")
+        if self.output_kind is RequestOutputKind.DELTA:
+            raise NotImplementedError("output_kind=DELTA is not supported yet; use CUMULATIVE (each "
+                                      "output also carries delta_text) or FINAL_ONLY")
         _check_float("temperature", self.temperature, 0.0, math.inf)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):

@@ -40,7 +40,7 @@ from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups
 from deepinfer.scheduler.plan import StepPlan
 from deepinfer.scheduler.scheduler import Scheduler
@@ -210,7 +210,8 @@ class Engine:
         parents = {r.parent_id for r in touched}
         parents.update(r.parent_id for r in self.scheduler.drain_ended())
         parents.update(pid for pid, u in self.requests.items() if u.error is not None)
-        return [self._output(pid) for pid in sorted(parents, key=self._order) if pid in self.requests]
+        return [self._output(pid) for pid in sorted(parents, key=self._order)
+                if pid in self.requests and self._reports(pid)]
 
     def _schedule_and_launch(self, overlapped: bool, after_sync: bool = False) -> None:
         plan = self.scheduler.schedule()
@@ -247,6 +248,14 @@ class Engine:
         for req in touched:
             self._detokenize(req)
         return touched
+
+    def _reports(self, parent_id: str) -> bool:
+        """Whether this step returns the request's output: every step it advanced, or for
+        ``RequestOutputKind.FINAL_ONLY`` only once it has finished or failed."""
+        user = self.requests[parent_id]
+        if user.seqs[0].params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            return True
+        return user.error is not None or all(r.is_finished or r.error for r in user.seqs)
 
     def _order(self, parent_id: str) -> int:
         return self.requests[parent_id].seqs[0].arrival

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -12,7 +13,7 @@ from tqdm import tqdm
 from deepinfer.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from deepinfer.engine.engine import Engine
 from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny-model")
 
@@ -101,6 +102,14 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts; "
                                  "pass one, or one per prompt")
+        # Only finished outputs are kept, so the engine builds no per-step outputs (copies of
+        # every token list) for them; the caller's params are left as they are (one copy per
+        # distinct params object).
+        final: dict[int, SamplingParams] = {}
+        for sp in params:
+            if sp.output_kind is not RequestOutputKind.FINAL_ONLY and id(sp) not in final:
+                final[id(sp)] = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final.get(id(sp), sp) for sp in params]
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 

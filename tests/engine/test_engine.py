@@ -252,3 +252,30 @@ def test_cli_generate_streams(capsys):
 
     assert main(["generate", "--device", "cpu", "--prompt", "The list type", "--max-tokens", "8"]) == 0
     assert capsys.readouterr().out.startswith("The list type")
+
+
+def test_final_only_outputs(tiny_llm):
+    """FINAL_ONLY: step() reports a request once, when it finishes, with the same output a
+    CUMULATIVE request gets; LLM.generate asks for it without changing the caller's params."""
+    from deepinfer.sampling_params import RequestOutputKind
+
+    engine = tiny_llm.engine
+    final = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    reported: dict[str, list] = {}
+    ids = {engine.add_request(p, final if i % 2 else GREEDY): i for i, p in enumerate(PROMPTS)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            reported.setdefault(out.request_id, []).append(out)
+    for rid, i in ids.items():
+        outs = reported[rid]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 24
+        if i % 2:
+            assert len(outs) == 1                        # only the finished output
+        else:
+            assert len(outs) > 1 and not outs[0].finished
+    by_prompt = {PROMPTS[i]: reported[rid][-1].outputs[0] for rid, i in ids.items()}
+    for out in tiny_llm.generate(PROMPTS, GREEDY, use_tqdm=False):
+        assert out.outputs[0].token_ids == by_prompt[out.prompt].token_ids
+        assert out.outputs[0].text == by_prompt[out.prompt].text
+    assert GREEDY.output_kind is RequestOutputKind.CUMULATIVE
+    assert pool_is_full(tiny_llm)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_defaults_match_vllm():
@@ -68,6 +68,7 @@ def test_valid_edge_values():
     (dict(prompt_logprobs=-1), "prompt_logprobs=-1 must be >= 0"),
     (dict(skip_special_tokens=None), "skip_special_tokens=None must be True or False"),
     (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output='yes' must be True or False"),
+    (dict(output_kind=2), "output_kind=2 must be a RequestOutputKind"),
 ])
 def test_invalid_field_raises(kwargs, message):
     with pytest.raises(ValueError) as err:
@@ -101,3 +102,10 @@ def test_clone_is_deep():
     q.stop.append("y")
     q.logit_bias[2] = 1.0
     assert p.stop == ["x"] and p.logit_bias == {1: 2.0}
+
+
+def test_output_kind():
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE          # vLLM's default
+    assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind is RequestOutputKind.FINAL_ONLY
+    with pytest.raises(NotImplementedError, match="output_kind=DELTA is not supported yet"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
