@@ -71,18 +71,18 @@ def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, ite
                    gen: torch.Generator) -> dict[str, Any]:
     """Queue ``(warmup + iters) x batch`` prompts at once and time the ``iters`` steps of
     ``batch`` prompts after the warm-up ones, from the completion of the last warm-up prompt
-    to that of the last timed one (host clock, device synchronised at both ends)."""
+    to that of the last timed one (host clock: when each output reaches the host; the device
+    is synchronised at the end)."""
     vocab = engine.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     prompts = random_prompts((warmup + iters) * batch, prompt_len, vocab, gen)
     order = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     done = [0.0] * len(prompts)
     finished = 0
-    start_at = warmup * batch            # prompts finished when the window opens
-    if start_at == 0:
-        sync(engine.config.device)
-        t0 = time.perf_counter()
-        engine.reset_stats()
+    start_at = warmup * batch            # prompts finished when the window opens (0: at once)
+    sync(engine.config.device)
+    t0 = time.perf_counter()
+    engine.reset_stats()
     while finished < len(prompts):
         for out in step_outputs(engine):
             if out.finished:

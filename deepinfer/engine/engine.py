@@ -49,7 +49,6 @@ from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
 logger = logging.getLogger(__name__)
 
 
-
 def freeze_heap() -> None:
     """Collect garbage, then move every object alive now to the garbage collector's permanent
     generation (``gc.freeze``), for a process that holds one engine for its lifetime (the
@@ -59,6 +58,7 @@ def freeze_heap() -> None:
     Frozen objects are never collected: call :func:`gc.unfreeze` before releasing the engine."""
     gc.collect()
     gc.freeze()
+
 
 @dataclass
 class _UserRequest:
