@@ -14,6 +14,11 @@ DEEPINFER_KERNEL_BACKEND  auto | torch | triton  (default auto)
     ``kernels/``; their tensors must be on CUDA, or on the CPU with
     ``TRITON_INTERPRET=1`` (Triton's interpreter, slow, for tests). ``auto``:
     Triton for CUDA tensors when the ``triton`` package imports, torch otherwise.
+
+DEEPINFER_PDL  1 | 0  (default 1)
+    Programmatic dependent launch of the Triton kernels on Hopper and later
+    (``kernels/pdl.py``): each kernel is launched while the previous one runs and waits
+    for it on the device. ``0``: plain launches.
 """
 
 from __future__ import annotations
@@ -31,3 +36,11 @@ def kernel_backend() -> KernelBackend:
         raise ValueError(f"DEEPINFER_KERNEL_BACKEND={value!r} is not valid; choose one of "
                          f"{', '.join(get_args(KernelBackend))}")
     return value  # type: ignore[return-value]
+
+
+def pdl_enabled() -> bool:
+    """DEEPINFER_PDL (see the module docstring)."""
+    value = os.environ.get("DEEPINFER_PDL", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"DEEPINFER_PDL={value!r} is not valid; choose 1 or 0")
+    return value == "1"

@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @triton.jit
 def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, limit,
-                           CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+                           CLAMP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -47,5 +50,5 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     block = min(triton.next_power_of_2(width), 1024)
     _clamped_swiglu_kernel[(t, triton.cdiv(width, block))](
         gate, up, out, width, gate.stride(0), up.stride(0), float(limit),
-        CLAMP=limit > 0, BLOCK=block, num_warps=4)
+        CLAMP=limit > 0, BLOCK=block, num_warps=4, **pdl.flags(gate.device))
     return out

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 # Slots x channels of one gathered tile (even and odd channels together): at D = 512 that is
 # 8 slots, so the four tiles (kv, gate; even, odd) hold 32 float32 registers per thread with
 # 8 warps; small windows (r = 4) load whole.
@@ -54,8 +56,9 @@ def _compress_kernel(
     stride_bias_row,
     RATIO: tl.constexpr, SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
     STATE_BS: tl.constexpr, ENTRY_BS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, OVERLAP: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     # A negative position (never given by the runner) would otherwise complete entry -1.
@@ -211,4 +214,4 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
         RATIO=ratio, SPAN=(2 if overlap else 1) * ratio, HEAD_DIM=d, ROPE_HALF=inv_freq.shape[0],
         STATE_BS=state_cache.shape[1], ENTRY_BS=entry_cache.shape[1],
         BLOCK_S=block_s, BLOCK_HALF=block_half, OVERLAP=overlap,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl.flags(state_cache.device))

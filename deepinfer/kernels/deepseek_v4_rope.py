@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 # The norm variants (the kernel's NORM constexpr).
 NO_NORM, UNWEIGHTED, WEIGHTED = 0, 1, 2
 
@@ -48,8 +50,9 @@ def _norm_rope_kernel(
     stride_cache_block, stride_cache_offset,
     num_heads, head_dim, cache_block_size, scaling, sin_sign, eps,
     HALF: tl.constexpr, NORM: tl.constexpr, HAS_CACHE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]       # [BLOCK_H, 1]
     head_ok = heads < num_heads
@@ -159,7 +162,8 @@ def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_fre
         h, d, cache.shape[1] if cache is not None else 1,
         float(scaling), -1.0 if inverse else 1.0, float(eps),
         HALF=half, NORM=norm, HAS_CACHE=cache is not None,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        **pdl.flags(x.device))
 
 
 def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -107,7 +109,9 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, cursor_ptr, out_ptr,
                   num_pairs, num_experts, out_cols, stride_out,
-                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_COLS: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if e == num_experts:
@@ -171,7 +175,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         _align_kernel[(num_experts + 1,)](
             topk_ids.reshape(-1), sorted_pairs, block_expert, num_padded, out,
             pairs, num_experts, out.shape[1], out.stride(0),
-            BLOCK_M=block_m, BLOCK=block, BLOCK_COLS=max(16, min(64, 4096 // block)), num_warps=4)
+            BLOCK_M=block_m, BLOCK=block, BLOCK_COLS=max(16, min(64, 4096 // block)), num_warps=4,
+            **pdl.flags(topk_ids.device))
     return sorted_pairs, block_expert, num_padded
 
 
@@ -191,7 +196,9 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -236,8 +243,9 @@ def _down_kernel(
     num_pairs, hidden, inter, num_pid_m,
     stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -268,9 +276,11 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_slots_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """out[t] = sum_k pairs[t*K + k] in float32, rounded once (torch's bf16 sum over K is a
     generic reduction: 5 us for one decode token's [6, 4096])."""
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -335,7 +345,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
     _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
         act, down_proj, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
@@ -343,9 +353,9 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(act.device))
     combined = torch.empty_like(x)                                          # [T, H]
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block_h))](
-        out, combined, h, TOP_K=k, BLOCK_H=block_h, num_warps=4)
+        out, combined, h, TOP_K=k, BLOCK_H=block_h, num_warps=4, **pdl.flags(out.device))
     return combined

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 _NO_INDEX = tl.constexpr(2 ** 31 - 1)    # above every column: loses every min
 
 
@@ -53,8 +55,9 @@ def _finite(m):
 def _partials_kernel(
     x_ptr, x_stride, V, chunk, S,
     part_ptr, index_ptr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     xr = x_ptr + row * x_stride
@@ -87,8 +90,9 @@ def _partials_kernel(
 def _combine_kernel(
     part_ptr, index_ptr, S,
     token_ptr, logprob_ptr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS)
     valid = s < S
@@ -150,7 +154,7 @@ def greedy_sample(logits: torch.Tensor, vocab_size: int, block: int = 2048,
     part = torch.empty(n, s, 2, dtype=torch.float32, device=logits.device)       # [N, S, (max, z)]
     index = torch.empty(n, s, dtype=torch.int32, device=logits.device)           # [N, S]
     _partials_kernel[(n, s)](logits, logits.stride(0), vocab_size, chunk, s, part, index,
-                             BLOCK=block, num_warps=max(1, min(16, block // 256)))
+                             BLOCK=block, num_warps=max(1, min(16, block // 256)), **pdl.flags(logits.device))
     _combine_kernel[(n,)](part, index, s, tokens, logprobs,
-                          SPLITS=max(16, triton.next_power_of_2(s)), num_warps=1)
+                          SPLITS=max(16, triton.next_power_of_2(s)), num_warps=1, **pdl.flags(part.device))
     return tokens, logprobs

@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 _MIN_DOT = 16              # tl.dot needs every tile side >= 16
 _ONE_LAUNCH_MAX_T = 1      # up to here the finishing program also collapses (one launch)
 _MIN_SPLIT_COLS = 256      # columns of K per program at least: caps the partials to reduce
@@ -66,7 +68,9 @@ def _hc_pre_kernel(
     N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr, NCOL: tl.constexpr,
     FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     split = tl.program_id(0)
     tb = tl.program_id(1)
     K = N * D
@@ -171,8 +175,9 @@ def _hc_pre_kernel(
 @triton.jit
 def _hc_collapse_kernel(
     s_ptr, pre_ptr, x_ptr, D, s_stride, x_stride,
-    N: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)          # [BD]
     dmask = ds < D
@@ -187,8 +192,9 @@ def _hc_collapse_kernel(
 def _hc_post_kernel(
     o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr,
     D, o_stride, s_stride, out_stride,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)          # [BD]
     dmask = ds < D
@@ -315,12 +321,13 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
         PRECISION="tf32x3" if dev.type == "cuda" else "ieee", USE_DOT=block_t >= _MIN_DOT,
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
-        BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps)
+        BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, **pdl.flags(s2.device))
     if not collapse:
         # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of the grid.
         block_d = min(triton.next_power_of_2(d), 1024)
         _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
-            s2, pre, x, d, s2.stride(0), x.stride(0), N=n, BLOCK_D=block_d, num_warps=4)
+            s2, pre, x, d, s2.stride(0), x.stride(0), N=n, BLOCK_D=block_d, num_warps=4,
+            **pdl.flags(s2.device))
     return x, post, comb
 
 
@@ -365,5 +372,5 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     block_d = min(triton.next_power_of_2(d), 256 if t < 64 else 1024)
     _hc_post_kernel[(t, triton.cdiv(d, block_d))](
         block_out, s2, post, comb, out, d, block_out.stride(0), s2.stride(0), out.stride(0),
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=4)
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=4, **pdl.flags(block_out.device))
     return out

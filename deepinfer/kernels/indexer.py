@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @triton.jit
 def _indexer_kernel(
@@ -33,8 +35,9 @@ def _indexer_kernel(
     stride_q_t, stride_q_h, stride_w_t, stride_w_h, stride_slots_t, stride_slots_n,
     stride_cache_block, stride_cache_offset, stride_out_t,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     heads = tl.arange(0, BLOCK_HI)
@@ -157,5 +160,5 @@ def indexer_scores(
         BLOCK_SIZE=key_cache.shape[1], BLOCK_N=config.block_n,
         BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl.flags(q.device))
     return out

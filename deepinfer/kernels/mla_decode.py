@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 from deepinfer.kernels.sparse_attention import merge_splits
 
 _LOG2E = math.log2(math.e)
@@ -42,8 +44,9 @@ def _mla_decode_kernel(
     stride_q_b, stride_q_h, stride_out_b, stride_out_h, stride_bt_b,
     stride_cache_block, stride_cache_offset,
     BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                   # [BLOCK_H]
     split = tl.program_id(2)
@@ -195,7 +198,7 @@ def mla_decode(
         BLOCK_SIZE=cache.shape[1], SPLIT=split, BLOCK_H=config.block_h, BLOCK_N=config.block_n,
         BLOCK_R=block_r, BLOCK_DR=max(16, triton.next_power_of_2(rope_dim)),
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl.flags(q.device))
     if split:
         merge_splits(part_acc, part_max, part_sum, out)
     return out

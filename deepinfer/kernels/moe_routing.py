@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 SCORE_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 # K rounds of argmax over E registers; more would want a sort.
 _MAX_TOP_K = 16
@@ -69,8 +71,9 @@ def _topk_route_kernel(
     logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, weights_ptr, ids_ptr,
     num_experts, stride_logits, stride_tid2eid, scaling,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SCORE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < num_experts
@@ -104,8 +107,9 @@ def _grouped_route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
     num_groups, group_size, stride_logits, scaling,
     TOP_K: tl.constexpr, TOPK_GROUPS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
-    BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_EG)
@@ -184,7 +188,8 @@ def topk_route(logits: torch.Tensor, top_k: int, scoring_func: str, scaling: flo
         logits, bias.contiguous() if bias is not None else logits, logits, logits, weights, ids,
         e, logits.stride(0), 0, scaling,
         TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), SCORE=scoring_func,
-        HAS_BIAS=bias is not None, HASH=False, RENORMALIZE=renormalize, num_warps=_warps(block_e))
+        HAS_BIAS=bias is not None, HASH=False, RENORMALIZE=renormalize, num_warps=_warps(block_e),
+        **pdl.flags(logits.device))
     return weights, ids
 
 
@@ -211,7 +216,7 @@ def hash_route(logits: torch.Tensor, tid2eid: torch.Tensor, input_ids: torch.Ten
         logits, logits, tid2eid, input_ids.contiguous(), weights, ids,
         logits.shape[1], logits.stride(0), tid2eid.stride(0), scaling,
         TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), SCORE=scoring_func,
-        HAS_BIAS=False, HASH=True, RENORMALIZE=True, num_warps=_warps(block_e))
+        HAS_BIAS=False, HASH=True, RENORMALIZE=True, num_warps=_warps(block_e), **pdl.flags(logits.device))
     return weights, ids
 
 
@@ -245,5 +250,5 @@ def grouped_topk_sigmoid(logits: torch.Tensor, correction_bias: torch.Tensor, nu
         num_groups, e // num_groups, logits.stride(0), scaling,
         TOP_K=top_k, TOPK_GROUPS=topk_groups, BLOCK_G=block_g, BLOCK_EG=block_eg,
         BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        num_warps=_warps(block_g * block_eg))
+        num_warps=_warps(block_g * block_eg), **pdl.flags(logits.device))
     return weights, ids

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 from deepinfer.runner.transfer import to_device
 
 _LOG2E = math.log2(math.e)
@@ -61,7 +63,9 @@ def _decode_split_kernel(
     head_dim,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -114,8 +118,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, out_ptr,
     stride_out_seq, stride_out_head, head_dim, num_splits,
-    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -147,8 +152,9 @@ def _prefill_kernel(
     head_dim,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     # tiles: [num_tiles, 4] = (sequence, first query row, query count, first query position)
@@ -295,12 +301,12 @@ def paged_decode_attention(
         d,
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d, BLOCK_N=block_n,
         BLOCK_SIZE=bs, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2, **pdl.flags(q.device))
     _decode_reduce_kernel[(b, hq)](
         part_acc, part_max, part_sum, sinks if sinks is not None else part_max, out,
         out.stride(0), out.stride(1), d, num_splits,
         HAS_SINKS=sinks is not None, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-        num_warps=4)
+        num_warps=4, **pdl.flags(part_acc.device))
     return out
 
 
@@ -354,5 +360,5 @@ def paged_attention(
         d,
         G=g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=bs,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2)
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2, **pdl.flags(q.device))
     return out

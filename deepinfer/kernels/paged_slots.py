@@ -17,13 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @triton.jit
 def _paged_slots_kernel(
     table_ptr, seq_ptr, pos_ptr, out_ptr,
     table_stride, num_cols, width, ratio,
-    BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SLIDING: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)          # [BW]
     p = tl.load(pos_ptr + t).to(tl.int64)
@@ -54,5 +57,5 @@ def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, p
     block_w = min(triton.next_power_of_2(width), 1024)
     _paged_slots_kernel[(t, triton.cdiv(width, block_w))](
         block_table, seq, positions, out, block_table.stride(0), block_table.shape[1], width, ratio,
-        BLOCK_SIZE=block_size, SLIDING=sliding, BLOCK_W=block_w, num_warps=4)
+        BLOCK_SIZE=block_size, SLIDING=sliding, BLOCK_W=block_w, num_warps=4, **pdl.flags(block_table.device))
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 # Above this a row no longer fits one program's registers; such a norm would
 # need a looped kernel (no supported model has a hidden size near it).
 _MAX_COLS = 65536
@@ -24,8 +26,9 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr,
     x_row_stride, out_row_stride,
     n_cols, eps,
-    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -67,5 +70,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     num_warps = min(16, max(1, block // 256))
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight, out, x2.stride(0), out.stride(0), d, eps,
-        BLOCK=block, ROUND_FIRST=round_first, num_warps=num_warps)
+        BLOCK=block, ROUND_FIRST=round_first, num_warps=num_warps, **pdl.flags(x2.device))
     return out.view(x.shape)

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @triton.jit
 def _rotate(x_ptr, out_ptr, token, stride_x_token, stride_x_head, stride_out_token, stride_out_head,
@@ -43,8 +45,9 @@ def _rope_kernel(
     stride_cos, stride_sin,
     num_q_heads, num_k_heads, half,
     HAS_K: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + token * stride_cos + dims, mask=dims < half, other=0.0).to(tl.float32)
@@ -86,7 +89,7 @@ def _launch(q: torch.Tensor, q_out: torch.Tensor, k: torch.Tensor | None, k_out:
         q.shape[1], kk.shape[1], half,
         HAS_K=k is not None,
         BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HK=triton.next_power_of_2(kk.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.flags(q.device))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

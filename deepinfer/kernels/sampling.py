@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 _VALUE_ROUNDS = 8        # narrowing rounds that bisect in value before switching to keys
 
 
@@ -152,8 +154,9 @@ def _top_p_key(gk, ge, below, zp, budget, lo, hi):
 def _filters_kernel(
     x_ptr, x_stride, V,
     min_p_ptr, top_k_ptr, top_p_ptr, scratch_ptr,
-    BLOCK: tl.constexpr, CAP: tl.constexpr, VALUE_ROUNDS: tl.constexpr,
+    BLOCK: tl.constexpr, CAP: tl.constexpr, VALUE_ROUNDS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     xr = x_ptr + row * x_stride
     scratch = scratch_ptr + row * CAP
@@ -311,4 +314,5 @@ def sampling_filters_(x: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
     block = min(8192, triton.next_power_of_2(v))
     scratch = torch.empty(r, cap, dtype=torch.float32, device=x.device)   # [R, CAP] gathered values
     _filters_kernel[(r,)](x, x.stride(0), v, min_p.contiguous(), top_k.contiguous(), top_p.contiguous(),
-                          scratch, BLOCK=block, CAP=cap, VALUE_ROUNDS=_VALUE_ROUNDS, num_warps=16)
+                          scratch, BLOCK=block, CAP=cap, VALUE_ROUNDS=_VALUE_ROUNDS, num_warps=16,
+                          **pdl.flags(x.device))

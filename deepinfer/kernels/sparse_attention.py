@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 _LOG2E = math.log2(math.e)
 
 
@@ -90,8 +92,9 @@ def _sparse_attention_kernel(
     stride_slots1_t, stride_slots1_k, stride_cache1_block, stride_cache1_offset,
     BLOCK_SIZE0: tl.constexpr, BLOCK_SIZE1: tl.constexpr, TWO_SOURCES: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                   # [BLOCK_H]
     split = tl.program_id(2)
@@ -139,8 +142,9 @@ def _sparse_attention_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     num_heads, head_dim, num_splits, stride_out_t, stride_out_h,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -175,7 +179,8 @@ def merge_splits(part_acc: torch.Tensor, part_max: torch.Tensor, part_sum: torch
                          f"{tuple(part_acc.shape)} or its last dim is not contiguous")
     _merge_splits_kernel[(t, h)](
         part_acc, part_max, part_sum, out, h, out.shape[2], num_splits, out.stride(0), out.stride(1),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4)
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        **pdl.flags(part_acc.device))
 
 
 @dataclass(frozen=True)
@@ -303,7 +308,7 @@ def sparse_attention(
         BLOCK_SIZE0=cache0.shape[1], BLOCK_SIZE1=cache1.shape[1], TWO_SOURCES=len(sources) == 2,
         SPLIT=split, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl.flags(q.device))
     if split:
         merge_splits(part_acc, part_max, part_sum, out)
     return out

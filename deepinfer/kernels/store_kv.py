@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -23,8 +25,9 @@ def _store_kv_kernel(
     num_heads, head_dim,
     BLOCK_SIZE: tl.constexpr,
     NUM_TENSORS: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -79,4 +82,4 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Te
         num_heads, head_dim,
         BLOCK_SIZE=block_size, NUM_TENSORS=num_tensors,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4)
+        num_warps=4, **pdl.flags(cache.device))

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (kernels/pdl.py): when it is on, and that chains of
+kernels launched with it compute exactly what plain launches compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import pdl
+from deepinfer.kernels.fused_moe import fused_moe
+from deepinfer.kernels.moe_routing import topk_route
+from deepinfer.kernels.rms_norm import rms_norm
+
+
+def test_off_on_the_cpu():
+    assert pdl.flags(torch.device("cpu")) == {"PDL": False}
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    # Decided before any CUDA query, so this holds on a machine without a GPU.
+    assert pdl.flags(torch.device("cuda")) == {"PDL": False}
+
+
+def test_bad_environment_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PDL", "yes")
+    with pytest.raises(ValueError, match="DEEPINFER_PDL='yes'"):
+        pdl.flags(torch.device("cuda"))
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+           router: torch.Tensor) -> torch.Tensor:
+    # Each kernel reads what the one before it wrote: a missing wait shows up as a
+    # different (stale) result.
+    for _ in range(4):
+        x = rms_norm(x, w, 1e-6)
+        weights, ids = topk_route(x.float() @ router, 2, "sqrtsoftplus", 1.0, True, None)
+        x = x + fused_moe(x, gate_up, down, weights, ids, 10.0)
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
+    if not pdl.flags(torch.device("cuda")).get("PDL"):
+        pytest.fail("PDL is off on this device (needs sm_90+); this test checks it on")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    x = torch.randn(3, 256, device=dev, dtype=bf, generator=g)
+    w = torch.rand(256, device=dev, dtype=bf, generator=g) + 0.5
+    gate_up = torch.randn(8, 2 * 128, 256, device=dev, dtype=bf, generator=g) / 16
+    down = torch.randn(8, 256, 128, device=dev, dtype=bf, generator=g) / 11
+    router = torch.randn(256, 8, device=dev, generator=g)
+
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    plain = _chain(x, w, gate_up, down, router)
+    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    eager = _chain(x, w, gate_up, down, router)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _chain(x, w, gate_up, down, router)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _chain(x, w, gate_up, down, router)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    torch.testing.assert_close(eager, plain, rtol=0, atol=0)
