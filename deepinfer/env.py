@@ -19,6 +19,11 @@ DEEPINFER_PDL  1 | 0  (default 1)
     Programmatic dependent launch of the Triton kernels on Hopper and later
     (``kernels/pdl.py``): each kernel is launched while the previous one runs and waits
     for it on the device. ``0``: plain launches.
+
+DEEPINFER_SIDE_STREAM  1 | 0  (default 1)
+    Independent branches of a small-batch DeepSeek-V4 layer (the shared expert beside the
+    routed experts, the compressor and indexer beside the query projection) on a second
+    CUDA stream (``layers/side_stream.py``). ``0``: everything on one stream.
 """
 
 from __future__ import annotations
@@ -38,9 +43,18 @@ def kernel_backend() -> KernelBackend:
     return value  # type: ignore[return-value]
 
 
+def _switch(name: str) -> bool:
+    value = os.environ.get(name, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={value!r} is not valid; choose 1 or 0")
+    return value == "1"
+
+
 def pdl_enabled() -> bool:
     """DEEPINFER_PDL (see the module docstring)."""
-    value = os.environ.get("DEEPINFER_PDL", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"DEEPINFER_PDL={value!r} is not valid; choose 1 or 0")
-    return value == "1"
+    return _switch("DEEPINFER_PDL")
+
+
+def side_stream_enabled() -> bool:
+    """DEEPINFER_SIDE_STREAM (see the module docstring)."""
+    return _switch("DEEPINFER_SIDE_STREAM")

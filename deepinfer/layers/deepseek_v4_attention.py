@@ -74,6 +74,7 @@ from torch import nn
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
 
@@ -386,6 +387,13 @@ class DeepseekV4Attention(nn.Module):
         rope, pos = ropes[self.rope_type], ctx.positions
         q_a, kv, *projected = self.input_proj(x)                                  # [T, N_i] each
         q_residual = self.q_a_norm(q_a)                                           # [T, q_lora]
+        # The compressor and indexer (a chain of small launches at decode sizes) write only
+        # their own caches: on a side stream they run beside the query projection.
+        side = side_stream.fork(x) if self.compressor is not None else None
+        with side_stream.on(side):
+            entries = (self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
+                                                        ropes["compress"])
+                       if self.compressor is not None else None)
         q = backend.q_norm_rope(self.q_b_proj(q_residual).view(t, h, d), pos, rope.inv_freq,
                                 rope.scaling, self.eps)                           # [T, H, D]
         window = caches.bind(self.window_cache)
@@ -393,9 +401,9 @@ class DeepseekV4Attention(nn.Module):
         backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
                              self.kv_norm.eps, window.cache, window.meta.slot_mapping)
         sources = [(window.cache, window.slots(ctx, self.sliding_window, 1, sliding=True))]  # [T, W]
-        if self.compressor is not None:
-            sources.append(self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
-                                                            ropes["compress"]))
+        side_stream.join(side)
+        if entries is not None:
+            sources.append(entries)
         out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
 
         # V carried rope on its trailing channels: undo it at the query position.

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import backend
+from deepinfer.layers import side_stream
 from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import FusedMoE
 
@@ -88,8 +89,15 @@ class DeepseekV4SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, H] -> [T, H], plus ``residual`` [T, H] added in the down projection's GEMM
+        return self.down(self.activation(x), residual)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H] -> clamped SwiGLU of the gate and up projections [T, I]
         gate, up = self.gate_up(x)                                                # [T, I] each
-        act = backend.clamped_swiglu(gate, up, self.swiglu_limit)                 # [T, I]
+        return backend.clamped_swiglu(gate, up, self.swiglu_limit)
+
+    def down(self, act: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        # act: [T, I] -> [T, H], plus ``residual`` [T, H] added in the same GEMM
         if residual is None:
             return self.down_proj(act)
         return torch.addmm(residual, act, self.down_proj.weight.t())
@@ -107,5 +115,13 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H], input_ids: [T] (hash layers route by token) -> [T, H]
+        # At decode sizes the shared expert's gate/up GEMM streams its weights on a side
+        # stream while routing (a chain of small launches) and the routed experts run;
+        # its down projection then adds the routed output in one GEMM, as inline.
+        side = side_stream.fork(x)
+        with side_stream.on(side):
+            act = self.shared_experts.activation(x)                               # [T, I]
         weights, ids = self.gate(x, input_ids)
-        return self.shared_experts(x, residual=self.experts(x, weights, ids))
+        routed = self.experts(x, weights, ids)
+        side_stream.join(side)
+        return self.shared_experts.down(act, residual=routed)

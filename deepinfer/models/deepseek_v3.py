@@ -157,6 +157,10 @@ class DeepseekV3ForCausalLM(CausalLM):
     skipped on load, as HF does).
     """
 
+    # Decode is graph-safe: absorbed MLA over device-side lengths (layers/mla.py), Triton routing
+    # and experts sized from T alone.
+    supports_cuda_graphs = True
+
     def __init__(self, hf_config: dict, dtype: torch.dtype, with_mtp: bool = True) -> None:
         super().__init__(hf_config, dtype)
         self.args = DecoderArgs.from_hf(hf_config)

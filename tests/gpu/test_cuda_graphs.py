@@ -3,12 +3,13 @@
 Greedy tokens with graphs equal those of the eager engine (``enforce_eager=True``) in
 float32, through mixed prompt lengths (one crossing many blocks), batch sizes between
 buckets, batches larger than the largest bucket, sequences finishing mid-run, prefix-cache
-hits and sliding-window groups; and the graphs really replay. In bf16, where the eager
-and graph paths may round differently, their first differing token is in each other's top 5.
+hits and sliding-window groups; and the graphs really replay. The float32 reference runs
+on one stream with plain launches, the graphs with DeepSeek-V4's side stream and PDL. In
+bf16, where the eager and graph paths may round differently, their first differing token
+is in each other's top 5.
 
-The DeepSeek-V4 cases (``v4_embedded``, ``v4_random``) pass only once the V4 model declares
-``supports_cuda_graphs`` (its attention layer graph-safe and its MoE on Triton); until then
-they fail at "graphs were captured".
+The DeepSeek cases (``v4_embedded``, ``v4_random``, ``v3``) cover the sparse/compressed V4
+attention and V3's absorbed MLA decode, each with Triton routing and experts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 
 from ..engine.conftest import make_checkpoint
-from ..engine.test_deepseek_engine import v4_dir  # noqa: F401  (fixture)
+from ..engine.test_deepseek_engine import v3_dir, v4_dir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +36,7 @@ MAX_TOKENS = [24, 6, 17, 11, 30]
 
 
 @pytest.fixture(scope="module",
-                params=["llama", "qwen3_hybrid", "mistral", "v4_embedded", "v4_random"])
+                params=["llama", "qwen3_hybrid", "mistral", "v4_embedded", "v4_random", "v3"])
 def checkpoint(request, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "llama":
@@ -47,6 +48,8 @@ def checkpoint(request, tmp_path_factory) -> Path:
         return make_checkpoint(tmp, "MistralForCausalLM", sliding_window=8)
     if request.param == "v4_embedded":
         return Path(DEFAULT_MODEL)
+    if request.param == "v3":
+        return request.getfixturevalue("v3_dir")
     return request.getfixturevalue("v4_dir")
 
 
@@ -80,13 +83,18 @@ def make_llm(path: Path, dtype: str, **kwargs) -> LLM:
                block_size=4, num_kv_blocks=600, **kwargs)
 
 
-def test_graphs_match_eager_float32(checkpoint, replays):
+def test_graphs_match_eager_float32(checkpoint, replays, monkeypatch):
     prompts = prompts_for(checkpoint)
+    # The reference: eager, one stream, plain launches (no side stream, no PDL).
+    monkeypatch.setenv("DEEPINFER_SIDE_STREAM", "0")
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
     eager = make_llm(checkpoint, "float32", enforce_eager=True)
     assert eager.engine.runner.decode_graphs is None
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy(), use_tqdm=False)]
     del eager
     torch.cuda.empty_cache()
+    monkeypatch.delenv("DEEPINFER_SIDE_STREAM")
+    monkeypatch.delenv("DEEPINFER_PDL")
 
     graphs = make_llm(checkpoint, "float32", cuda_graph_sizes=SIZES)
     captured = graphs.engine.runner.decode_graphs
