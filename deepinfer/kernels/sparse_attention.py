@@ -195,6 +195,7 @@ class SparseAttentionConfig:
 
 
 _LONG_PREFILL_T = 2048     # from here on prefill takes 64-key tiles (see default_config)
+_DECODE_T = 64             # up to here 16-bit queries take the decode tiles (see default_config)
 
 
 @functools.cache
@@ -214,7 +215,8 @@ def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> Spars
     ``scripts/gpu_kernel_check.py sparse_attention``). Warps: 8 once the float32 accumulator [BLOCK_H, D]
     passes 64 KiB, so it needs at most 128 registers a thread. Splits: enough for about one
     program per SM, each with two key tiles at least; none off CUDA (the CPU interpreter
-    gains nothing from them).
+    gains nothing from them). Decode-sized 16-bit batches on CUDA (T <= 64) take their own
+    tiles instead (below).
     """
     t, h, d = q.shape
     block_d = max(16, triton.next_power_of_2(d))
@@ -222,6 +224,17 @@ def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> Spars
     block_n = max(16, min(64, 32 * 1024 // (block_d * q.element_size())))
     if q.is_cuda and t >= _LONG_PREFILL_T and q.element_size() == 2:
         block_n = 64
+    if q.is_cuda and q.element_size() == 2 and t <= _DECODE_T:
+        # Decode: few tokens, so few programs. 16-head programs over many short key runs
+        # (up to ~4 waves, at most 32 splits) reach more SMs than 64-head ones; 16-key tiles
+        # for a handful of tokens. H200, CUDA-graph replays, window 128 + top-512 at context
+        # 1024: T=1 14.6 -> 8.1 us (window only 13.3 -> 6.0), T=16 20.5 -> 18.3 us; context
+        # 8192, T=1: 16.1 -> 9.7 us (docs/BENCHMARKS.md).
+        block_h, block_n, num_warps = 16, (16 if t <= 4 else 32), 4
+        programs = t * triton.cdiv(h, block_h)
+        num_splits = max(1, min(32, num_tiles_at(block_n),
+                                triton.cdiv(4 * _sm_count(q.device), programs)))
+        return SparseAttentionConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
     num_warps = 8 if block_h * block_d * 4 > 64 * 1024 else 4
     num_splits = 1
     if q.is_cuda:
