@@ -18,7 +18,9 @@ are captured into CUDA graphs as a fork and a join of the graph. Memory: the bra
 allocates on the side stream; every later use of the side stream follows a ``fork``
 (which orders it after the main stream's reads of those tensors), and the main stream
 reads them only after ``join``, so the caching allocator never hands a block to one
-stream while the other still uses it.
+stream while the other still uses it. A branch must not launch kernels that keep
+device-global scratch state between launches (``hc_pre``'s block counters): two of those
+would then run concurrently.
 
 Only on CUDA, for at most :data:`MAX_TOKENS` tokens (prefill kernels fill the GPU on their
 own), and unless ``DEEPINFER_SIDE_STREAM=0``.
