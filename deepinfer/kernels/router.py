@@ -39,7 +39,7 @@ import triton.language as tl
 from deepinfer.kernels import pdl
 
 _FMA_MAX_T = 16            # up to here float32 FMAs, above tensor-core tiles
-_FMA_TILE = 4096           # BLOCK_T * BLOCK_E * BLOCK_K of the FMA accumulator (32 registers a thread, 4 warps)
+_FMA_TILE = 4096           # BLOCK_T * BLOCK_E * BLOCK_K of the FMA accumulator: 32 registers/thread, 4 warps
 _MIN_SPLIT_COLS = 256      # columns of H per split at least
 _SUM_BLOCK = 1024          # logits per program of the split sum
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
