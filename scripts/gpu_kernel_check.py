@@ -5,7 +5,8 @@ KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
 attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
 hyper-connection mixing (pre / post / head), the DeepSeek-V4 fused norm +
 interleaved rope (against the torch op chains it replaces), the sampling filters,
-greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), the MoE router's
+float32 logits, MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
 ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
@@ -18,12 +19,14 @@ defaults from. The fused MoE (DeepSeek-V4-Flash widths:
 E=256, K=6, H=4096, I=2048, bf16) reports, per token count, the bytes of the experts
 actually touched / time (decode is bound by streaming them), TFLOP/s of the useful
 expert FLOPs (prefill is compute bound), eager and CUDA-graph times, and a sweep of
-tile configs beside the one :func:`fused_moe.pick_config` chooses. Exit status 1 if
-any check fails.
+tile configs beside the one :func:`fused_moe.pick_config` chooses. The router logits
+(E=256, H=4096, bf16 x) are timed against ``F.linear(x.float(), W)``, eagerly and as
+CUDA-graph replays, with a sweep of launch configs beside :func:`router.pick_config`'s.
+Exit status 1 if any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor)
+      mla_decode router moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor)
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from deepinfer.kernels.greedy import greedy_sample
 from deepinfer.kernels.moe_routing import grouped_topk_sigmoid, topk_route
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention
 from deepinfer.kernels.rms_norm import rms_norm
+from deepinfer.kernels.router import RouterConfig, router_logits
+from deepinfer.kernels.router import pick_config as router_config
 from deepinfer.kernels.rope import apply_rope_qk_
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from deepinfer.kernels.sampling import sampling_filters_
@@ -670,6 +675,57 @@ def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> N
     print(f"  post T={t:5d}: {graph_us(lambda: hc.hc_post(post_out, s, rpost, rcomb)):8.1f} us graph")
 
 
+def router_case(t: int, sweep: list[RouterConfig], e: int = 256, h: int = 4096) -> None:
+    """Router logits at T tokens: checked against the reference, timed eagerly and (T <= 64)
+    as CUDA-graph replays against ``F.linear(x.float(), W)``, then each config of ``sweep``.
+    Bytes: W (float32) and x read once, the logits written once."""
+    x = torch.randn(t, h, device=DEV, dtype=BF16)
+    w = torch.randn(e, h, device=DEV) / 64
+    ref = reference.router_logits(x, w)
+    tol = 1e-5 * ref.abs().max().item()
+    check(f"T={t}", router_logits(x, w), ref, 1e-5, tol)
+    moved, flops = e * h * 4 + t * h * 2 + t * e * 4, 2 * t * e * h
+    default = router_config(t, e, h, x.device)
+    print(f"  config {default}")
+    bench(f"T={t} eager", lambda: router_logits(x, w), lambda: reference.router_logits(x, w), moved, flops)
+    small = t <= 64
+    if small:
+        ours, theirs = graph_us(lambda: router_logits(x, w)), graph_us(lambda: reference.router_logits(x, w))
+        print(f"  graph T={t}: triton {ours:7.1f} us | reference {theirs:7.1f} us ({theirs / ours:4.1f}x)")
+    for cfg in sweep:
+        try:
+            out = router_logits(x, w, cfg)
+        except triton.runtime.OutOfResources as exc:          # a config too large for the SM
+            print(f"  sweep T={t:5d}         {cfg}: skipped ({exc})")
+            continue
+        ok = torch.allclose(out, ref, rtol=1e-5, atol=tol)
+        if not ok:
+            failures.append(f"router T={t} {cfg}")
+        us = graph_us(lambda c=cfg: router_logits(x, w, c)) if small else \
+            do_bench(lambda c=cfg: router_logits(x, w, c), warmup=10, rep=50, return_mode="median") * 1e3
+        tag = "default" if cfg == default else "       "
+        print(f"  sweep T={t:5d} {tag} {cfg}: {us:8.1f} us{' graph' if small else ''}  "
+              f"{moved / us / 1e3:6.0f} GB/s  {flops / us / 1e6:6.1f} TFLOP/s{'' if ok else '  FAIL'}")
+
+
+def _router() -> None:
+    print("MoE router logits, float32 (E=256, H=4096, bf16 x) vs F.linear(x.float(), W)")
+    fma = [RouterConfig(False, 1, be, bk, s, nw, st) for be, bk in ((1, 2048), (2, 1024), (2, 2048), (4, 512))
+           for s in (1, 2) for nw, st in ((4, 3), (4, 1), (8, 4))]
+    router_case(1, fma)
+    fma16 = [RouterConfig(False, bt, be, 4096 // (bt * be), s, 4, 3) for bt in (4, 8, 16) for be in (2, 4)
+             for s in (1, 2, 4)]
+    dot16 = [RouterConfig(True, 16, be, bk, s, 4, 3) for be in (16, 32) for bk in (64, 128) for s in (8, 16)]
+    router_case(16, fma16 + dot16)
+    dot64 = [RouterConfig(True, bt, be, 64, s, 4, 3) for bt in (32, 64) for be in (32, 64)
+             for s in (4, 8, 16)]
+    fma64 = [RouterConfig(False, 16, 2, 128, 1, 4, 3), RouterConfig(False, 16, 4, 64, 2, 4, 3)]
+    router_case(64, dot64 + fma64)
+    router_case(4096, [RouterConfig(True, bt, be, bk, s, nw, st)
+                       for bt, be, nw in ((128, 64, 8), (64, 128, 8), (128, 128, 8), (64, 64, 4))
+                       for bk, st in ((32, 3), (32, 4), (64, 3)) for s in (1, 2)])
+
+
 def _hyper_connection() -> None:
     print("Hyper-connections (bf16 streams, n 4, D 4096, 20 Sinkhorn iterations)")
     for t in (1, 64, 4096):
@@ -722,6 +778,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "sparse_attention": _sparse_attention,
     "indexer": _indexer,
     "mla_decode": _mla_decode,
+    "router": _router,
     "moe_routing": _moe_routing,
     "fused_moe": _fused_moe,
     "hyper_connection": _hyper_connection,

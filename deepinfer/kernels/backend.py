@@ -145,6 +145,15 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     return reference.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """MoE router logits: x [T, H], weight [E, H] float32 -> [T, E] float32, x widened in
+    registers by the Triton kernels (see :func:`reference.router_logits`)."""
+    if use_triton(x):
+        from deepinfer.kernels.router import router_logits as kernel
+        return kernel(x, weight)
+    return reference.router_logits(x, weight)
+
+
 def softmax_topk(router_logits: torch.Tensor, top_k: int,
                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (weights [T, K] float32, ids [T, K] int64)

@@ -338,6 +338,14 @@ def mla_decode(
     return out
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """MoE router logits in float32: ``x @ weight.T`` with x widened to float32.
+
+    x: [T, H] (any float dtype); weight: [E, H] -> [T, E] float32.
+    """
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     """Per-expert router scores in float32: ``sqrtsoftplus`` (DeepSeek-V4), ``sigmoid`` or ``softmax``.
 

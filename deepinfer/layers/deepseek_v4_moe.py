@@ -15,7 +15,6 @@ Shapes: T tokens, H hidden, E routed experts, K experts per token, I expert widt
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import backend
@@ -49,7 +48,7 @@ class DeepseekV4Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H], input_ids: [T] -> weights [T, K] float32, expert ids [T, K] int64
-        logits = F.linear(x.float(), self.weight)                                 # [T, E]
+        logits = backend.router_logits(x, self.weight)                            # [T, E] float32
         if self.is_hash:
             return backend.hash_route(logits, self.tid2eid, input_ids, self.scoring_func,
                                       self.routed_scaling_factor)

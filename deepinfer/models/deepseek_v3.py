@@ -30,7 +30,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext
@@ -113,7 +112,7 @@ class NoAuxTCRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> weights [T, K] float32, ids [T, K] int64
         a = self.args
-        logits = F.linear(x.float(), self.weight.float())              # [T, E]
+        logits = backend.router_logits(x, self.weight)                 # [T, E] float32
         return backend.grouped_topk_sigmoid(logits, self.e_score_correction_bias, a.num_groups,
                                               a.topk_groups, a.top_k, a.renormalize,
                                               a.routed_scaling_factor)
