@@ -5,8 +5,10 @@ KV-cache store, paged attention (decode and chunked prefill), DeepSeek-V4 sparse
 attention, the lightning indexer, DeepSeek-V3 MLA decode, the DeepSeek-V4
 hyper-connection mixing (pre / post / head), the DeepSeek-V4 fused norm +
 interleaved rope (against the torch op chains it replaces), the sampling filters,
-greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), the MoE router's
-float32 logits, MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints the largest error against
+greedy sampling (argmax + logprob, also timed as a CUDA-graph replay), the indexer's top-k
+slot selection (against torch.topk + gather + where, also as CUDA-graph replays), the MoE
+router's float32 logits, MoE routing and the fused MoE at Llama/DeepSeek-like sizes it prints
+the largest error against
 ``kernels/reference.py``, the median
 time of kernel and reference (``triton.testing.do_bench``) and the kernel's
 achieved bandwidth: bytes that must move (read once, written once) / time, also
@@ -26,7 +28,8 @@ Exit status 1 if any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
-      mla_decode router moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor)
+      mla_decode router moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor
+      topk)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from deepinfer.kernels.rope import apply_rope_qk_
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from deepinfer.kernels.sampling import sampling_filters_
 from deepinfer.kernels.store_kv import store_kv
+from deepinfer.kernels.topk import topk_slots
 from deepinfer.layers.deepseek_v4_common import yarn_inv_freq
 
 H200_COPY_GBPS = 4300.0
@@ -761,6 +765,50 @@ def _greedy() -> None:
         greedy_case(rows, 129280)
 
 
+def topk_case(t: int, n: int, k: int, prefill: bool) -> None:
+    """Indexer top-k over float32 scores: prefill, token p of one sequence sees (p + 1) // 4 of
+    the N candidates (the rest -inf); decode, all N. Sets must equal the torch path's row by
+    row (distinct scores: no ties). Times both eagerly and as CUDA-graph replays, and the
+    kernel at other warp counts; bytes: the scores and slots read, the slots written."""
+    scores = (torch.rand(t, n, device=DEV).argsort(dim=1).float() - n / 2) * 0.37 + 0.01
+    if prefill:
+        visible = torch.arange(n, device=DEV)[None, :] < (torch.arange(t, device=DEV)[:, None] + 1) // 4
+        scores = scores.masked_fill(~visible, float("-inf"))
+    slots = torch.randperm(4 * n, device=DEV)[:n].int().expand(t, -1).contiguous()
+    name = f"{'prefill' if prefill else 'decode'} T={t} N={n} k={k}"
+    out = topk_slots(scores, slots, k)
+    ref = reference.topk_slots(scores, slots, k)
+    same = torch.equal(out.sort(dim=1).values, ref.sort(dim=1).values)
+    if not same:
+        failures.append(f"topk {name}")
+    print(f"  check {name}: {'ok' if same else 'FAIL (sets differ from torch.topk)'}")
+    moved = t * n * 8 + t * k * 4
+
+    def kernel() -> torch.Tensor:
+        return topk_slots(scores, slots, k)
+
+    def torch_path() -> torch.Tensor:
+        return reference.topk_slots(scores, slots, k)
+
+    bench(name + " eager", kernel, torch_path, moved)
+    kernel_us, torch_us = graph_us(kernel), graph_us(torch_path)
+    print(f"  graph {name}: triton {kernel_us:8.1f} us | torch {torch_us:8.1f} us "
+          f"({torch_us / kernel_us:5.1f}x)")
+    for warps in (1, 2, 4, 8, 16):
+        if n // (32 * warps) <= 64:                                              # at most 64 scores a thread
+            us = graph_us(lambda w=warps: topk_slots(scores, slots, k, w))
+            print(f"  graph {name} w{warps}: {us:8.1f} us")
+
+
+def _topk() -> None:
+    print("Indexer top-k slot selection (float32 scores, int32 slots) vs torch.topk + gather + where")
+    topk_case(4096, 1024, 512, prefill=True)
+    topk_case(1, 4096, 512, prefill=False)
+    topk_case(16, 4096, 512, prefill=False)
+    topk_case(16, 16384, 512, prefill=False)
+    torch.cuda.empty_cache()
+
+
 def _compressor() -> None:
     print("DeepSeek-V4 compressor pooling (bf16 states, V4-Flash widths, R 64)")
     for label, ratio, overlap, d in (("HCA r128 D512", 128, False, 512), ("CSA r4 D512", 4, True, 512),
@@ -786,6 +834,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "sampling": _sampling,
     "greedy": _greedy,
     "compressor": _compressor,
+    "topk": _topk,
 }
 
 

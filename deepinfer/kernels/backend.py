@@ -110,13 +110,15 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     """[T, min(topk, N)] best candidate slots (see :func:`reference.indexer_topk`)."""
     if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
+        from deepinfer.kernels.topk import MAX_CANDIDATES, topk_slots
         scores = kernel(q, weights, key_cache, slots, scale)
         if slots.shape[1] <= topk:
             # Every candidate is kept (short contexts, decode buckets): no sort, the same set in
             # candidate order, which attention does not depend on.
             return torch.where(scores > float("-inf"), slots, -1)
-        best, idx = scores.topk(topk, dim=-1)
-        return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
+        if slots.shape[1] <= MAX_CANDIDATES:
+            return topk_slots(scores, slots, topk)          # the same set, in candidate order
+        return reference.topk_slots(scores, slots, topk)
     return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
 
 

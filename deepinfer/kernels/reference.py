@@ -302,7 +302,15 @@ def indexer_topk(
     scale: float, topk: int,
 ) -> torch.Tensor:                 # [T, min(topk, N)] selected slots, -1 where fewer are visible
     """The ``topk`` best candidate slots of each token by :func:`indexer_scores`."""
-    scores = indexer_scores(q, weights, key_cache, slots, scale)
+    return topk_slots(indexer_scores(q, weights, key_cache, slots, scale), slots, topk)
+
+
+def topk_slots(
+    scores: torch.Tensor,          # [T, N] float32, -inf for invisible candidates
+    slots: torch.Tensor,           # [T, N] candidate slots
+    topk: int,
+) -> torch.Tensor:                 # [T, min(topk, N)] by descending score, -1 where fewer are visible
+    """The slots of each row's ``topk`` largest scores (torch.topk; ties in its order)."""
     best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
     return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
 

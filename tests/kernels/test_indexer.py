@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import backend, reference
+from deepinfer.kernels import topk as topk_kernel
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
 from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
 
@@ -104,14 +105,17 @@ def test_triton_indexer_rejects_bad_inputs(device):
         indexer_scores(q, w, cache, slots.float(), 1.0)
 
 
-@pytest.mark.parametrize("n,topk,empty_row", [(30, 8, 2), (12, 16, 1)])
-def test_backend_indexer_topk_matches_reference(n, topk, empty_row, monkeypatch, device):
-    """Through the kernel: more candidates than topk take torch.topk of the scores; at most
-    topk candidates are all kept, unsorted. Either way the set equals the reference's, and a
-    row with no visible candidate (all -inf scores) gets -1 throughout."""
+@pytest.mark.parametrize("n,topk,empty_row,cap", [(30, 8, 2, None), (30, 8, 2, 16), (12, 16, 1, None)])
+def test_backend_indexer_topk_matches_reference(n, topk, empty_row, cap, monkeypatch, device):
+    """Through the kernels: more candidates than topk take the top-k kernel (torch.topk above
+    its cap, lowered to ``cap`` here); at most topk candidates are all kept. Either way the set
+    equals the reference's, and a row with no visible candidate (all -inf scores) gets -1
+    throughout."""
     gen = torch.Generator().manual_seed(n)
     q, w, cache, slots = make_inputs(3, 4, 32, n, 8, 1, torch.float32, device, gen, empty_rows=(empty_row,))
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    if cap is not None:
+        monkeypatch.setattr(topk_kernel, "MAX_CANDIDATES", cap)
     picked = backend.indexer_topk(q, w, cache, slots, 0.3, topk)
     expected = reference.indexer_topk(q, w, cache, slots, 0.3, topk)
     assert picked.shape == expected.shape == (3, min(n, topk))
