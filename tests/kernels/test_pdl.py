@@ -1,11 +1,16 @@
 """Programmatic dependent launch (kernels/pdl.py): when it is on, and that chains of
-kernels launched with it compute exactly what plain launches compute."""
+kernels launched with it compute exactly what plain launches compute, and that every
+launch in deepinfer/kernels keeps its contract."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
+import deepinfer.kernels as kernels_pkg
 from deepinfer.kernels import pdl
 from deepinfer.kernels.fused_moe import fused_moe
 from deepinfer.kernels.moe_routing import topk_route
@@ -69,3 +74,37 @@ def test_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
         torch.cuda.synchronize()
         torch.testing.assert_close(out, plain, rtol=0, atol=0)
     torch.testing.assert_close(eager, plain, rtol=0, atol=0)
+
+
+
+def _kernels_and_launches() -> tuple[dict[tuple[str, str], ast.FunctionDef], list[tuple[str, str, ast.Call]]]:
+    """The @triton.jit functions of deepinfer/kernels by (file, name), and every ``*_kernel[grid](...)``
+    launch there."""
+    defs, launches = {}, []
+    for path in sorted(Path(kernels_pkg.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).startswith("triton.jit") for d in node.decorator_list):
+                defs[(path.name, node.name)] = node
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")):
+                launches.append((path.name, node.func.value.id, node))
+    return defs, launches
+
+
+def test_every_launched_kernel_keeps_the_pdl_contract():
+    """A kernel launched with PDL but without the wait would race its predecessor: every
+    launch passes ``**pdl.flags(...)``, and its kernel takes ``PDL`` last and calls
+    ``pdl.enter(PDL)`` first (after its docstring)."""
+    defs, launches = _kernels_and_launches()
+    assert len(launches) >= 20
+    for file, name, call in launches:
+        assert any(k.arg is None and ast.unparse(k.value).startswith("pdl.flags(") for k in call.keywords), \
+            f"{file}: {name} is launched without **pdl.flags(...)"
+        kernel = defs[(file, name)]
+        assert kernel.args.args[-1].arg == "PDL", f"{file}: {name} does not take PDL as its last parameter"
+        body = kernel.body
+        if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        assert ast.unparse(body[0]) == "pdl.enter(PDL)", f"{file}: {name} does not start with pdl.enter(PDL)"
