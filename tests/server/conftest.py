@@ -39,6 +39,15 @@ class RunningServer:
     def pool_is_full(self) -> bool:
         return self.engine_call(lambda e: e.kv.num_free_blocks == e.kv.pool.num_blocks - 1)
 
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine holds no unfinished request (e.g. one a previous test's client
+        dropped, which keeps stepping until its abort lands)."""
+        deadline = time.monotonic() + timeout_s
+        while self.engine_call(lambda e: e.has_unfinished()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine still has unfinished requests after {timeout_s} s")
+            time.sleep(0.01)
+
 
 @contextmanager
 def serve(engine: Engine, **app_kwargs: Any) -> Iterator[RunningServer]:

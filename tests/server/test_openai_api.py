@@ -347,6 +347,8 @@ def test_tokenize_detokenize(server):
 
 # -- failures ------------------------------------------------------------------------------------------
 def test_failure_mid_stream_sends_error_then_done(server, client):
+    # The fault is injected by launch count: no other request may be stepping.
+    server.wait_idle()
     runner = server.engine.runner
     real = runner.launch
     calls = {"n": 0}
