@@ -120,6 +120,8 @@ class Engine:
         self.structured: StructuredOutputBackend | None = None   # made by the first structured request
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _Launched | None = None   # launched step not finished yet (overlap only)
+        # Requests refused at add_request (prompt can never fit): reported by the next step.
+        self._rejected: set[str] = set()
         self.stats = EngineStats()
         logger.info("KV cache: %d blocks, groups %s", num_blocks,
                     [(g.kind, len(g.layer_ids), g.block_size) for g in groups])
@@ -163,6 +165,7 @@ class Engine:
         reason = self.scheduler.check_fits(len(ids))
         if reason is not None:
             user.error = reason
+            self._rejected.add(request_id)
             for s in seqs:
                 s.status = RequestStatus.FINISHED_ERROR
                 s.error = reason
@@ -187,8 +190,10 @@ class Engine:
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished or any(
-            all(s.is_finished for s in u.seqs) for u in self.requests.values())
+        """Work is left or an output is owed: a launched step, queued or running sequences, or
+        requests that ended (finished, aborted, failed, refused) and are not reported yet."""
+        return (self._in_flight is not None or self.scheduler.has_unfinished
+                or self.scheduler.has_ended or bool(self._rejected))
 
     def reset_stats(self) -> None:
         self.stats = EngineStats()
@@ -209,7 +214,8 @@ class Engine:
             self.runner.reset_idle_clock()   # the gap until the next request is not the engine's
         parents = {r.parent_id for r in touched}
         parents.update(r.parent_id for r in self.scheduler.drain_ended())
-        parents.update(pid for pid, u in self.requests.items() if u.error is not None)
+        parents.update(self._rejected)
+        self._rejected.clear()
         return [self._output(pid) for pid in sorted(parents, key=self._order)
                 if pid in self.requests and self._reports(pid)]
 

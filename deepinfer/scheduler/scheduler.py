@@ -113,6 +113,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def has_ended(self) -> bool:
+        """Some sequence ended since the last :meth:`drain_ended`."""
+        return bool(self._ended)
+
+    @property
     def has_in_flight(self) -> bool:
         """Some launched plan has not landed yet."""
         return bool(self._in_flight)
