@@ -257,8 +257,12 @@ class DeepseekV4Cost:
         distinct = self.estimated_distinct_experts(tokens)
         weights = self.decode_weight_bytes(tokens, distinct)
         kv = tokens * self.kv_write_bytes()
+        a = self.args
+        # The routed experts' share, bounded on its own by parts_floor_ms.
+        expert_flops = 2 * tokens * a.num_layers * a.top_k * 3 * a.hidden_size * a.moe_intermediate_size
         return {"weight_bytes": weights, "kv_bytes": kv, "bytes": weights + kv, "flops": flops,
-                "distinct_experts": distinct}
+                "distinct_experts": distinct, "expert_bytes": sum(distinct) * self.expert_bytes,
+                "expert_flops": expert_flops}
 
 
 def floor_ms(work: dict, hbm_gb_s: float, matmul_tflop_s: float) -> dict:
@@ -267,6 +271,22 @@ def floor_ms(work: dict, hbm_gb_s: float, matmul_tflop_s: float) -> dict:
     flops_ms = work["flops"] / (matmul_tflop_s * 1e12) * 1e3
     return {"bytes_ms": bytes_ms, "flops_ms": flops_ms, "floor_ms": max(bytes_ms, flops_ms),
             "bound": "memory" if bytes_ms >= flops_ms else "compute"}
+
+
+def parts_floor_ms(work: dict, hbm_gb_s: float, matmul_tflop_s: float) -> dict:
+    """A tighter floor for ``work`` that carries ``expert_bytes`` / ``expert_flops``: the routed
+    experts and the rest each at their own bound, summed. A prefill's experts read every
+    expert's weights for a few dozen rows each (memory bound) while its dense GEMMs and
+    attention are compute bound; :func:`floor_ms` bounds the whole by its larger total, which
+    lets each part borrow the other's unused resource."""
+    bw, rate = hbm_gb_s * 1e9, matmul_tflop_s * 1e12
+    eb, ef = work["expert_bytes"], work["expert_flops"]
+    experts = {"bytes_ms": eb / bw * 1e3, "flops_ms": ef / rate * 1e3}
+    rest = {"bytes_ms": (work["bytes"] - eb) / bw * 1e3, "flops_ms": (work["flops"] - ef) / rate * 1e3}
+    for part in (experts, rest):
+        part["floor_ms"] = max(part["bytes_ms"], part["flops_ms"])
+        part["bound"] = "memory" if part["bytes_ms"] >= part["flops_ms"] else "compute"
+    return {"experts": experts, "rest": rest, "floor_ms": experts["floor_ms"] + rest["floor_ms"]}
 
 
 # -- measured rates ------------------------------------------------------------------------

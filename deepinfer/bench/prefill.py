@@ -15,7 +15,9 @@ request ends when its prefill samples a token):
   would in a serving engine.
 
 Floor: the prefill's useful FLOPs / measured matmul rate (or its bytes / measured bandwidth,
-whichever is larger; bench/floors.py).
+whichever is larger; bench/floors.py). Beside it, for DeepSeek-V4, a per-part floor: the
+routed experts (memory bound at a few dozen rows per expert) and the rest (compute bound),
+each at its own bound, summed (``floors.parts_floor_ms``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, measure_floors,
                                     print_header, print_table, profile_to_file, random_prompts, step_outputs,
                                     sync, write_json)
-from deepinfer.bench.floors import floor_ms
+from deepinfer.bench.floors import floor_ms, parts_floor_ms
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
 
@@ -131,6 +133,10 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     floor = {**work, **floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])}
     result["floor"] = floor
     result["engine_over_floor"] = result["engine"]["ms"] / floor["floor_ms"]
+    if "expert_bytes" in work:
+        parts = parts_floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])
+        result["parts_floor"] = parts
+        result["steady_over_parts_floor"] = result["engine"]["steady"]["ms"] / parts["floor_ms"]
     peak = result["measured"]["matmul_tflop_s"] * 1e12
     result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3) / peak
     result["steady_matmul_peak_share"] = work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3) / peak
@@ -174,5 +180,11 @@ def report(result: dict[str, Any]) -> None:
           f"{f['bytes_ms']:.3g} ms ({f['bound']}-bound); engine at "
           f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate per round, "
           f"{100 * result['steady_matmul_peak_share']:.1f}% steady")
+    parts = result.get("parts_floor")
+    if parts:
+        ex, rest = parts["experts"], parts["rest"]
+        print(f"per-part floor: routed experts {ex['floor_ms']:.3g} ms ({ex['bound']}-bound) + the rest "
+              f"{rest['floor_ms']:.3g} ms ({rest['bound']}-bound) = {parts['floor_ms']:.3g} ms; engine steady at "
+              f"{result['steady_over_parts_floor']:.2f}x of it")
     if hf and "skipped" in hf:
         print(f"HF transformers: skipped ({hf['skipped']})")

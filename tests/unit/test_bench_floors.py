@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer.bench.floors import (DeepseekV4Cost, expected_distinct_experts, floor_ms, measure_hbm_bandwidth,
-                                    measure_matmul_tflops)
+                                    measure_matmul_tflops, parts_floor_ms)
 from deepinfer.bench.model_shapes import resolve_config
 from deepinfer.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 
@@ -113,6 +113,9 @@ def test_decode_and_prefill_work():
     attn = sum(cost.attention_flops(s) for s in range(1, 11))
     assert pre["flops"] == 2 * (2 * cost.matmul_params_per_token() * 10 + 2 * head + attn)
     assert pre["kv_bytes"] == pytest.approx(20 * cost.kv_write_bytes())
+    assert pre["expert_bytes"] == pytest.approx(sum(pre["distinct_experts"]) * cost.expert_bytes)
+    assert pre["expert_flops"] == 2 * 20 * 3 * 2 * 3 * 64 * cost.args.moe_intermediate_size
+    assert pre["expert_bytes"] < pre["weight_bytes"] and pre["expert_flops"] < pre["flops"]
 
 
 def test_expected_distinct_experts():
@@ -128,6 +131,17 @@ def test_floor_is_the_larger_bound():
     assert f["floor_ms"] == pytest.approx(2.0) and f["bound"] == "memory"
     f = floor_ms({"bytes": 1e9, "flops": 7.9e12}, hbm_gb_s=4300, matmul_tflop_s=790)
     assert f["floor_ms"] == pytest.approx(10.0) and f["bound"] == "compute"
+
+
+def test_parts_floor_bounds_each_part_on_its_own():
+    # Experts: 8.6 GB, 0.79 TFLOP -> 2 ms memory-bound; the rest: 0.43 GB, 3.95 TFLOP -> 5 ms compute.
+    work = {"bytes": 9.03e9, "flops": 4.74e12, "expert_bytes": 8.6e9, "expert_flops": 0.79e12}
+    parts = parts_floor_ms(work, hbm_gb_s=4300, matmul_tflop_s=790)
+    assert parts["experts"]["floor_ms"] == pytest.approx(2.0) and parts["experts"]["bound"] == "memory"
+    assert parts["rest"]["floor_ms"] == pytest.approx(5.0) and parts["rest"]["bound"] == "compute"
+    assert parts["floor_ms"] == pytest.approx(7.0)
+    # Tighter than the whole's larger bound (6 ms of FLOPs), never looser.
+    assert parts["floor_ms"] >= floor_ms(work, hbm_gb_s=4300, matmul_tflop_s=790)["floor_ms"]
 
 
 def test_v4_flash_preset_sizes():
