@@ -10,6 +10,9 @@ nearest (so bfloat16 outputs get a two-ulp tolerance on the CPU).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -32,3 +35,18 @@ def poison_empty(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poisoned(real_empty_like(*a, **k)))
+
+
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, output) of ``fn`` captured once in a CUDA graph, after a warm-up call on a side
+    stream (compiles the kernels and allocates what a first call allocates outside the capture).
+    ``output`` holds the tensors each replay rewrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

@@ -21,6 +21,8 @@ from deepinfer.kernels.fused_moe import (
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4Experts, DeepseekV4Router
 from deepinfer.layers.moe import FusedMoE, SoftmaxTopKRouter
 
+from .conftest import capture
+
 ON_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 1e-2, "atol": 2e-3},
@@ -208,14 +210,7 @@ def test_fused_moe_gpu_cuda_graph(v4_experts_gpu):
         return fused_moe(x, gate_up, down, weights, ids, 10.0)
 
     forward()                                          # compile outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
+    graph, out = capture(forward)
     for seed in range(3):
         torch.manual_seed(seed)
         x.copy_(torch.randn_like(x))

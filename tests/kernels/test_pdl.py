@@ -16,6 +16,8 @@ from deepinfer.kernels.fused_moe import fused_moe
 from deepinfer.kernels.moe_routing import topk_route
 from deepinfer.kernels.rms_norm import rms_norm
 
+from .conftest import capture
+
 
 def test_off_on_the_cpu():
     assert pdl.flags(torch.device("cpu")) == {"PDL": False}
@@ -61,20 +63,12 @@ def test_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
     plain = _chain(x, w, gate_up, down, router)
     monkeypatch.setenv("DEEPINFER_PDL", "1")
     eager = _chain(x, w, gate_up, down, router)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _chain(x, w, gate_up, down, router)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _chain(x, w, gate_up, down, router)
+    graph, out = capture(lambda: _chain(x, w, gate_up, down, router))
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, plain, rtol=0, atol=0)
     torch.testing.assert_close(eager, plain, rtol=0, atol=0)
-
 
 
 def _kernels_and_launches() -> tuple[dict[tuple[str, str], ast.FunctionDef], list[tuple[str, str, ast.Call]]]:
