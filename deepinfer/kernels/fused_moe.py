@@ -31,6 +31,27 @@ token's 6 experts spread over the SMs. Prefill is compute bound: 64/128-row
 M-blocks, grouped program order so M-blocks of one expert reuse its weight
 tiles from L2. :func:`pick_config` holds the choice.
 
+Prefill operand options (``MoEConfig`` flags, off by default until the H200 sweep
+``scripts/probes/fused_moe_prefill_sweep.py`` picks among them). At T=4096 the two GEMMs stream
+12.9 GB of weights at ~79% of copy bandwidth, against ~97% at T=512: the padded 128-row
+tensor-core work does not hide behind the weight stream. The options free registers and issue
+wider copies so more weight bytes are in flight per SM:
+
+* ``tma``: weight tiles by host-side TMA descriptors over each weight tensor as one [E*N, K]
+  matrix (the experts must be stacked that way, 16-byte aligned rows; the launcher checks).
+  A ragged last N-tile reads the next rows (up rows, the next expert), which feed only output
+  columns the store masks; past K the descriptor fills zeros.
+* ``sorted_act``: gate_up writes act by sorted row ([L, I]) rather than by pair, so down's
+  operand rows are contiguous (one TMA tile with ``tma``); down still stores by pair.
+* ``sorted_x``: one more kernel gathers x into sorted rows ([L, H], ~2 * T*K*H bytes more
+  traffic), so gate_up's operand rows are contiguous too.
+* ``persistent``: that many programs per SM, each walking the used tiles in grouped order.
+
+Rows of the sorted buffers that hold no pair (padding) are never written: they feed only
+padding rows of a tile, which are never stored (each output row of an MMA depends on its
+own operand row alone), so outputs stay bitwise reproducible. All options run in the CPU
+interpreter as well (it implements descriptor loads), which the tests use.
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert width,
 P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 """
@@ -93,6 +114,8 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     above: 128-row blocks, 128 + 128 GEMM1 columns (T=4096 at K=6, E=256 averages 96 pairs
       per expert).
     Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
+    The prefill operand options (``tma``, ``sorted_act``, ``sorted_x``, ``persistent``) stay
+    off here until the H200 sweep (scripts/probes/fused_moe_prefill_sweep.py) has measured them.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if per_expert <= 4:
