@@ -31,17 +31,40 @@ token's 6 experts spread over the SMs. Prefill is compute bound: 64/128-row
 M-blocks, grouped program order so M-blocks of one expert reuse its weight
 tiles from L2. :func:`pick_config` holds the choice.
 
+Prefill operand options (``MoEConfig`` flags, off by default until the H200 sweep
+``scripts/probes/fused_moe_prefill_sweep.py`` picks among them). At T=4096 the two GEMMs stream
+12.9 GB of weights at ~79% of copy bandwidth, against ~97% at T=512: the padded 128-row
+tensor-core work does not hide behind the weight stream. The options free registers and issue
+wider copies so more weight bytes are in flight per SM:
+
+* ``tma``: weight tiles by host-side TMA descriptors over each weight tensor as one [E*N, K]
+  matrix (the experts must be stacked that way, 16-byte aligned rows; the launcher checks).
+  A ragged last N-tile reads the next rows (up rows, the next expert), which feed only output
+  columns the store masks; past K the descriptor fills zeros.
+* ``sorted_act``: gate_up writes act by sorted row ([L, I]) rather than by pair, so down's
+  operand rows are contiguous (one TMA tile with ``tma``); down still stores by pair.
+* ``sorted_x``: one more kernel gathers x into sorted rows ([L, H], ~2 * T*K*H bytes more
+  traffic), so gate_up's operand rows are contiguous too.
+* ``persistent``: that many programs per SM, each walking the used tiles in grouped order.
+
+Rows of the sorted buffers that hold no pair (padding) are never written: they feed only
+padding rows of a tile, which are never stored (each output row of an MMA depends on its
+own operand row alone), so outputs stay bitwise reproducible. All options run in the CPU
+interpreter as well (it implements descriptor loads), which the tests use.
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert width,
 P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.kernels import pdl
 
@@ -58,6 +81,14 @@ class MoEConfig:
     group_m: int        # M-blocks that walk the N-tiles together (L2 reuse of weight tiles)
     num_warps: int
     num_stages: int
+    tma: bool = False         # weight tiles (and sorted-row operand tiles) by host-side TMA descriptors
+    sorted_x: bool = False    # gate_up reads x pre-gathered into sorted rows (one more kernel)
+    sorted_act: bool = False  # act in sorted rows: down's operand rows are contiguous
+    persistent: int = 0       # programs per SM, each walking the used tiles; 0: one program per tile
+
+    def __post_init__(self):
+        if self.persistent < 0:
+            raise ValueError(f"MoEConfig: persistent={self.persistent} must be >= 0")
 
 
 # Pipelined operand tiles of a program must fit in shared memory (227 KB per block on
@@ -83,6 +114,8 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     above: 128-row blocks, 128 + 128 GEMM1 columns (T=4096 at K=6, E=256 averages 96 pairs
       per expert).
     Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
+    The prefill operand options (``tma``, ``sorted_act``, ``sorted_x``, ``persistent``) stay
+    off here until the H200 sweep (scripts/probes/fused_moe_prefill_sweep.py) has measured them.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if per_expert <= 4:
@@ -190,89 +223,186 @@ def _tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter, num_pid_m, limit,
-    stride_x, stride_we, stride_wn, stride_act,
+def _gate_up_tile(
+    x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+    num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, SORTED_X: tl.constexpr, SORTED_ACT: tl.constexpr,
 ):
-    pdl.enter(PDL)
-    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))     # [BLOCK_M]
+    """One [BLOCK_M, BLOCK_N] tile of act. With TMA, ``w`` is a descriptor over the weights as
+    [E*2I, H] (and ``x`` one over the sorted rows [L, H] when SORTED_X); otherwise pointers."""
+    row0 = pid_m * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)                                      # [BLOCK_M] sorted rows
+    pair = tl.load(sorted_ptr + rows)
     valid = pair < num_pairs
-    token = (pair // TOP_K).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # [BLOCK_N] of I
+    expert = tl.load(block_expert_ptr + pid_m)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)                                       # [BLOCK_N] of I
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token[:, None] * stride_x + ks[None, :]                 # [BLOCK_M, BLOCK_K]
-    g_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    u_ptrs = g_ptrs + inter * stride_wn
+    if not (TMA and SORTED_X):
+        x_rows = rows.to(tl.int64) if SORTED_X else (pair // TOP_K).to(tl.int64)
+        a_ptrs = x + x_rows[:, None] * stride_x + ks[None, :]               # [BLOCK_M, BLOCK_K]
+    if not TMA:
+        g_ptrs = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        u_ptrs = g_ptrs + inter * stride_wn                                 # [BLOCK_K, BLOCK_N]
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(hidden, BLOCK_K)):
-        if EVEN_K:
+        # Descriptor loads zero-fill past H; their rows past this expert's I (ragged N-tiles)
+        # are other weights, feeding only output columns the store masks.
+        if TMA and SORTED_X:
+            a = x.load([row0, k * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < hidden - k * BLOCK_K), other=0.0)
+        if TMA:
+            wg = w.load([expert * 2 * inter + n0, k * BLOCK_K]).T
+            wu = w.load([expert * 2 * inter + inter + n0, k * BLOCK_K]).T
+        elif EVEN_K:
             wg = tl.load(g_ptrs, mask=col_ok[None, :], other=0.0)
             wu = tl.load(u_ptrs, mask=col_ok[None, :], other=0.0)
         else:
             k_ok = ks < hidden - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         gate = tl.dot(a, wg, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, wu, up, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        if not (TMA and SORTED_X):
+            a_ptrs += BLOCK_K
+        if not TMA:
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
     act = gate * tl.sigmoid(gate) * up                                      # silu(gate) * up, float32
-    tl.store(act_ptr + pair[:, None].to(tl.int64) * stride_act + cols[None, :],
+    act_rows = rows.to(tl.int64) if SORTED_ACT else pair.to(tl.int64)
+    tl.store(act_ptr + act_rows[:, None] * stride_act + cols[None, :],
              act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
+def _gate_up_kernel(
+    x, w, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, num_pid_m, limit,
+    stride_x, stride_we, stride_wn, stride_act,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, SORTED_X: tl.constexpr, SORTED_ACT: tl.constexpr, PERSISTENT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl.enter(PDL)
+    num_pid_n = tl.cdiv(inter, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_padded_ptr) // BLOCK_M
+        for tile in range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0)):
+            pid_m, pid_n = _tile(tile, used_m, num_pid_n, GROUP_M)
+            _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                          num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
+                          TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION,
+                          TMA, SORTED_X, SORTED_ACT)
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+            _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                          num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
+                          TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION,
+                          TMA, SORTED_X, SORTED_ACT)
+
+
+@triton.jit
+def _down_tile(
+    act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+    num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of the weighted pair outputs. With TMA, ``w`` is a descriptor
+    over the weights as [E*H, I] (and ``act`` one over the sorted rows [L, I] when SORTED_ACT)."""
+    row0 = pid_m * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)                                      # [BLOCK_M] sorted rows
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)                                       # [BLOCK_N] of H
+    col_ok = cols < hidden
+    ks = tl.arange(0, BLOCK_K)
+    if not (TMA and SORTED_ACT):
+        a_rows = rows.to(tl.int64) if SORTED_ACT else pair.to(tl.int64)
+        a_ptrs = act + a_rows[:, None] * stride_act + ks[None, :]            # [BLOCK_M, BLOCK_K]
+    if not TMA:
+        b_ptrs = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(tl.cdiv(inter, BLOCK_K)):
+        if TMA and SORTED_ACT:
+            a = act.load([row0, k * BLOCK_K])
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < inter - k * BLOCK_K), other=0.0)
+        if TMA:
+            b = w.load([expert * hidden + n0, k * BLOCK_K]).T
+        elif EVEN_K:
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            b = tl.load(b_ptrs, mask=(ks[:, None] < inter - k * BLOCK_K) & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if not (TMA and SORTED_ACT):
+            a_ptrs += BLOCK_K
+        if not TMA:
+            b_ptrs += BLOCK_K
+    out_rows = pair.to(tl.int64)
+    weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
+    tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _down_kernel(
-    act_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, num_pid_m,
     stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
-    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))     # [BLOCK_M]
-    valid = pair < num_pairs
-    rows = pair.to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                          # [BLOCK_N] of H
-    col_ok = cols < hidden
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = act_ptr + rows[:, None] * stride_act + ks[None, :]              # [BLOCK_M, BLOCK_K]
-    b_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(tl.cdiv(inter, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_ok = ks < inter - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    num_pid_n = tl.cdiv(hidden, BLOCK_N)
+    if PERSISTENT:
+        used_m = tl.load(num_padded_ptr) // BLOCK_M
+        for tile in range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0)):
+            pid_m, pid_n = _tile(tile, used_m, num_pid_n, GROUP_M)
+            _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                       num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+            _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                       num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
+
+
+@triton.jit
+def _gather_rows_kernel(x_ptr, xs_ptr, sorted_ptr, num_padded_ptr, num_pairs, hidden, stride_x, stride_xs,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """xs[r] = x[sorted[r] // K] for the sorted rows that hold a pair (padding rows are left as
+    they are: they feed only padding rows of the GEMM tiles, which are never stored)."""
+    pdl.enter(PDL)
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + rows)
+        token = (pair // TOP_K).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (pair < num_pairs)[:, None] & (cols < hidden)[None, :]
+        tile = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=mask)
+        tl.store(xs_ptr + rows[:, None].to(tl.int64) * stride_xs + cols[None, :], tile, mask=mask)
 
 
 @triton.jit
@@ -293,6 +423,91 @@ def _sum_slots_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 experts (tests, exactness) must not fall back to TF32 tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4                      # the CPU interpreter: a few programs, each looping over tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _grid(cfg: MoEConfig, num_tiles: int, device: torch.device) -> tuple[int]:
+    """One program per tile (M-blocks past the padded total exit at once), or with
+    ``cfg.persistent`` that many programs per SM, each walking the used tiles."""
+    if cfg.persistent:
+        return (max(1, min(num_tiles, cfg.persistent * _num_sms(device))),)
+    return (num_tiles,)
+
+
+def _rows_operand(t: torch.Tensor, block: list[int], tma: bool) -> object:
+    """A [rows, width] operand read in [BLOCK_M, BLOCK_K] tiles: a TMA descriptor, or the tensor."""
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block) if tma else t
+
+
+def _weight_operand(w: torch.Tensor, block: list[int], tma: bool, name: str) -> object:
+    """[E, N, K] expert weights read in [BLOCK_N, BLOCK_K] tiles: with TMA a descriptor over the
+    [E*N, K] view (which needs E's stride to be N rows and 16-byte aligned rows), else the tensor."""
+    if not tma:
+        return w
+    e, n, k = w.shape
+    if w.stride(0) != n * w.stride(1) or (w.stride(1) * w.element_size()) % 16 or w.data_ptr() % 16:
+        raise ValueError(f"fused_moe: TMA tiles of {name} need its experts stacked as one [E*N, K] "
+                         f"matrix with 16-byte aligned rows; got shape {tuple(w.shape)} strides {w.stride()}")
+    return TensorDescriptor(w, [e * n, k], [w.stride(1), 1], block)
+
+
+def moe_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, sorted_pairs: torch.Tensor,
+                block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, swiglu_limit: float,
+                cfg: MoEConfig) -> torch.Tensor:
+    """The first grouped GEMM of :func:`fused_moe` (separate so benchmarks can time it): act =
+    silu(min(g, L)) * clamp(u, -L, L) for the sorted pairs. Returns act [P, I] by pair, or
+    [L, I] by sorted row with ``cfg.sorted_act`` (rows that hold no pair unwritten)."""
+    t, h = x.shape
+    e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    pairs, length = t * top_k, sorted_pairs.shape[0]
+    num_pid_m = block_expert.shape[0]
+    if cfg.sorted_x:
+        xs = torch.empty(length, h, dtype=x.dtype, device=x.device)         # [L, H] x by sorted row
+        block_h = min(128, triton.next_power_of_2(h))
+        _gather_rows_kernel[(num_pid_m, triton.cdiv(h, block_h))](
+            x, xs, sorted_pairs, num_padded, pairs, h, x.stride(0), xs.stride(0),
+            TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_H=block_h, num_warps=4, **pdl.flags(x.device))
+        x = xs
+    act = torch.empty(length if cfg.sorted_act else pairs, i, dtype=x.dtype, device=x.device)
+    a = _rows_operand(x, [cfg.block_m, cfg.block_k1], cfg.tma and cfg.sorted_x)
+    w = _weight_operand(gate_up_proj, [cfg.block_n1, cfg.block_k1], cfg.tma, "gate_up_proj")
+    _gate_up_kernel[_grid(cfg, num_pid_m * triton.cdiv(i, cfg.block_n1), x.device)](
+        a, w, act, sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m, float(swiglu_limit),
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
+        DOT_PRECISION=_dot_precision(x.dtype), TMA=cfg.tma, SORTED_X=cfg.sorted_x,
+        SORTED_ACT=cfg.sorted_act, PERSISTENT=cfg.persistent > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+    return act
+
+
+def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
+             sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor,
+             out: torch.Tensor, cfg: MoEConfig) -> None:
+    """The second grouped GEMM of :func:`fused_moe` (separate so benchmarks can time it):
+    out[p] = w[p] * down_e(act of p), written by pair into out [P, H]; act as
+    :func:`moe_gate_up` returns it for the same ``cfg``."""
+    e, h, i = down_proj.shape
+    pairs = out.shape[0]
+    num_pid_m = block_expert.shape[0]
+    a = _rows_operand(act, [cfg.block_m, cfg.block_k2], cfg.tma and cfg.sorted_act)
+    w = _weight_operand(down_proj, [cfg.block_n2, cfg.block_k2], cfg.tma, "down_proj")
+    _down_kernel[_grid(cfg, num_pid_m * triton.cdiv(h, cfg.block_n2), act.device)](
+        a, w, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m,
+        act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
+        GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(act.dtype),
+        TMA=cfg.tma, SORTED_ACT=cfg.sorted_act, PERSISTENT=cfg.persistent > 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(act.device))
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -335,25 +550,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
-    num_pid_m = block_expert.shape[0]
-    precision = _dot_precision(x.dtype)
-
-    act = torch.empty(pairs, i, dtype=x.dtype, device=x.device)             # [P, I]
-    _gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
-        x, gate_up_proj, act, sorted_pairs, block_expert, num_padded,
-        pairs, h, i, num_pid_m, float(swiglu_limit),
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
-        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
-
-    _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
-        act, down_proj, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
-        pairs, h, i, num_pid_m,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
-        GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0,
-        DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(act.device))
+    act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg)
+    moe_down(act, down_proj, topk_weights, sorted_pairs, block_expert, num_padded, out, cfg)
     combined = torch.empty_like(x)                                          # [T, H]
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block_h))](

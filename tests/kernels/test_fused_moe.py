@@ -116,6 +116,49 @@ def test_fused_moe_tile_configs(config, device, poison_empty):
                                rtol=1e-5, atol=1e-5)
 
 
+VARIANTS = {"tma": {"tma": True}, "sorted_act": {"sorted_act": True}, "sorted_x": {"sorted_x": True},
+            "tma+sorted_act": {"tma": True, "sorted_act": True},
+            "tma+sorted": {"tma": True, "sorted_x": True, "sorted_act": True},
+            "persistent": {"persistent": 2},
+            "persistent+tma+sorted": {"tma": True, "sorted_x": True, "sorted_act": True, "persistent": 1}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tiles", [(16, 16, 16, 16, 16, 1), (32, 32, 32, 32, 16, 2)])
+def test_fused_moe_prefill_variants(variant, dtype, tiles, device, poison_empty):
+    """The prefill path's operand options (TMA descriptors, expert-sorted x / act rows, a
+    persistent grid) on tiles smaller than the problem: ragged K and N tails (H=40, I=24), a
+    slot taken by no expert, and NaN in every buffer row the kernels leave unwritten (padding
+    rows of the sorted operands must feed only tile rows that are never stored)."""
+    e, h, i, t = 6, 40, 24, 9
+    gate_up, down = make_experts(e, h, i, dtype, device, seed=7)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(7)).to(dtype).to(device)
+    weights, ids = make_routing(t, 3, list(range(e)), device, seed=7)
+    ids[2, 1] = -1
+    config = MoEConfig(*tiles, num_warps=4, num_stages=2, **VARIANTS[variant])
+    out = fused_moe(x, gate_up, down, weights, ids, 0.7, config=config)
+    ref = reference.clamped_moe_experts(x.float(), gate_up.float(), down.float(),
+                                        weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0), 0.7)
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+
+
+def test_fused_moe_tma_needs_stacked_experts(device):
+    """A TMA config reads each weight tensor as one [E*N, K] matrix; experts that are not
+    stacked that way are refused rather than read wrongly."""
+    e, h, i, t = 4, 32, 16, 3
+    gate_up, down = make_experts(e, h, i, torch.float32, device)
+    gapped = torch.zeros(e, 2 * i + 4, h, device=device)[:, :2 * i]      # expert stride of 2I + 4 rows
+    gapped.copy_(gate_up)
+    x = torch.randn(t, h, device=device)
+    weights, ids = make_routing(t, 2, list(range(e)), device)
+    config = MoEConfig(16, 16, 16, 16, 16, 1, 4, 2, tma=True)
+    with pytest.raises(ValueError, match="gate_up_proj"):
+        fused_moe(x, gapped, down, weights, ids, config=config)
+    torch.testing.assert_close(fused_moe(x, gapped, down, weights, ids),        # the pointer path reads it
+                               fused_moe(x, gate_up, down, weights, ids), rtol=0, atol=0)
+
+
 def test_pick_config_by_tokens_per_expert():
     v4 = {"top_k": 6, "num_experts": 256, "hidden": 4096, "inter": 2048}
     assert pick_config(1, **v4).block_m == pick_config(64, **v4).block_m == 16
@@ -192,6 +235,25 @@ def test_fused_moe_gpu_v4_sizes(t, v4_experts_gpu):
     ref = reference.clamped_moe_experts(x, gate_up, down, weights, ids, 10.0)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("variant", ["tma", "tma+sorted_act", "tma+sorted", "persistent+tma+sorted"])
+def test_fused_moe_gpu_prefill_variants(variant, v4_experts_gpu):
+    """The prefill operand options at T=4096 on V4-Flash widths: against the reference, and
+    bitwise equal run to run (the sorted runs land in a different order each time)."""
+    gate_up, down = v4_experts_gpu
+    t = 4096
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
+                                         6, "sqrtsoftplus", 1.5)
+    base = pick_config(t, 6, 256, 4096, 2048)
+    config = MoEConfig(**{**base.__dict__, **VARIANTS[variant]})
+    out = fused_moe(x, gate_up, down, weights, ids, 10.0, config=config)
+    ref = reference.clamped_moe_experts(x, gate_up, down, weights, ids, 10.0)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    torch.testing.assert_close(fused_moe(x, gate_up, down, weights, ids, 10.0, config=config), out, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
