@@ -659,7 +659,7 @@ def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> N
     args = (s, fn, base, scale, 20, 1e-6, 1e-6)
     rx, _, rcomb = reference.hc_pre(*args)
     moved = s.numel() * 2 + fn.numel() * 4 + t * d * 2
-    default = hc.pick_config(t, s.device)
+    default = hc.pick_config(t, s.device, s.dtype)
     for cfg in [default] + configs:
         x, _, comb = hc.hc_pre(*args, config=cfg)
         ok = torch.allclose(x.float(), rx.float(), rtol=1.6e-2, atol=1e-2) and torch.allclose(comb, rcomb,
