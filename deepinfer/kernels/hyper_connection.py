@@ -278,7 +278,9 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     (20 us at T=64 vs 31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
     467 with 64-token blocks). Above 256 tokens, bf16 streams are multiplied as loaded
-    against fn split into three bf16 parts (``fn_split``; see the module docstring)."""
+    against fn split into three bf16 parts (``fn_split``; see the module docstring); the
+    token-block shapes there predate the split (``scripts/probes/hc_pre_prefill_sweep.py``
+    sweeps them with it)."""
     del device
     split = "registers" if dtype == torch.bfloat16 else ""
     if t == 1:

@@ -11,8 +11,8 @@ difference. GB/s counts the stream bytes read once, against the copy rate measur
 Each config runs in try/except (a failure prints its error and the sweep goes on); the sweep
 stops starting new configs after ~150 s. Ends with the best checked config per T.
 
-Run from the repository root on the GPU machine:
-    python scripts/probes/hc_pre_prefill_sweep.py
+Run from the repository root on the GPU machine (other token counts as arguments):
+    python scripts/probes/hc_pre_prefill_sweep.py [T ...]
 """
 import sys
 import time
@@ -38,7 +38,8 @@ SWEEP = [("registers", 128, 64, 8, 8, 3), ("registers", 128, 64, 16, 8, 3), ("re
          ("registers", 128, 64, None, 8, 3), ("registers", 128, 64, 16, 4, 4), ("registers", 64, 64, 16, 4, 3),
          ("registers", 64, 128, 16, 4, 3), ("registers", 64, 64, None, 4, 3), ("registers", 256, 64, 8, 8, 3),
          ("memory", 128, 64, 8, 8, 3), ("memory", 128, 64, 16, 8, 3), ("memory", 128, 128, 8, 8, 3),
-         ("memory", 128, 64, None, 8, 4), ("memory", 64, 64, 16, 4, 3), ("memory", 256, 64, 8, 8, 3)]
+         ("memory", 128, 64, None, 8, 4), ("memory", 64, 64, 16, 4, 3), ("memory", 256, 64, 8, 8, 3),
+         ("registers", 16, 64, 32, 4, 3), ("registers", 32, 64, 16, 4, 3)]
 
 
 def copy_gbps() -> float:
@@ -112,7 +113,7 @@ def main() -> None:
     rate = copy_gbps()
     print(f"copy rate (read + write of 1 GiB): {rate:.0f} GB/s")
     bests = {}
-    for t in (512, 4096, 8192):
+    for t in [int(a) for a in sys.argv[1:]] or (512, 4096, 8192):
         try:
             bests[t] = sweep_t(t, rate)
         except Exception as exc:                                                  # noqa: BLE001
