@@ -659,7 +659,7 @@ def hc_sweep(t: int, configs: list[hc.HCConfig], n: int = 4, d: int = 4096) -> N
     args = (s, fn, base, scale, 20, 1e-6, 1e-6)
     rx, _, rcomb = reference.hc_pre(*args)
     moved = s.numel() * 2 + fn.numel() * 4 + t * d * 2
-    default = hc.pick_config(t, s.device)
+    default = hc.pick_config(t, s.device, s.dtype)
     for cfg in [default] + configs:
         x, _, comb = hc.hc_pre(*args, config=cfg)
         ok = torch.allclose(x.float(), rx.float(), rtol=1.6e-2, atol=1e-2) and torch.allclose(comb, rcomb,
@@ -742,7 +742,8 @@ def _hyper_connection() -> None:
         hc_sweep(t, small + [hc.HCConfig(4, bk, ns, w, 0) for bk in (32, 64) for ns in (None, 64) for w in (2, 4)])
     hc_sweep(64, [hc.HCConfig(bt, bk, ns, w, 0) for bt in (16, 32) for bk in (64, 128) for ns in (None, 8, 32)
                   for w in (4, 8)])
-    hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0) for bt in (64, 128) for bk in (64, 128) for ns in (None, 8, 16)])
+    hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0, split) for split in ("", "registers") for bt in (64, 128)
+                    for bk in (64, 128) for ns in (None, 8, 16)])
 
 
 def _v4_rope() -> None:

@@ -9,10 +9,25 @@ the head).
 with M tiny, so its cost is reading the streams (T*K*2 bytes in bf16) and, at
 small T, reading ``fn`` (M*K*4 bytes, 1.5 MiB at V4-Flash widths). Programs tile
 (split of K) x (block of tokens): each reads its stream tile once, accumulating
-the dot products with ``fn`` (``tl.dot``, tf32x3 on the GPU: about float32
-accuracy; blocks under 16 tokens, decode's, use float32 FMAs instead of a
-tensor-core tile padded to 16 rows) and the sum of squares, and writes them as a partial. The last
-program of a token block to arrive (an atomic counter per block) sums the
+the dot products with ``fn`` and the sum of squares (float32), and writes them as
+a partial. The dot products, by block size:
+
+- under 16 tokens (decode): float32 FMAs, not a tensor-core tile padded to 16 rows;
+- up to 256 tokens, and float32 streams: ``tl.dot`` on the float32 tile with
+  tf32x3 (about float32 accuracy; it splits both operands into tf32 hi/lo parts in
+  registers every K step);
+- more tokens, bf16 streams (prefill): the tile as loaded against ``fn`` split into
+  three bf16 parts, ``hi = bf16(fn)``, ``lo = bf16(fn - hi)``, ``lo2 = bf16(fn - hi -
+  lo)`` (``fn_split``), three bf16 ``tl.dot`` into one float32 accumulator. The parts
+  sum to ``fn`` exactly and bf16 x bf16 products are exact in float32, so this is as
+  accurate as tf32x3 (which drops fn's last bits and the lo x lo term) while the bf16
+  tile needs no conversion or splitting: tf32x3's per-element ALU work kept the kernel
+  at ~188 us at T=4096 against ~32 us of stream bytes (H200). The split is made per K
+  step in registers from ``fn``'s float32 tile (``"registers"``: nothing cached, nothing
+  to go stale) or read from ``split_fn(fn)`` made ahead (``"memory"``, 1.5x fn's bytes;
+  a tuning option: ``hc_pre(fn_parts=...)``).
+
+The last program of a token block to arrive (an atomic counter per block) sums the
 partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
 (s @ fn.T)``), the sigmoids, the softmax and the Sinkhorn-Knopp iterations in
 float32 and writes post/comb. Then the collapse ``x = sum_j pre_j s_j``:
@@ -58,6 +73,16 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
+def _dot_bf16(x, w, acc, BF16_DOT: tl.constexpr):
+    """acc + x @ w for bfloat16 x [BT, BK] and w [BK, NCOL]: exact products, float32 sums.
+    Off the GPU (the interpreter multiplies bfloat16 tiles as raw integers) the same
+    products as float32 dots."""
+    if BF16_DOT:
+        return tl.dot(x, w, acc)
+    return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
 def _hc_pre_kernel(
     s_ptr, fn_ptr, base_ptr, scale_ptr,
     part_ptr, count_ptr,
@@ -67,6 +92,7 @@ def _hc_pre_kernel(
     hc_eps, norm_eps,
     N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr, NCOL: tl.constexpr,
     FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
+    FN_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -87,14 +113,30 @@ def _hc_pre_kernel(
         ks = k_begin + k0 + kk                                        # [BK]
         kmask = ks < K
         x = tl.load(s_ptr + toks[:, None] * s_stride + ks[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)   # [BT, BK]
-        w = tl.load(fn_ptr + cols[None, :] * K + ks[:, None],
-                    mask=kmask[:, None] & (cols[None, :] < NMIX), other=0.0)          # [BK, NCOL]
-        if USE_DOT:
-            acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        else:                                                         # few tokens: float32 FMAs
-            acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
-        sq += tl.sum(x * x, axis=1)
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK] streams' dtype
+        xf = x.to(tl.float32)
+        w_ptrs = fn_ptr + cols[None, :] * K + ks[:, None]             # [BK, NCOL]
+        wmask = kmask[:, None] & (cols[None, :] < NMIX)
+        if FN_SPLIT == "registers":                                   # bf16 x times fn's three bf16 parts
+            w = tl.load(w_ptrs, mask=wmask, other=0.0)
+            w_hi = w.to(tl.bfloat16)
+            rest = w - w_hi.to(tl.float32)
+            w_lo = rest.to(tl.bfloat16)
+            w_lo2 = (rest - w_lo.to(tl.float32)).to(tl.bfloat16)
+            acc = _dot_bf16(x, w_hi, acc, BF16_DOT)
+            acc = _dot_bf16(x, w_lo, acc, BF16_DOT)
+            acc = _dot_bf16(x, w_lo2, acc, BF16_DOT)
+        elif FN_SPLIT == "memory":                                    # the parts from split_fn: [3, M, K]
+            acc = _dot_bf16(x, tl.load(w_ptrs, mask=wmask, other=0.0), acc, BF16_DOT)
+            acc = _dot_bf16(x, tl.load(w_ptrs + NMIX * K, mask=wmask, other=0.0), acc, BF16_DOT)
+            acc = _dot_bf16(x, tl.load(w_ptrs + 2 * NMIX * K, mask=wmask, other=0.0), acc, BF16_DOT)
+        else:
+            w = tl.load(w_ptrs, mask=wmask, other=0.0)
+            if USE_DOT:
+                acc = tl.dot(xf, w, acc, input_precision=PRECISION)
+            else:                                                     # few tokens: float32 FMAs
+                acc += tl.sum(xf[:, :, None] * w[None, :, :], axis=1)
+        sq += tl.sum(xf * xf, axis=1)
     acc = tl.where(cols[None, :] == NMIX, sq[:, None], acc)
     rows = part_ptr + toks[:, None] * NCOL + cols[None, :]            # [BT, NCOL] split 0's rows
     tl.store(rows + split * T * NCOL, acc, mask=tmask[:, None])
@@ -220,9 +262,13 @@ class HCConfig(NamedTuple):
     num_splits: int | None        # programs along K per token block; None: about 2 per SM
     num_warps: int
     one_launch_max_t: int         # up to this T the finishing program also collapses
+    fn_split: str = ""            # bf16 streams, block_t >= 16: "" the float32 tile against fn
+                                  # (tf32x3), "registers" fn split into three bf16 parts per K step,
+                                  # "memory" the parts read from split_fn's [3, M, K]
+    num_stages: int = 3           # software-pipelining depth of the K loop
 
 
-def pick_config(t: int, device: torch.device) -> HCConfig:
+def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     """From the H200 sweep (``scripts/gpu_kernel_check.py hyper_connection``, CUDA-graph
     replays, n 4, D 4096): one launch only for a single token (the finishing program's
     collapse is then one load wave; from T=4 on the parallel second launch wins: 21 us vs 31
@@ -231,8 +277,12 @@ def pick_config(t: int, device: torch.device) -> HCConfig:
     20.3, T=16 12.9 vs 21.2); 16-token blocks over 32 K splits up to a few hundred tokens
     (20 us at T=64 vs 31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
-    467 with 64-token blocks)."""
+    467 with 64-token blocks). Above 256 tokens, bf16 streams are multiplied as loaded
+    against fn split into three bf16 parts (``fn_split``; see the module docstring); the
+    token-block shapes there predate the split (``scripts/probes/hc_pre_prefill_sweep.py``
+    sweeps them with it)."""
     del device
+    split = "registers" if dtype == torch.bfloat16 else ""
     if t == 1:
         return HCConfig(1, 256, 64, 4, _ONE_LAUNCH_MAX_T)
     if t <= 16:
@@ -240,8 +290,18 @@ def pick_config(t: int, device: torch.device) -> HCConfig:
     if t <= 256:
         return HCConfig(16, 64, 32, 4, _ONE_LAUNCH_MAX_T)
     if t <= 1024:
-        return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T)
-    return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T)
+        return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T, split)
+    return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
+
+
+def split_fn(fn: torch.Tensor) -> torch.Tensor:
+    """fn float32 [M, K] -> [3, M, K] bfloat16 (hi, lo, lo2) with hi + lo + lo2 == fn to float32
+    precision: hi = bf16(fn), lo = bf16(fn - hi), lo2 = bf16(fn - hi - lo), each remainder
+    exact in float32 and each part carrying the next 8 bits of the significand."""
+    hi = fn.to(torch.bfloat16)
+    rest = fn - hi.float()
+    lo = rest.to(torch.bfloat16)
+    return torch.stack([hi, lo, (rest - lo.float()).to(torch.bfloat16)])
 
 
 @functools.cache
@@ -273,7 +333,8 @@ def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
-         config: HCConfig | None, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         config: HCConfig | None, fn_parts: torch.Tensor | None,
+         who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s2 = _streams_2d(streams, who)
     t, n, d = streams.shape
     nmix = (2 + n) * n if full else n
@@ -294,7 +355,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if t == 0:
         return x, post, comb
 
-    cfg = config or pick_config(t, dev)
+    cfg = config or pick_config(t, dev, streams.dtype)
     if num_splits is not None:
         cfg = cfg._replace(num_splits=num_splits)
     k_total = n * d
@@ -310,18 +371,32 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"{who}: config block_t={block_t} must be a power of two")
     block_s = max(1, min(triton.next_power_of_2(splits), 8192 // (block_t * ncol)))  # splits per reduce load
+    if cfg.fn_split not in ("", "registers", "memory"):
+        raise ValueError(f"{who}: config fn_split={cfg.fn_split!r} must be '', 'registers' or 'memory'")
+    if cfg.fn_split and (streams.dtype != torch.bfloat16 or block_t < _MIN_DOT):
+        raise ValueError(f"{who}: config fn_split={cfg.fn_split!r} needs bfloat16 streams and block_t >= "
+                         f"{_MIN_DOT}, got {streams.dtype} and block_t={block_t}")
+    weights = fn
+    if cfg.fn_split == "memory":
+        weights = split_fn(fn) if fn_parts is None else fn_parts
+        if weights.shape != (3, nmix, k_total) or weights.dtype != torch.bfloat16 or weights.device != dev:
+            raise ValueError(f"{who}: fn_parts must be split_fn(fn), bfloat16 [3, {nmix}, {k_total}] on "
+                             f"{dev}, got {weights.dtype} {tuple(weights.shape)} on {weights.device}")
+        weights = weights.contiguous()
     collapse = t <= cfg.one_launch_max_t
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
     pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
     counters = _zeroed_counters(dev, n_tb)
     _hc_pre_kernel[(splits, n_tb)](
-        s2, fn, base, scale, part, counters, x, pre, post, comb,
+        s2, weights, base, scale, part, counters, x, pre, post, comb,
         t, d, s2.stride(0), x.stride(0),
         cols_per_split, splits, sinkhorn_iters, hc_eps, norm_eps,
         N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
         PRECISION="tf32x3" if dev.type == "cuda" else "ieee", USE_DOT=block_t >= _MIN_DOT,
+        FN_SPLIT=cfg.fn_split, BF16_DOT=dev.type == "cuda",
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
-        BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, **pdl.flags(s2.device))
+        BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.flags(s2.device))
     if not collapse:
         # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of the grid.
         block_d = min(triton.next_power_of_2(d), 1024)
@@ -333,18 +408,21 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None,
-           config: HCConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: HCConfig | None = None, fn_parts: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
     (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
-    ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
-    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config, "hc_pre")
+    ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning);
+    ``fn_parts`` is ``split_fn(fn)`` made ahead for a ``fn_split="memory"`` config (else split per call)."""
+    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config,
+                fn_parts, "hc_pre")
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, norm_eps: float, num_splits: int | None = None,
             config: HCConfig | None = None) -> torch.Tensor:
     """streams [T, n, D]; fn [n, n*D] float32; base [n]; scale [1] -> [T, D] (the final collapse)."""
-    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, config, "hc_head")[0]
+    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, config, None, "hc_head")[0]
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -31,12 +31,13 @@ def streams_of(t: int, n: int, d: int, dtype: torch.dtype, gen: torch.Generator,
 
 
 @pytest.mark.parametrize("t,n,d,splits", [(1, 4, 64, None), (5, 4, 64, 3), (7, 3, 64, 2), (40, 4, 64, 5),
-                                          (16, 4, 1024, 40), (40, 4, 512, 32)])
+                                          (16, 4, 1024, 40), (40, 4, 512, 32), (300, 4, 64, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
     """T = 1: one launch (the finishing program collapses); more tokens: the separate
     collapse launch; T=40: several token blocks. 3 and 5 splits leave a short last split; n=3 pads the streams
-    to a power of two inside the kernel. 32 splits take several loads to reduce."""
+    to a power of two inside the kernel. 32 splits take several loads to reduce. T=300: the large-T
+    configs (bf16 streams: fn split into three bf16 parts)."""
     gen = torch.Generator().manual_seed(t * 10 + n)
     s = streams_of(t, n, d, dtype, gen, device)
     fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
@@ -68,6 +69,38 @@ def test_hc_pre_launch_configs(t, cfg, device, poison_empty):
     torch.testing.assert_close(post, rpost, **MIX_TOL)
     torch.testing.assert_close(comb, rcomb, **MIX_TOL)
     torch.testing.assert_close(x, rx, **TOL[torch.float32])
+
+
+def test_split_fn_parts_sum_to_fn():
+    """hi + lo + lo2 reproduce float32 fn exactly, and each part is a bf16 rounding of what is left."""
+    fn, _, _ = weights(4, 64, 24, torch.Generator().manual_seed(11), "cpu")
+    parts = hc.split_fn(fn)
+    assert parts.shape == (3, 24, 256) and parts.dtype == torch.bfloat16
+    assert torch.equal(parts.double().sum(0), fn.double())
+    assert torch.equal(parts[0], fn.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("t,n,d,cfg", [(40, 4, 64, hc.HCConfig(16, 32, 3, 4, 0, "registers")),
+                                       (130, 4, 64, hc.HCConfig(128, 64, 2, 8, 0, "registers", 4)),
+                                       (40, 4, 64, hc.HCConfig(16, 64, None, 4, 0, "memory")),
+                                       (70, 3, 64, hc.HCConfig(32, 64, 3, 4, 0, "memory", 2)),
+                                       (20, 3, 40, hc.HCConfig(16, 32, 2, 4, 0, "registers"))])
+def test_hc_pre_split_fn_matches_reference(t, n, d, cfg, device, poison_empty):
+    """bf16 streams against fn split into three bf16 parts (in registers per K step, or read from
+    split_fn's [3, M, K]) on random data: the float32 tf32x3 path's tolerances. n=3 leaves padding
+    rows of fn (M=15 of 16 columns); D=40 a K that is not a multiple of the K step."""
+    gen = torch.Generator().manual_seed(t + n + d)
+    s = streams_of(t, n, d, torch.bfloat16, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg)
+    rx, rpost, rcomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    torch.testing.assert_close(post, rpost, **MIX_TOL)
+    torch.testing.assert_close(comb, rcomb, **MIX_TOL)
+    torch.testing.assert_close(x, rx, **TOL[torch.bfloat16])
+    if cfg.fn_split == "memory":                                         # the parts made ahead: same result
+        again = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg, fn_parts=hc.split_fn(fn))
+        for a, b in zip(again, (x, post, comb)):
+            assert torch.equal(a, b)
 
 
 def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
@@ -132,6 +165,12 @@ def test_hc_launchers_name_the_bad_argument(device):
         hc.hc_pre(s, fn[:, :128], torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="scale"):
         hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(1, device=device), 3, 1e-6, 1e-6)
+    with pytest.raises(ValueError, match="needs bfloat16 streams"):
+        hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6,
+                  config=hc.HCConfig(16, 64, 2, 4, 0, "registers"))
+    with pytest.raises(ValueError, match="fn_parts"):
+        hc.hc_pre(s.bfloat16(), fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6,
+                  1e-6, config=hc.HCConfig(16, 64, 2, 4, 0, "memory"), fn_parts=fn.bfloat16())
     with pytest.raises(ValueError, match="comb"):
         hc.hc_post(torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
                    torch.rand(2, 4, 3, device=device))
