@@ -58,6 +58,7 @@ P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -95,12 +96,16 @@ class MoEConfig:
 # Hopper) with room for the epilogue's layout conversions: float32 tiles (tests) take
 # fewer stages than bf16 ones.
 _SMEM_BUDGET = 144 * 1024
+_TMA_SMEM_BUDGET = 192 * 1024
 
 
 def _fit_stages(cfg: MoEConfig, elem_bytes: int) -> int:
     per_stage = max(cfg.block_m * cfg.block_k1 + 2 * cfg.block_k1 * cfg.block_n1,
                     cfg.block_m * cfg.block_k2 + cfg.block_k2 * cfg.block_n2) * elem_bytes
-    return max(1, min(cfg.num_stages, _SMEM_BUDGET // per_stage))
+    # TMA-loaded 16-bit weight tiles need no register staging: 4 x 48 KB stages compiled and
+    # ran at T=4096 on the H200 (the sweep's best).
+    budget = _TMA_SMEM_BUDGET if cfg.tma and elem_bytes <= 2 else _SMEM_BUDGET
+    return max(1, min(cfg.num_stages, budget // per_stage))
 
 
 def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
@@ -110,26 +115,26 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     <= 4 (decode, T <= 170 at K=6, E=256): weight streaming. 16-row blocks; GEMM1
       tiles of 32 gate + 32 up columns, so one token's 6 experts at I=2048 make
       6 * 64 = 384 programs (about 3 per SM), each streaming 512 KB.
-    <= 48: medium batches, 32-row blocks.
+    <= 32: medium batches, 32-row blocks.
     above: 128-row blocks, 128 + 128 GEMM1 columns (T=4096 at K=6, E=256 averages 96 pairs
-      per expert).
+      per expert), weight tiles by TMA, act in sorted rows, 4 stages (16-bit only: 192 KB of
+      shared memory). There the GEMMs are weight-bandwidth bound; H200 sweep
+      (scripts/probes/fused_moe_prefill_sweep.py), gate_up + down at T=4096: 3,592 us (83% of
+      the copy rate) against 3,846 us for the same tiles with pointer loads and 3 stages;
+      at T=2048 (48 pairs per expert) 3,431 us against 4,323 us for 32-row blocks.
     Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
-    The prefill operand options (``tma``, ``sorted_act``, ``sorted_x``, ``persistent``) stay
-    off here until the H200 sweep (scripts/probes/fused_moe_prefill_sweep.py) has measured them.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
     if per_expert <= 4:
         cfg = MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=4)
-    elif per_expert <= 48:
+    elif per_expert <= 32:
         cfg = MoEConfig(32, 64, 128, 64, 128, 4, num_warps=4, num_stages=4)
     else:
-        # Best of the H200 sweep at T=4096 (scripts/gpu_kernel_check.py fused_moe): 275 TFLOP/s
-        # against 259 for 64-row blocks.
-        cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=3)
+        cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True)
     h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
-    cfg = MoEConfig(cfg.block_m, min(cfg.block_n1, i), min(cfg.block_k1, h), min(cfg.block_n2, h),
-                    min(cfg.block_k2, i), cfg.group_m, cfg.num_warps, cfg.num_stages)
-    return MoEConfig(**{**cfg.__dict__, "num_stages": _fit_stages(cfg, elem_bytes)})
+    cfg = dataclasses.replace(cfg, block_n1=min(cfg.block_n1, i), block_k1=min(cfg.block_k1, h),
+                              block_n2=min(cfg.block_n2, h), block_k2=min(cfg.block_k2, i))
+    return dataclasses.replace(cfg, num_stages=_fit_stages(cfg, elem_bytes))
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:

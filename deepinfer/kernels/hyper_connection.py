@@ -279,8 +279,9 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
     467 with 64-token blocks). Above 256 tokens, bf16 streams are multiplied as loaded
     against fn split into three bf16 parts (``fn_split``; see the module docstring); the
-    token-block shapes there predate the split (``scripts/probes/hc_pre_prefill_sweep.py``
-    sweeps them with it)."""
+    token-block shapes up to 4,095 tokens predate the split (``scripts/probes/hc_pre_prefill_sweep.py``
+    sweeps them with it: at T=4096, whole call incl. the collapse, 232.6 us before the split,
+    114.7 us with it at 128-token blocks, 104.2 us at 256-token blocks, now the default there)."""
     del device
     split = "registers" if dtype == torch.bfloat16 else ""
     if t == 1:
@@ -291,7 +292,9 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
         return HCConfig(16, 64, 32, 4, _ONE_LAUNCH_MAX_T)
     if t <= 1024:
         return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T, split)
-    return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
+    if t < 4096:
+        return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
+    return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
 
 
 def split_fn(fn: torch.Tensor) -> torch.Tensor:
