@@ -742,7 +742,7 @@ def _hyper_connection() -> None:
         hc_sweep(t, small + [hc.HCConfig(4, bk, ns, w, 0) for bk in (32, 64) for ns in (None, 64) for w in (2, 4)])
     hc_sweep(64, [hc.HCConfig(bt, bk, ns, w, 0) for bt in (16, 32) for bk in (64, 128) for ns in (None, 8, 32)
                   for w in (4, 8)])
-    hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0, split) for split in ("", "registers") for bt in (64, 128)
+    hc_sweep(4096, [hc.HCConfig(bt, bk, ns, 8, 0, split) for split in (False, True) for bt in (64, 128)
                     for bk in (64, 128) for ns in (None, 8, 16)])
 
 

@@ -18,14 +18,13 @@ a partial. The dot products, by block size:
   registers every K step);
 - more tokens, bf16 streams (prefill): the tile as loaded against ``fn`` split into
   three bf16 parts, ``hi = bf16(fn)``, ``lo = bf16(fn - hi)``, ``lo2 = bf16(fn - hi -
-  lo)`` (``fn_split``), three bf16 ``tl.dot`` into one float32 accumulator. The parts
+  lo)`` (``HCConfig.bf16_split``), three bf16 ``tl.dot`` into one float32 accumulator. The parts
   sum to ``fn`` exactly and bf16 x bf16 products are exact in float32, so this is as
   accurate as tf32x3 (which drops fn's last bits and the lo x lo term) while the bf16
   tile needs no conversion or splitting: tf32x3's per-element ALU work kept the kernel
   at ~188 us at T=4096 against ~32 us of stream bytes (H200). The split is made per K
-  step in registers from ``fn``'s float32 tile (``"registers"``: nothing cached, nothing
-  to go stale) or read from ``split_fn(fn)`` made ahead (``"memory"``, 1.5x fn's bytes;
-  a tuning option: ``hc_pre(fn_parts=...)``).
+  step in registers from ``fn``'s float32 tile: nothing cached, nothing to go stale when
+  the weights are reloaded.
 
 The last program of a token block to arrive (an atomic counter per block) sums the
 partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
@@ -92,7 +91,7 @@ def _hc_pre_kernel(
     hc_eps, norm_eps,
     N: tl.constexpr, NP: tl.constexpr, NMIX: tl.constexpr, NCOL: tl.constexpr,
     FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
-    FN_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
+    BF16_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -117,7 +116,7 @@ def _hc_pre_kernel(
         xf = x.to(tl.float32)
         w_ptrs = fn_ptr + cols[None, :] * K + ks[:, None]             # [BK, NCOL]
         wmask = kmask[:, None] & (cols[None, :] < NMIX)
-        if FN_SPLIT == "registers":                                   # bf16 x times fn's three bf16 parts
+        if BF16_SPLIT:                                                # bf16 x times fn's three bf16 parts
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             w_hi = w.to(tl.bfloat16)
             rest = w - w_hi.to(tl.float32)
@@ -126,10 +125,6 @@ def _hc_pre_kernel(
             acc = _dot_bf16(x, w_hi, acc, BF16_DOT)
             acc = _dot_bf16(x, w_lo, acc, BF16_DOT)
             acc = _dot_bf16(x, w_lo2, acc, BF16_DOT)
-        elif FN_SPLIT == "memory":                                    # the parts from split_fn: [3, M, K]
-            acc = _dot_bf16(x, tl.load(w_ptrs, mask=wmask, other=0.0), acc, BF16_DOT)
-            acc = _dot_bf16(x, tl.load(w_ptrs + NMIX * K, mask=wmask, other=0.0), acc, BF16_DOT)
-            acc = _dot_bf16(x, tl.load(w_ptrs + 2 * NMIX * K, mask=wmask, other=0.0), acc, BF16_DOT)
         else:
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             if USE_DOT:
@@ -262,9 +257,9 @@ class HCConfig(NamedTuple):
     num_splits: int | None        # programs along K per token block; None: about 2 per SM
     num_warps: int
     one_launch_max_t: int         # up to this T the finishing program also collapses
-    fn_split: str = ""            # bf16 streams, block_t >= 16: "" the float32 tile against fn
-                                  # (tf32x3), "registers" fn split into three bf16 parts per K step,
-                                  # "memory" the parts read from split_fn's [3, M, K]
+    bf16_split: bool = False      # bf16 streams, block_t >= 16: True the tile as loaded against fn
+                                  # split into three bf16 parts per K step, False the float32 tile
+                                  # against fn (tf32x3)
     num_stages: int = 3           # software-pipelining depth of the K loop
 
 
@@ -278,12 +273,12 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     (20 us at T=64 vs 31 with 32-token blocks); large T takes 128-token blocks over 8 splits, so ``fn`` is
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
     467 with 64-token blocks). Above 256 tokens, bf16 streams are multiplied as loaded
-    against fn split into three bf16 parts (``fn_split``; see the module docstring); the
+    against fn split into three bf16 parts (``bf16_split``; see the module docstring); the
     token-block shapes up to 4,095 tokens predate the split (``scripts/probes/hc_pre_prefill_sweep.py``
     sweeps them with it: at T=4096, whole call incl. the collapse, 232.6 us before the split,
     114.7 us with it at 128-token blocks, 104.2 us at 256-token blocks, now the default there)."""
     del device
-    split = "registers" if dtype == torch.bfloat16 else ""
+    bf16_split = dtype == torch.bfloat16
     if t == 1:
         return HCConfig(1, 256, 64, 4, _ONE_LAUNCH_MAX_T)
     if t <= 16:
@@ -291,20 +286,10 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     if t <= 256:
         return HCConfig(16, 64, 32, 4, _ONE_LAUNCH_MAX_T)
     if t <= 1024:
-        return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T, split)
+        return HCConfig(64, 64, None, 8, _ONE_LAUNCH_MAX_T, bf16_split)
     if t < 4096:
-        return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
-    return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, split)
-
-
-def split_fn(fn: torch.Tensor) -> torch.Tensor:
-    """fn float32 [M, K] -> [3, M, K] bfloat16 (hi, lo, lo2) with hi + lo + lo2 == fn to float32
-    precision: hi = bf16(fn), lo = bf16(fn - hi), lo2 = bf16(fn - hi - lo), each remainder
-    exact in float32 and each part carrying the next 8 bits of the significand."""
-    hi = fn.to(torch.bfloat16)
-    rest = fn - hi.float()
-    lo = rest.to(torch.bfloat16)
-    return torch.stack([hi, lo, (rest - lo.float()).to(torch.bfloat16)])
+        return HCConfig(128, 64, 8, 8, _ONE_LAUNCH_MAX_T, bf16_split)
+    return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, bf16_split)
 
 
 @functools.cache
@@ -336,8 +321,7 @@ def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
-         config: HCConfig | None, fn_parts: torch.Tensor | None,
-         who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         config: HCConfig | None, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s2 = _streams_2d(streams, who)
     t, n, d = streams.shape
     nmix = (2 + n) * n if full else n
@@ -374,29 +358,22 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"{who}: config block_t={block_t} must be a power of two")
     block_s = max(1, min(triton.next_power_of_2(splits), 8192 // (block_t * ncol)))  # splits per reduce load
-    if cfg.fn_split not in ("", "registers", "memory"):
-        raise ValueError(f"{who}: config fn_split={cfg.fn_split!r} must be '', 'registers' or 'memory'")
-    if cfg.fn_split and (streams.dtype != torch.bfloat16 or block_t < _MIN_DOT):
-        raise ValueError(f"{who}: config fn_split={cfg.fn_split!r} needs bfloat16 streams and block_t >= "
+    if not isinstance(cfg.bf16_split, bool):
+        raise ValueError(f"{who}: config bf16_split={cfg.bf16_split!r} must be a bool")
+    if cfg.bf16_split and (streams.dtype != torch.bfloat16 or block_t < _MIN_DOT):
+        raise ValueError(f"{who}: config bf16_split=True needs bfloat16 streams and block_t >= "
                          f"{_MIN_DOT}, got {streams.dtype} and block_t={block_t}")
-    weights = fn
-    if cfg.fn_split == "memory":
-        weights = split_fn(fn) if fn_parts is None else fn_parts
-        if weights.shape != (3, nmix, k_total) or weights.dtype != torch.bfloat16 or weights.device != dev:
-            raise ValueError(f"{who}: fn_parts must be split_fn(fn), bfloat16 [3, {nmix}, {k_total}] on "
-                             f"{dev}, got {weights.dtype} {tuple(weights.shape)} on {weights.device}")
-        weights = weights.contiguous()
     collapse = t <= cfg.one_launch_max_t
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
     pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
     counters = _zeroed_counters(dev, n_tb)
     _hc_pre_kernel[(splits, n_tb)](
-        s2, weights, base, scale, part, counters, x, pre, post, comb,
+        s2, fn, base, scale, part, counters, x, pre, post, comb,
         t, d, s2.stride(0), x.stride(0),
         cols_per_split, splits, sinkhorn_iters, hc_eps, norm_eps,
         N=n, NP=triton.next_power_of_2(n), NMIX=nmix, NCOL=ncol, FULL=full, COLLAPSE=collapse,
         PRECISION="tf32x3" if dev.type == "cuda" else "ieee", USE_DOT=block_t >= _MIN_DOT,
-        FN_SPLIT=cfg.fn_split, BF16_DOT=dev.type == "cuda",
+        BF16_SPLIT=cfg.bf16_split, BF16_DOT=dev.type == "cuda",
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.flags(s2.device))
@@ -411,21 +388,19 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None,
-           config: HCConfig | None = None, fn_parts: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: HCConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
     (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
-    ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning);
-    ``fn_parts`` is ``split_fn(fn)`` made ahead for a ``fn_split="memory"`` config (else split per call)."""
+    ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
     return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config,
-                fn_parts, "hc_pre")
+                "hc_pre")
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, norm_eps: float, num_splits: int | None = None,
             config: HCConfig | None = None) -> torch.Tensor:
     """streams [T, n, D]; fn [n, n*D] float32; base [n]; scale [1] -> [T, D] (the final collapse)."""
-    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, config, None, "hc_head")[0]
+    return _mix(streams, fn, base, scale, 1, hc_eps, norm_eps, False, num_splits, config, "hc_head")[0]
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

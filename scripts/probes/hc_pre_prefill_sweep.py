@@ -1,6 +1,6 @@
 """hc_pre launch configs at prefill sizes (bf16 streams [T, 4, 4096], fn float32 [24, 16384]):
-today's tf32x3 config against the bf16 split of fn (``HCConfig.fn_split``: "registers" splits fn's
-tile into three bf16 parts every K step; "memory" reads the parts from ``split_fn(fn)`` made once).
+today's tf32x3 config against the bf16 split of fn (``HCConfig.bf16_split``: fn's tile split into
+three bf16 parts in registers every K step).
 
 For T in 512, 4096, 8192 each config is checked against ``reference.hc_pre`` (x: rtol 1.6e-2
 atol 1e-2; post, comb: rtol 1e-4 atol 1e-5, as tests/kernels' GPU test) and timed as CUDA-graph
@@ -33,13 +33,10 @@ N, D, ITERS = 4, 4096, 20
 BUDGET_S = 150.0
 START = time.time()
 
-# (fn_split, block_t, block_k, num_splits, num_warps, num_stages)
-SWEEP = [("registers", 128, 64, 8, 8, 3), ("registers", 128, 64, 16, 8, 3), ("registers", 128, 128, 8, 8, 3),
-         ("registers", 128, 64, None, 8, 3), ("registers", 128, 64, 16, 4, 4), ("registers", 64, 64, 16, 4, 3),
-         ("registers", 64, 128, 16, 4, 3), ("registers", 64, 64, None, 4, 3), ("registers", 256, 64, 8, 8, 3),
-         ("memory", 128, 64, 8, 8, 3), ("memory", 128, 64, 16, 8, 3), ("memory", 128, 128, 8, 8, 3),
-         ("memory", 128, 64, None, 8, 4), ("memory", 64, 64, 16, 4, 3), ("memory", 256, 64, 8, 8, 3),
-         ("registers", 16, 64, 32, 4, 3), ("registers", 32, 64, 16, 4, 3)]
+# (block_t, block_k, num_splits, num_warps, num_stages), all with bf16_split=True
+SWEEP = [(128, 64, 8, 8, 3), (128, 64, 16, 8, 3), (128, 128, 8, 8, 3), (128, 64, None, 8, 3),
+         (128, 64, None, 8, 4), (128, 64, 16, 4, 4), (64, 64, 16, 4, 3), (64, 128, 16, 4, 3),
+         (64, 64, None, 4, 3), (256, 64, 8, 8, 3), (16, 64, 32, 4, 3), (32, 64, 16, 4, 3)]
 
 
 def copy_gbps() -> float:
@@ -71,31 +68,29 @@ def sweep_t(t: int, rate: float) -> tuple[float, str] | None:
     base = torch.randn(m, device=DEV, generator=gen)
     scale = torch.rand(3, device=DEV, generator=gen) + 0.5
     args = (s, fn, base, scale, ITERS, 1e-6, 1e-6)
-    parts = hc.split_fn(fn)
     rx, rpost, rcomb = reference.hc_pre(*args)
     stream_bytes = s.numel() * 2
     floor = stream_bytes / rate / 1e3
     pre = torch.rand(t, N, device=DEV)
     col = collapse_us(s, pre)
     print(f"\nT={t}: streams {stream_bytes / 1e6:.0f} MB, floor {floor:.1f} us at {rate:.0f} GB/s; "
-          f"collapse launch alone {col:.1f} us; split_fn(fn) per call {graph_us(lambda: hc.split_fn(fn)):.1f} us")
+          f"collapse launch alone {col:.1f} us")
     new_default = hc.pick_config(t, s.device, s.dtype)
     configs = [("old default", old_default(t)), ("new default", new_default)]
-    configs += [("", hc.HCConfig(bt, bk, ns, nw, 0, split, st)) for split, bt, bk, ns, nw, st in SWEEP]
+    configs += [("", hc.HCConfig(bt, bk, ns, nw, 0, True, st)) for bt, bk, ns, nw, st in SWEEP]
     best = None
     for tag, cfg in configs:
         if time.time() - START > BUDGET_S:
             print(f"  {tag:11s} {cfg}: skipped (time budget spent)")
             continue
         try:
-            kw = {"config": cfg, "fn_parts": parts if cfg.fn_split == "memory" else None}
-            x, post, comb = hc.hc_pre(*args, **kw)
+            x, post, comb = hc.hc_pre(*args, config=cfg)
             errs = [(x.float() - rx.float()).abs().max().item(), (post - rpost).abs().max().item(),
                     (comb - rcomb).abs().max().item()]
             ok = (torch.allclose(x.float(), rx.float(), rtol=1.6e-2, atol=1e-2)
                   and torch.allclose(post, rpost, rtol=1e-4, atol=1e-5)
                   and torch.allclose(comb, rcomb, rtol=1e-4, atol=1e-5))
-            us = graph_us(lambda: hc.hc_pre(*args, **kw))
+            us = graph_us(lambda: hc.hc_pre(*args, config=cfg))
         except Exception as exc:                                                  # noqa: BLE001
             print(f"  {tag:11s} {cfg}: ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             continue

@@ -71,24 +71,15 @@ def test_hc_pre_launch_configs(t, cfg, device, poison_empty):
     torch.testing.assert_close(x, rx, **TOL[torch.float32])
 
 
-def test_split_fn_parts_sum_to_fn():
-    """hi + lo + lo2 reproduce float32 fn exactly, and each part is a bf16 rounding of what is left."""
-    fn, _, _ = weights(4, 64, 24, torch.Generator().manual_seed(11), "cpu")
-    parts = hc.split_fn(fn)
-    assert parts.shape == (3, 24, 256) and parts.dtype == torch.bfloat16
-    assert torch.equal(parts.double().sum(0), fn.double())
-    assert torch.equal(parts[0], fn.to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("t,n,d,cfg", [(40, 4, 64, hc.HCConfig(16, 32, 3, 4, 0, "registers")),
-                                       (130, 4, 64, hc.HCConfig(128, 64, 2, 8, 0, "registers", 4)),
-                                       (40, 4, 64, hc.HCConfig(16, 64, None, 4, 0, "memory")),
-                                       (70, 3, 64, hc.HCConfig(32, 64, 3, 4, 0, "memory", 2)),
-                                       (20, 3, 40, hc.HCConfig(16, 32, 2, 4, 0, "registers"))])
-def test_hc_pre_split_fn_matches_reference(t, n, d, cfg, device, poison_empty):
-    """bf16 streams against fn split into three bf16 parts (in registers per K step, or read from
-    split_fn's [3, M, K]) on random data: the float32 tf32x3 path's tolerances. n=3 leaves padding
-    rows of fn (M=15 of 16 columns); D=40 a K that is not a multiple of the K step."""
+@pytest.mark.parametrize("t,n,d,cfg", [(40, 4, 64, hc.HCConfig(16, 32, 3, 4, 0, True)),
+                                       (130, 4, 64, hc.HCConfig(128, 64, 2, 8, 0, True, 4)),
+                                       (40, 4, 64, hc.HCConfig(16, 64, None, 4, 0, True)),
+                                       (70, 3, 64, hc.HCConfig(32, 64, 3, 4, 0, True, 2)),
+                                       (20, 3, 40, hc.HCConfig(16, 32, 2, 4, 0, True))])
+def test_hc_pre_bf16_split_matches_reference(t, n, d, cfg, device, poison_empty):
+    """bf16 streams against fn split into three bf16 parts per K step on random data: the
+    float32 tf32x3 path's tolerances. n=3 leaves padding rows of fn (M=15 of 16 columns); D=40 a
+    K that is not a multiple of the K step; num_stages 2, 3 and 4."""
     gen = torch.Generator().manual_seed(t + n + d)
     s = streams_of(t, n, d, torch.bfloat16, gen, device)
     fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
@@ -97,10 +88,6 @@ def test_hc_pre_split_fn_matches_reference(t, n, d, cfg, device, poison_empty):
     torch.testing.assert_close(post, rpost, **MIX_TOL)
     torch.testing.assert_close(comb, rcomb, **MIX_TOL)
     torch.testing.assert_close(x, rx, **TOL[torch.bfloat16])
-    if cfg.fn_split == "memory":                                         # the parts made ahead: same result
-        again = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg, fn_parts=hc.split_fn(fn))
-        for a, b in zip(again, (x, post, comb)):
-            assert torch.equal(a, b)
 
 
 def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
@@ -167,10 +154,13 @@ def test_hc_launchers_name_the_bad_argument(device):
         hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(1, device=device), 3, 1e-6, 1e-6)
     with pytest.raises(ValueError, match="needs bfloat16 streams"):
         hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6,
-                  config=hc.HCConfig(16, 64, 2, 4, 0, "registers"))
-    with pytest.raises(ValueError, match="fn_parts"):
+                  config=hc.HCConfig(16, 64, 2, 4, 0, True))
+    with pytest.raises(ValueError, match="needs bfloat16 streams"):
         hc.hc_pre(s.bfloat16(), fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6,
-                  1e-6, config=hc.HCConfig(16, 64, 2, 4, 0, "memory"), fn_parts=fn.bfloat16())
+                  1e-6, config=hc.HCConfig(4, 64, 2, 4, 0, True))
+    with pytest.raises(ValueError, match="must be a bool"):
+        hc.hc_pre(s.bfloat16(), fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6,
+                  1e-6, config=hc.HCConfig(16, 64, 2, 4, 0, "memory"))
     with pytest.raises(ValueError, match="comb"):
         hc.hc_post(torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
                    torch.rand(2, 4, 3, device=device))
