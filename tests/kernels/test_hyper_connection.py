@@ -52,42 +52,33 @@ def test_hc_pre_matches_reference(t, n, d, splits, dtype, device, poison_empty):
     torch.testing.assert_close(comb.sum(-2), torch.ones(t, n, device=device), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("t,cfg", [(7, hc.HCConfig(16, 64, None, 4, 16)), (3, hc.HCConfig(16, 32, 4, 4, 16)),
-                                   (130, hc.HCConfig(128, 64, 2, 8, 0)), (40, hc.HCConfig(64, 32, 3, 8, 0)),
-                                   (1, hc.HCConfig(1, 64, 5, 2, 1)), (6, hc.HCConfig(4, 32, None, 4, 0)),
-                                   (3, hc.HCConfig(2, 128, 2, 1, 4))])
-def test_hc_pre_launch_configs(t, cfg, device, poison_empty):
-    """Configs pick_config does not choose at these sizes: several tokens collapsed by the
-    finishing program (one launch), token blocks of 64 and 128 rows, and blocks under 16
-    rows (float32 FMAs instead of tl.dot)."""
-    gen = torch.Generator().manual_seed(t)
-    n, d = 4, 64
-    s = streams_of(t, n, d, torch.float32, gen, device)
-    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
-    x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg)
-    rx, rpost, rcomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
-    torch.testing.assert_close(post, rpost, **MIX_TOL)
-    torch.testing.assert_close(comb, rcomb, **MIX_TOL)
-    torch.testing.assert_close(x, rx, **TOL[torch.float32])
+F32, BF16 = torch.float32, torch.bfloat16
 
 
-@pytest.mark.parametrize("t,n,d,cfg", [(40, 4, 64, hc.HCConfig(16, 32, 3, 4, 0, True)),
-                                       (130, 4, 64, hc.HCConfig(128, 64, 2, 8, 0, True, 4)),
-                                       (40, 4, 64, hc.HCConfig(16, 64, None, 4, 0, True)),
-                                       (70, 3, 64, hc.HCConfig(32, 64, 3, 4, 0, True, 2)),
-                                       (20, 3, 40, hc.HCConfig(16, 32, 2, 4, 0, True))])
-def test_hc_pre_bf16_split_matches_reference(t, n, d, cfg, device, poison_empty):
-    """bf16 streams against fn split into three bf16 parts per K step on random data: the
-    float32 tf32x3 path's tolerances. n=3 leaves padding rows of fn (M=15 of 16 columns); D=40 a
-    K that is not a multiple of the K step; num_stages 2, 3 and 4."""
+@pytest.mark.parametrize("t,n,d,dtype,cfg", [
+    # Configs pick_config does not choose at these sizes: several tokens collapsed by the
+    # finishing program (one launch), token blocks of 64 and 128 rows, and blocks under 16
+    # rows (float32 FMAs instead of tl.dot).
+    (7, 4, 64, F32, hc.HCConfig(16, 64, None, 4, 16)), (3, 4, 64, F32, hc.HCConfig(16, 32, 4, 4, 16)),
+    (130, 4, 64, F32, hc.HCConfig(128, 64, 2, 8, 0)), (40, 4, 64, F32, hc.HCConfig(64, 32, 3, 8, 0)),
+    (1, 4, 64, F32, hc.HCConfig(1, 64, 5, 2, 1)), (6, 4, 64, F32, hc.HCConfig(4, 32, None, 4, 0)),
+    (3, 4, 64, F32, hc.HCConfig(2, 128, 2, 1, 4)),
+    # bf16 streams against fn split into three bf16 parts per K step, with the float32
+    # tf32x3 path's tolerances: n=3 leaves padding rows of fn (M=15 of 16 columns), D=40 a K
+    # that is not a multiple of the K step; num_stages 2, 3 and 4.
+    (40, 4, 64, BF16, hc.HCConfig(16, 32, 3, 4, 0, True)), (130, 4, 64, BF16, hc.HCConfig(128, 64, 2, 8, 0, True, 4)),
+    (40, 4, 64, BF16, hc.HCConfig(16, 64, None, 4, 0, True)), (70, 3, 64, BF16, hc.HCConfig(32, 64, 3, 4, 0, True, 2)),
+    (20, 3, 40, BF16, hc.HCConfig(16, 32, 2, 4, 0, True))])
+def test_hc_pre_launch_configs(t, n, d, dtype, cfg, device, poison_empty):
+    """Each launch config against the reference on random data."""
     gen = torch.Generator().manual_seed(t + n + d)
-    s = streams_of(t, n, d, torch.bfloat16, gen, device)
+    s = streams_of(t, n, d, dtype, gen, device)
     fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
     x, post, comb = hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, config=cfg)
     rx, rpost, rcomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
     torch.testing.assert_close(post, rpost, **MIX_TOL)
     torch.testing.assert_close(comb, rcomb, **MIX_TOL)
-    torch.testing.assert_close(x, rx, **TOL[torch.bfloat16])
+    torch.testing.assert_close(x, rx, **TOL[dtype])
 
 
 def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
