@@ -27,15 +27,18 @@ alone, so the whole forward can be captured in a CUDA graph):
 Only the weights of experts that received tokens are read. Decode (few tokens
 per expert) is weight-bandwidth bound: small M-blocks (16 rows, tensor-core
 minimum) and narrow N-tiles give each touched expert many programs, so even one
-token's 6 experts spread over the SMs. Prefill is compute bound: 64/128-row
-M-blocks, grouped program order so M-blocks of one expert reuse its weight
+token's 6 experts spread over the SMs. Prefill (V4-Flash at T=4096: ~96 rows per
+expert, under the H200's ~185 FLOP per weight byte, so still bound by the weights):
+128-row M-blocks, grouped program order so M-blocks of one expert reuse its weight
 tiles from L2. :func:`pick_config` holds the choice.
 
-Prefill operand options (``MoEConfig`` flags, off by default until the H200 sweep
-``scripts/probes/fused_moe_prefill_sweep.py`` picks among them). At T=4096 the two GEMMs stream
-12.9 GB of weights at ~79% of copy bandwidth, against ~97% at T=512: the padded 128-row
-tensor-core work does not hide behind the weight stream. The options free registers and issue
-wider copies so more weight bytes are in flight per SM:
+Prefill operand options (``MoEConfig`` flags; :func:`pick_config` turns both on for the
+prefill tiles). At T=4096 the two GEMMs stream 12.9 GB of weights; with pointer loads they ran
+at ~79% of copy bandwidth, against ~97% at T=512: the padded 128-row tensor-core work did not
+hide behind the weight stream. The options free registers and issue wider copies so more
+weight bytes are in flight per SM (83% with both, H200 sweep
+``scripts/probes/fused_moe_prefill_sweep.py``; also gathering x into sorted rows first and
+persistent grids were measured there and gained nothing, so they are not offered):
 
 * ``tma``: weight tiles by host-side TMA descriptors over each weight tensor as one [E*N, K]
   matrix (the experts must be stacked that way, 16-byte aligned rows; the launcher checks).
@@ -43,13 +46,10 @@ wider copies so more weight bytes are in flight per SM:
   columns the store masks; past K the descriptor fills zeros.
 * ``sorted_act``: gate_up writes act by sorted row ([L, I]) rather than by pair, so down's
   operand rows are contiguous (one TMA tile with ``tma``); down still stores by pair.
-* ``sorted_x``: one more kernel gathers x into sorted rows ([L, H], ~2 * T*K*H bytes more
-  traffic), so gate_up's operand rows are contiguous too.
-* ``persistent``: that many programs per SM, each walking the used tiles in grouped order.
 
 Rows of the sorted buffers that hold no pair (padding) are never written: they feed only
 padding rows of a tile, which are never stored (each output row of an MMA depends on its
-own operand row alone), so outputs stay bitwise reproducible. All options run in the CPU
+own operand row alone), so outputs stay bitwise reproducible. Both options run in the CPU
 interpreter as well (it implements descriptor loads), which the tests use.
 
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert width,
@@ -59,7 +59,6 @@ P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -82,14 +81,8 @@ class MoEConfig:
     group_m: int        # M-blocks that walk the N-tiles together (L2 reuse of weight tiles)
     num_warps: int
     num_stages: int
-    tma: bool = False         # weight tiles (and sorted-row operand tiles) by host-side TMA descriptors
-    sorted_x: bool = False    # gate_up reads x pre-gathered into sorted rows (one more kernel)
+    tma: bool = False         # weight tiles (and down's sorted act tiles) by host-side TMA descriptors
     sorted_act: bool = False  # act in sorted rows: down's operand rows are contiguous
-    persistent: int = 0       # programs per SM, each walking the used tiles; 0: one program per tile
-
-    def __post_init__(self):
-        if self.persistent < 0:
-            raise ValueError(f"MoEConfig: persistent={self.persistent} must be >= 0")
 
 
 # Pipelined operand tiles of a program must fit in shared memory (227 KB per block on
@@ -233,10 +226,10 @@ def _gate_up_tile(
     num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, SORTED_X: tl.constexpr, SORTED_ACT: tl.constexpr,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of act. With TMA, ``w`` is a descriptor over the weights as
-    [E*2I, H] (and ``x`` one over the sorted rows [L, H] when SORTED_X); otherwise pointers."""
+    [E*2I, H]; otherwise a pointer."""
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)                                      # [BLOCK_M] sorted rows
     pair = tl.load(sorted_ptr + rows)
@@ -246,9 +239,7 @@ def _gate_up_tile(
     cols = n0 + tl.arange(0, BLOCK_N)                                       # [BLOCK_N] of I
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    if not (TMA and SORTED_X):
-        x_rows = rows.to(tl.int64) if SORTED_X else (pair // TOP_K).to(tl.int64)
-        a_ptrs = x + x_rows[:, None] * stride_x + ks[None, :]               # [BLOCK_M, BLOCK_K]
+    a_ptrs = x + (pair // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]   # [BLOCK_M, BLOCK_K]
     if not TMA:
         g_ptrs = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
         u_ptrs = g_ptrs + inter * stride_wn                                 # [BLOCK_K, BLOCK_N]
@@ -257,9 +248,7 @@ def _gate_up_tile(
     for k in range(tl.cdiv(hidden, BLOCK_K)):
         # Descriptor loads zero-fill past H; their rows past this expert's I (ragged N-tiles)
         # are other weights, feeding only output columns the store masks.
-        if TMA and SORTED_X:
-            a = x.load([row0, k * BLOCK_K])
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < hidden - k * BLOCK_K), other=0.0)
@@ -275,8 +264,7 @@ def _gate_up_tile(
             wu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         gate = tl.dot(a, wg, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, wu, up, input_precision=DOT_PRECISION)
-        if not (TMA and SORTED_X):
-            a_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
         if not TMA:
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
@@ -296,26 +284,14 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, SORTED_X: tl.constexpr, SORTED_ACT: tl.constexpr, PERSISTENT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
-    num_pid_n = tl.cdiv(inter, BLOCK_N)
-    if PERSISTENT:
-        used_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0)):
-            pid_m, pid_n = _tile(tile, used_m, num_pid_n, GROUP_M)
-            _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
-                          TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION,
-                          TMA, SORTED_X, SORTED_ACT)
-    else:
-        pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-            _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                          num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
-                          TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION,
-                          TMA, SORTED_X, SORTED_ACT)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
+        _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                      num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
 
 
 @triton.jit
@@ -373,41 +349,14 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PERSISTENT: tl.constexpr, PDL: tl.constexpr = False,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
-    num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    if PERSISTENT:
-        used_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0)):
-            pid_m, pid_n = _tile(tile, used_m, num_pid_n, GROUP_M)
-            _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                       num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
-    else:
-        pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-            _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                       num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
-
-
-@triton.jit
-def _gather_rows_kernel(x_ptr, xs_ptr, sorted_ptr, num_padded_ptr, num_pairs, hidden, stride_x, stride_xs,
-                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """xs[r] = x[sorted[r] // K] for the sorted rows that hold a pair (padding rows are left as
-    they are: they feed only padding rows of the GEMM tiles, which are never stored)."""
-    pdl.enter(PDL)
-    pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M < tl.load(num_padded_ptr):
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + rows)
-        token = (pair // TOP_K).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (pair < num_pairs)[:, None] & (cols < hidden)[None, :]
-        tile = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=mask)
-        tl.store(xs_ptr + rows[:, None].to(tl.int64) * stride_xs + cols[None, :], tile, mask=mask)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
+        _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
+                   num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
 
 
 @triton.jit
@@ -428,21 +377,6 @@ def _sum_slots_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: 
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 experts (tests, exactness) must not fall back to TF32 tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4                      # the CPU interpreter: a few programs, each looping over tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _grid(cfg: MoEConfig, num_tiles: int, device: torch.device) -> tuple[int]:
-    """One program per tile (M-blocks past the padded total exit at once), or with
-    ``cfg.persistent`` that many programs per SM, each walking the used tiles."""
-    if cfg.persistent:
-        return (max(1, min(num_tiles, cfg.persistent * _num_sms(device))),)
-    return (num_tiles,)
 
 
 def _rows_operand(t: torch.Tensor, block: list[int], tma: bool) -> object:
@@ -472,24 +406,15 @@ def moe_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, sorted_pairs: torch
     e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
     pairs, length = t * top_k, sorted_pairs.shape[0]
     num_pid_m = block_expert.shape[0]
-    if cfg.sorted_x:
-        xs = torch.empty(length, h, dtype=x.dtype, device=x.device)         # [L, H] x by sorted row
-        block_h = min(128, triton.next_power_of_2(h))
-        _gather_rows_kernel[(num_pid_m, triton.cdiv(h, block_h))](
-            x, xs, sorted_pairs, num_padded, pairs, h, x.stride(0), xs.stride(0),
-            TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_H=block_h, num_warps=4, **pdl.flags(x.device))
-        x = xs
     act = torch.empty(length if cfg.sorted_act else pairs, i, dtype=x.dtype, device=x.device)
-    a = _rows_operand(x, [cfg.block_m, cfg.block_k1], cfg.tma and cfg.sorted_x)
     w = _weight_operand(gate_up_proj, [cfg.block_n1, cfg.block_k1], cfg.tma, "gate_up_proj")
-    _gate_up_kernel[_grid(cfg, num_pid_m * triton.cdiv(i, cfg.block_n1), x.device)](
-        a, w, act, sorted_pairs, block_expert, num_padded,
+    _gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
+        x, w, act, sorted_pairs, block_expert, num_padded,
         pairs, h, i, num_pid_m, float(swiglu_limit),
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), TMA=cfg.tma, SORTED_X=cfg.sorted_x,
-        SORTED_ACT=cfg.sorted_act, PERSISTENT=cfg.persistent > 0,
+        DOT_PRECISION=_dot_precision(x.dtype), TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     return act
 
@@ -505,13 +430,13 @@ def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Ten
     num_pid_m = block_expert.shape[0]
     a = _rows_operand(act, [cfg.block_m, cfg.block_k2], cfg.tma and cfg.sorted_act)
     w = _weight_operand(down_proj, [cfg.block_n2, cfg.block_k2], cfg.tma, "down_proj")
-    _down_kernel[_grid(cfg, num_pid_m * triton.cdiv(h, cfg.block_n2), act.device)](
+    _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
         a, w, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
         pairs, h, i, num_pid_m,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(act.dtype),
-        TMA=cfg.tma, SORTED_ACT=cfg.sorted_act, PERSISTENT=cfg.persistent > 0,
+        TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(act.device))
 
 

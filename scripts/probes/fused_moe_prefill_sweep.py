@@ -3,8 +3,7 @@ widths: E=256, K=6, H=4096, I=2048, bf16, swiglu_limit 10, random routing.
 
 For T=4096 every config in SWEEP (the current pick_config default first) is checked against the
 default's output and against reference.clamped_moe_experts on the first 128 tokens, checked to be
-bitwise equal run to run, then timed: gate_up (moe_gate_up, with the gather kernel when
-sorted_x), down (moe_down) and the whole fused_moe, each the median of triton.testing.do_bench
+bitwise equal run to run, then timed: gate_up (moe_gate_up), down (moe_down) and the whole fused_moe, each the median of triton.testing.do_bench
 (L2 flushed between runs). GB/s counts the touched experts' weight bytes only, against the copy
 rate measured here (a 4 GiB device-to-device copy_, read + write bytes). The best three configs,
 the T=4096 default and each T's own default are then timed at T=2048 and 8192, and the best is replayed from a CUDA graph.
@@ -36,7 +35,6 @@ DEV, BF16 = "cuda", torch.bfloat16
 BASE = pick_config(4096, K, E, H, I)
 T = dict(tma=True)
 TA = dict(tma=True, sorted_act=True)
-TXA = dict(tma=True, sorted_x=True, sorted_act=True)
 
 
 def cfg(block_m, n1, k1, n2, k2, group_m, warps, stages, **flags) -> MoEConfig:
@@ -46,35 +44,27 @@ def cfg(block_m, n1, k1, n2, k2, group_m, warps, stages, **flags) -> MoEConfig:
 # Most promising first: the sweep may stop early.
 SWEEP = [
     BASE,
-    MoEConfig(**{**BASE.__dict__, **T}),
-    MoEConfig(**{**BASE.__dict__, **TA}),
-    MoEConfig(**{**BASE.__dict__, **TXA}),
-    MoEConfig(**{**BASE.__dict__, "sorted_act": True}),
-    MoEConfig(**{**BASE.__dict__, **TA, "persistent": 1}),
-    MoEConfig(**{**BASE.__dict__, **TXA, "persistent": 1}),
-    cfg(128, 128, 64, 256, 64, 8, 8, 4, **TA),
+    cfg(128, 128, 64, 256, 64, 8, 8, 3),          # pointer loads: the default before the sweep
+    MoEConfig(**{**BASE.__dict__, "sorted_act": False}),
+    MoEConfig(**{**BASE.__dict__, "tma": False}),
     cfg(128, 128, 64, 256, 64, 1, 8, 3, **TA),
     cfg(128, 128, 64, 256, 64, 16, 8, 3, **TA),
     cfg(128, 64, 64, 128, 64, 8, 4, 4, **TA),
     cfg(128, 64, 64, 128, 64, 8, 8, 4, **TA),
     cfg(128, 64, 64, 128, 64, 8, 4, 5, **TA),
-    cfg(128, 64, 64, 128, 64, 8, 4, 4, **TA, persistent=2),
     cfg(128, 64, 128, 128, 128, 8, 8, 3, **TA),
     cfg(128, 128, 128, 256, 128, 8, 8, 2, **TA),
     cfg(128, 128, 64, 128, 64, 8, 8, 3, **TA),
     cfg(64, 128, 64, 256, 64, 8, 4, 4, **TA),
     cfg(64, 128, 64, 256, 64, 8, 8, 4, **TA),
-    cfg(64, 128, 64, 128, 64, 8, 4, 4, **TXA),
     cfg(64, 64, 64, 128, 64, 8, 4, 5, **TA),
     cfg(64, 128, 64, 256, 64, 8, 4, 4, **T),
     cfg(32, 128, 64, 256, 64, 8, 4, 4, **TA),
-    cfg(128, 128, 64, 256, 64, 8, 8, 3, **TXA, persistent=2),
 ]
 
 
 def short(c: MoEConfig) -> str:
-    flags = [f for f in ("tma", "sorted_x", "sorted_act") if getattr(c, f)]
-    flags += [f"persistent={c.persistent}"] if c.persistent else []
+    flags = [f for f in ("tma", "sorted_act") if getattr(c, f)]
     return (f"m{c.block_m} n{c.block_n1}/{c.block_n2} k{c.block_k1}/{c.block_k2} g{c.group_m} "
             f"w{c.num_warps} s{c.num_stages}" + (" " + "+".join(flags) if flags else ""))
 
