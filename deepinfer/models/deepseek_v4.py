@@ -265,7 +265,9 @@ class DeepseekV4Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids: [T] -> pre-head streams [T, n, Hd]
         x = self.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        # n copies of x side by side in each row: bitwise the same as expand(...).contiguous(),
+        # which is a strided copy about half as fast (H200, T=4096: 72 vs 150 us).
+        streams = torch.cat([x] * self.hc_mult, dim=-1).view(x.shape[0], self.hc_mult, x.shape[-1])
         ropes = self.rotary_emb.by_type()
         for layer in self.layers:
             streams = layer(streams, input_ids, ctx, ropes)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepinfer.kernels import backend, reference
+from deepinfer.kernels import sparse_attention as sparse_attention_module
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
 
@@ -55,6 +56,9 @@ CASES = [
     (4, 4, 32, [(8, 1, 16), (4, 1, 0)], torch.float32, None),                    # empty second source
     (4, 4, 32, [(4, 1, 3), (8, 1, 37)], torch.float32, SparseAttentionConfig(16, 16, 3, 4, 2)),
     (3, 6, 64, [(8, 1, 40), (4, 1, 33)], torch.float16, SparseAttentionConfig(64, 64, 1, 8, 2)),  # prefill tiles
+    # H a multiple of BLOCK_H and D a power of two: the unmasked (EVEN) head and dim paths
+    (4, 16, 32, [(8, 1, 40), (4, 1, 33)], torch.float16, SparseAttentionConfig(16, 16, 1, 4, 2)),
+    (4, 32, 32, [(8, 1, 40), (4, 1, 33)], torch.float32, SparseAttentionConfig(16, 16, 3, 4, 2)),
 ]
 
 
@@ -69,9 +73,12 @@ def test_triton_sparse_attention_matches_reference(t, h, d, specs, dtype, config
     assert torch.equal(out[1], torch.zeros_like(out[1]))       # row 1 has no key in any source
 
 
+@pytest.mark.parametrize("max_scan", [1024, 8])
 @pytest.mark.parametrize("config", [None, SparseAttentionConfig(16, 16, 3, 4, 2)])
-def test_triton_sparse_attention_skips_padding_runs(config, device, poison_empty):
-    """Leading and trailing -1 runs (which the kernel trims) of every length, tile-aligned or not."""
+def test_triton_sparse_attention_skips_padding_runs(config, max_scan, device, poison_empty, monkeypatch):
+    """Leading and trailing -1 runs (which the kernel trims) of every length, tile-aligned or not,
+    found by one load of the slot row or (a scan wider than ``max_scan``) by a loop of loads."""
+    monkeypatch.setattr(sparse_attention_module, "_MAX_SCAN", max_scan)
     gen = torch.Generator().manual_seed(9)
     q, sources, sinks = make_inputs(6, 4, 32, [(8, 1, 45), (4, 1, 37)], torch.float32, device, gen,
                                     pad=0.1, empty_rows=())
