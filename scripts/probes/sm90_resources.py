@@ -1,0 +1,152 @@
+"""Registers, spill bytes, shared memory and load pipelining of Triton kernels compiled for
+sm_90 (H100/H200) on a machine without a GPU: Triton compiles to a cubin with its bundled
+ptxas, and cuobjdump reads the cubin's resource usage.
+
+A kernel config at the register limit spills (STACK > 0 below), and a gather whose load is
+not turned into an asynchronous copy is not pipelined; both show here in seconds, before a
+GPU run. They are not timings: a config with fewer spills is not always faster (measure on
+the device), but a kernel that spills inside its loop or loads synchronously is worth a look.
+
+    python scripts/probes/sm90_resources.py                 # every case below
+    python scripts/probes/sm90_resources.py sparse_prefill  # cases whose name starts so
+
+The launch specialisation must match the runtime's, or the report is wrong: integer
+arguments that are multiples of 16 (and 16-byte aligned pointers) carry a divisibility hint,
+and integers equal to 1 become constants. Without the hints Triton cannot prove a gather's
+rows 16-byte aligned and never makes it an asynchronous copy. The cases below state them.
+
+The Triton here should be the device's (3.6 on the H200 image): with a newer one installed,
+``pip install --target /tmp/triton36 --no-deps triton==3.6.0`` and run with
+``PYTHONPATH=/tmp/triton36``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from deepinfer.kernels import fused_moe, sparse_attention  # noqa: E402
+
+
+@dataclass
+class Case:
+    """One kernel launch to compile: ``types`` maps each runtime argument to its Triton type
+    ("*bf16", "i32", "fp32", "tensordesc<bf16[128, 64]>"); ``constants`` are the constexprs and
+    the arguments the runtime specialises to constants (those equal to 1); ``divisible`` names
+    the arguments that carry the divisibility-by-16 hint."""
+
+    kernel: triton.runtime.JITFunction
+    types: dict[str, str]
+    constants: dict[str, object]
+    divisible: set[str]
+    num_warps: int
+    num_stages: int
+    note: str = ""
+    options: dict[str, object] = field(default_factory=dict)
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(case: Case) -> dict[str, int]:
+    """Compile ``case`` for sm_90; registers per thread, spill stack bytes, shared memory bytes,
+    and how many global loads became asynchronous copies (cp.async or TMA) vs stayed plain."""
+    names = case.kernel.arg_names
+    signature = {n: case.types.get(n, "constexpr") for n in names}
+    missing = [n for n in names if signature[n] == "constexpr" and n not in case.constants
+               and n not in case.kernel.constexprs_names]
+    if missing:
+        raise ValueError(f"{case.kernel.__name__}: no type or constant for {missing}")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.divisible}
+    src = ASTSource(case.kernel, signature, dict(case.constants), attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=case.num_warps, num_stages=case.num_stages,
+                                           **case.options))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    ttgir = compiled.asm["ttgir"]
+    return {"regs": regs, "spill_bytes": stack, "smem": compiled.metadata.shared,
+            "async_loads": ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy_global_to_local"),
+            "plain_loads": ttgir.count("= tt.load")}
+
+
+# --- cases: DeepSeek-V4-Flash shapes as the engine launches them on the H200 ---------------
+
+_SPARSE_TYPES = {
+    "q_ptr": "*bf16", "sinks_ptr": "*fp32", "out_ptr": "*bf16", "part_acc_ptr": "*fp32",
+    "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "cache0_ptr": "*bf16", "slots0_ptr": "*i32",
+    "cache1_ptr": "*bf16", "slots1_ptr": "*i32", "k0": "i32", "k1": "i32", "num_heads": "i32",
+    "head_dim": "i32", "tiles_per_split": "i32", "qk_scale": "fp32",
+    "stride_q_t": "i32", "stride_q_h": "i32", "stride_out_t": "i32", "stride_out_h": "i32",
+    "stride_slots0_t": "i32", "stride_cache0_block": "i32", "stride_cache0_offset": "i32",
+    "stride_slots1_t": "i32", "stride_cache1_block": "i32", "stride_cache1_offset": "i32",
+}
+
+
+def _sparse(two_sources: bool, block_n: int, stages: int, split: bool, block_h: int = 64,
+            warps: int = 8, scan: int = 512) -> Case:
+    # Slot rows are read with unit stride (stride_slots*_k == 1: a constant at run time);
+    # every other integer is a multiple of 16 at 64 heads x 512, window 128, top-512.
+    divisible = {n for n in _SPARSE_TYPES if n.endswith("_ptr") or n.startswith("stride")
+                 or n in ("k0", "k1", "num_heads", "head_dim")}
+    return Case(sparse_attention._sparse_attention_kernel, _SPARSE_TYPES,
+                dict(stride_slots0_k=1, stride_slots1_k=1, BLOCK_SIZE0=16, BLOCK_SIZE1=16,
+                     TWO_SOURCES=two_sources, SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n,
+                     BLOCK_D=512, BLOCK_SCAN=scan, ONE_SCAN=True, EVEN_H=True, EVEN_D=True,
+                     DOT_PRECISION="tf32", PDL=True),
+                divisible, warps, stages, options={"launch_pdl": True})
+
+
+def _moe_gate_up(cfg: fused_moe.MoEConfig) -> Case:
+    types = {"x": "*bf16", "w": f"tensordesc<bf16[{cfg.block_n1}, {cfg.block_k1}]>" if cfg.tma else "*bf16",
+             "act_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32",
+             "num_pid_m": "i32", "limit": "fp32", "stride_x": "i32", "stride_we": "i32",
+             "stride_wn": "i32", "stride_act": "i32"}
+    divisible = {"x", "w", "act_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "num_pairs",
+                 "hidden", "inter", "stride_x", "stride_we", "stride_wn", "stride_act"}
+    return Case(fused_moe._gate_up_kernel, types,
+                dict(TOP_K=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
+                     GROUP_M=cfg.group_m, HAS_LIMIT=True, EVEN_K=True, DOT_PRECISION="tf32",
+                     TMA=cfg.tma, SORTED_ACT=cfg.sorted_act, PDL=True),
+                divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
+
+
+CASES: dict[str, Callable[[], Case]] = {
+    "sparse_prefill_window_top512_N64_s2": lambda: _sparse(True, 64, 2, False),
+    "sparse_prefill_window_N64_s2": lambda: _sparse(False, 64, 2, False, scan=128),
+    "sparse_prefill_window_top512_N32_s3": lambda: _sparse(True, 32, 3, False),
+    "sparse_decode_H16_N16_split": lambda: _sparse(True, 16, 2, True, block_h=16, warps=4, scan=16),
+    "moe_gate_up_prefill_T4096": lambda: _moe_gate_up(fused_moe.pick_config(4096, 6, 256, 4096, 2048)),
+    "moe_gate_up_decode_T1": lambda: _moe_gate_up(fused_moe.pick_config(1, 6, 256, 4096, 2048)),
+}
+
+
+def main(prefixes: list[str]) -> None:
+    print(f"triton {triton.__version__}, target sm_90")
+    for name, make in CASES.items():
+        if prefixes and not any(name.startswith(p) for p in prefixes):
+            continue
+        r = resources(make())
+        print(f"{name:40s} regs {r['regs']:3d}  spill {r['spill_bytes']:4d} B  smem {r['smem'] // 1024:3d} KiB  "
+              f"async loads {r['async_loads']:2d}  plain loads {r['plain_loads']:2d}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
