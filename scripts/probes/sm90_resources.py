@@ -21,6 +21,7 @@ The Triton here should be the device's (3.6 on the H200 image): with a newer one
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -64,8 +65,8 @@ def resources(case: Case) -> dict[str, int]:
     and how many global loads became asynchronous copies (cp.async or TMA) vs stayed plain."""
     names = case.kernel.arg_names
     signature = {n: case.types.get(n, "constexpr") for n in names}
-    missing = [n for n in names if signature[n] == "constexpr" and n not in case.constants
-               and n not in case.kernel.constexprs_names]
+    missing = [p.name for p in case.kernel.params if p.name not in case.types
+               and p.name not in case.constants and p.default is inspect.Parameter.empty]
     if missing:
         raise ValueError(f"{case.kernel.__name__}: no type or constant for {missing}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.divisible}
