@@ -52,7 +52,6 @@ class Case:
     divisible: set[str]
     num_warps: int
     num_stages: int
-    note: str = ""
     options: dict[str, object] = field(default_factory=dict)
 
 

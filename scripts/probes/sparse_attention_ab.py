@@ -10,6 +10,7 @@ Run from the repository root on an H200 (about a minute):
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,10 @@ def module_at(rev: str):
     """deepinfer/kernels/sparse_attention.py as of ``rev``, imported under another name."""
     text = subprocess.run(["git", "show", f"{rev}:deepinfer/kernels/sparse_attention.py"],
                           capture_output=True, text=True, check=True).stdout
-    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
-    path.write(text)
-    path.close()
-    spec = importlib.util.spec_from_file_location(f"sparse_attention_{rev}", path.name)
+    path = os.path.join(tempfile.mkdtemp(), "sparse_attention_old.py")   # kept: Triton reads it back
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(f"sparse_attention_{rev}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -44,11 +45,7 @@ def module_at(rev: str):
 
 def time_us(fn, graph: bool) -> float:
     if graph:
-        fn()
-        g_ = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g_):
-            fn()
-        return do_bench(g_.replay, warmup=5, rep=40, return_mode="median") * 1e3
+        return do_bench(g.captured(fn).replay, warmup=5, rep=40, return_mode="median") * 1e3
     return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
 
 
