@@ -24,6 +24,11 @@ DEEPINFER_SIDE_STREAM  1 | 0  (default 1)
     Independent branches of a small-batch DeepSeek-V4 layer (the shared expert beside the
     routed experts, the compressor and indexer beside the query projection) on a second
     CUDA stream (``layers/side_stream.py``). ``0``: everything on one stream.
+
+DEEPINFER_GLUON_ATTENTION  1 | 0  (default 1)
+    Long 16-bit prefill chunks of DeepSeek-V4 sparse attention (64 heads x 512, T >= 2048) on
+    Hopper take the Gluon kernel of ``kernels/sparse_attention_gluon.py``, which also applies the
+    query's norm + rope and the output's inverse rope. ``0``: the Triton kernels everywhere.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ def kernel_backend() -> KernelBackend:
     return value  # type: ignore[return-value]
 
 
-def _switch(name: str) -> bool:
-    value = os.environ.get(name, "1").strip()
+def _switch(name: str, default: str = "1") -> bool:
+    value = os.environ.get(name, default).strip()
     if value not in ("0", "1"):
         raise ValueError(f"{name}={value!r} is not valid; choose 1 or 0")
     return value == "1"
@@ -58,3 +63,8 @@ def pdl_enabled() -> bool:
 def side_stream_enabled() -> bool:
     """DEEPINFER_SIDE_STREAM (see the module docstring)."""
     return _switch("DEEPINFER_SIDE_STREAM")
+
+
+def gluon_attention_enabled() -> bool:
+    """DEEPINFER_GLUON_ATTENTION (see the module docstring)."""
+    return _switch("DEEPINFER_GLUON_ATTENTION")

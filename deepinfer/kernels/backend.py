@@ -311,6 +311,18 @@ def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     return reference.q_norm_rope(q, positions, inv_freq, scaling, eps)
 
 
+def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
+                   sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """DeepSeek-V4's attention core: q norm + rope of the raw projection q [T, H, D], sparse
+    attention over the sources, inverse rope of the output -> [T, H, D] (see
+    :func:`reference.rope_attention`)."""
+    if use_triton(q):
+        from deepinfer.kernels.sparse_attention import rope_attention as kernel
+        return kernel(q, positions, inv_freq, scaling, eps, sources, sinks, scale)
+    return reference.rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale)
+
+
 def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  scaling: float, eps: float, cache: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:

@@ -666,6 +666,16 @@ def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     return interleaved_rope(q, positions, inv_freq, scaling)
 
 
+def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
+                   sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """DeepSeek-V4's attention core from the raw query projection q [T, H, D]: the per-head
+    q norm and rope (:func:`q_norm_rope`), :func:`sparse_attention` over the sources, then the
+    output rotated back by minus the angle (V carries the rope on its trailing channels)."""
+    out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
+    return interleaved_rope(out, positions, inv_freq, scaling, inverse=True)
+
+
 def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  scaling: float, eps: float, cache: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None) -> torch.Tensor:

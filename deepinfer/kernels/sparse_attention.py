@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer import env
 from deepinfer.kernels import pdl
 
 _LOG2E = math.log2(math.e)
@@ -320,6 +321,16 @@ def _check_inputs(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tenso
                          f"shape {tuple(sinks.shape)}")
 
 
+def _takes_gluon(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Long 16-bit prefill chunks at 64 heads x 512 on Hopper go to the Gluon kernel
+    (``sparse_attention_gluon.py``: the two warpgroups split the score tile; H200, T=4096,
+    window 128 + top-512: 1,653 -> 982 us), unless DEEPINFER_GLUON_ATTENTION=0."""
+    if not (q.is_cuda and q.shape[0] >= _LONG_PREFILL_T and env.gluon_attention_enabled()):
+        return False
+    from deepinfer.kernels import sparse_attention_gluon
+    return sparse_attention_gluon.supported(q, sources)
+
+
 def sparse_attention(
     q: torch.Tensor,                                   # [T, H, D]
     sources: list[tuple[torch.Tensor, torch.Tensor]],  # (cache [NB, bs, nt, 1, D], slots [T, K_i])
@@ -338,6 +349,9 @@ def sparse_attention(
     sources = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
     if not sources:
         return out.zero_()
+    if config is None and _takes_gluon(q, sources):
+        from deepinfer.kernels.sparse_attention_gluon import sparse_attention_prefill
+        return sparse_attention_prefill(q, sources, sinks, scale)
     lens = [slots.shape[1] for _, slots in sources]
     if config is None:
         config = default_config(q, lambda bn: sum(triton.cdiv(k, bn) for k in lens))
@@ -374,3 +388,22 @@ def sparse_attention(
     if split:
         merge_splits(part_acc, part_max, part_sum, out)
     return out
+
+
+def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
+                   sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """DeepSeek-V4's attention core from the raw query projection q [T, H, D] (see
+    :func:`reference.rope_attention`): the q norm + rope, :func:`sparse_attention`, the inverse
+    rope of the output. Where the Gluon kernel applies, it also does the first (two launches);
+    otherwise three."""
+    _check_inputs(q, sources, sinks)
+    from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_, q_norm_rope
+    half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
+    live = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
+    if live and _takes_gluon(q, live) and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2:
+        from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
+        out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))
+    else:
+        out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
+    return interleaved_rope_(out, positions, inv_freq, scaling, inverse=True)

@@ -394,8 +394,7 @@ class DeepseekV4Attention(nn.Module):
             entries = (self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
                                                         ropes["compress"])
                        if self.compressor is not None else None)
-        q = backend.q_norm_rope(self.q_b_proj(q_residual).view(t, h, d), pos, rope.inv_freq,
-                                rope.scaling, self.eps)                           # [T, H, D]
+        q = self.q_b_proj(q_residual).view(t, h, d)                               # [T, H, D], raw
         window = caches.bind(self.window_cache)
         # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
         backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
@@ -404,8 +403,8 @@ class DeepseekV4Attention(nn.Module):
         side_stream.join(side)
         if entries is not None:
             sources.append(entries)
-        out = backend.sparse_attention(q, sources, self.sinks, self.scale)       # [T, H, D]
-
-        # V carried rope on its trailing channels: undo it at the query position.
-        out = backend.interleaved_rope(out, pos, rope.inv_freq, rope.scaling, inverse=True)
+        # q's norm and rope, the attention, and the inverse rope of the output (V carried the
+        # rope on its trailing channels: undone at the query position).
+        out = backend.rope_attention(q, pos, rope.inv_freq, rope.scaling, self.eps, sources, self.sinks,
+                                     self.scale)                                  # [T, H, D]
         return self.o_b_proj(self.o_a_proj(out.view(t, self.o_groups, -1)).flatten(1))

@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from deepinfer.kernels import fused_moe, sparse_attention  # noqa: E402
+from deepinfer.kernels import fused_moe, sparse_attention, sparse_attention_gluon  # noqa: E402
 
 
 @dataclass
@@ -69,7 +69,11 @@ def resources(case: Case) -> dict[str, int]:
     if missing:
         raise ValueError(f"{case.kernel.__name__}: no type or constant for {missing}")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in case.divisible}
-    src = ASTSource(case.kernel, signature, dict(case.constants), attrs)
+    if getattr(case.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        src = GluonASTSource(case.kernel, signature, dict(case.constants), attrs)
+    else:
+        src = ASTSource(case.kernel, signature, dict(case.constants), attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=case.num_warps, num_stages=case.num_stages,
                                            **case.options))
@@ -128,7 +132,20 @@ def _moe_gate_up(cfg: fused_moe.MoEConfig) -> Case:
                 divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
+def _gluon_sparse(two_sources: bool, rope: bool) -> Case:
+    kernel = sparse_attention_gluon._sparse_prefill_kernel
+    types = {n: t for n, t in _SPARSE_TYPES.items() if n in kernel.arg_names}
+    types.update({"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "rope_scaling": "fp32", "eps": "fp32",
+                  "slots0_ptr": "*i64", "slots1_ptr": "*i64"})
+    divisible = {n for n in types if n.endswith("_ptr") or n.startswith("stride") or n in ("k0", "k1")}
+    return Case(kernel, types, dict(BLOCK_SIZE0=16, BLOCK_SIZE1=16, TWO_SOURCES=two_sources, BLOCK_N=64,
+                                    BLOCK_SCAN=512, ROPE=rope, ROPE_HALF=32), divisible, 8, 1)
+
+
 CASES: dict[str, Callable[[], Case]] = {
+    "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
+    "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
+    "gluon_sparse_prefill_window_rope": lambda: _gluon_sparse(False, True),
     "sparse_prefill_window_top512_N64_s2": lambda: _sparse(True, 64, 2, False),
     "sparse_prefill_window_N64_s2": lambda: _sparse(False, 64, 2, False, scan=128),
     "sparse_prefill_window_top512_N32_s3": lambda: _sparse(True, 32, 3, False),

@@ -129,6 +129,24 @@ def test_backend_dispatches_to_the_kernel(monkeypatch, device):
                                **KERNEL_TOL[torch.float32])
 
 
+def test_rope_attention_matches_reference(monkeypatch, device):
+    """backend.rope_attention (q norm + rope, attention, inverse rope) on the Triton kernels
+    against the reference composition; the reference against its three parts."""
+    gen = torch.Generator().manual_seed(6)
+    t, h, d = 5, 4, 32
+    q, sources, sinks = make_inputs(t, h, d, [(8, 1, 12), (4, 1, 9)], torch.float32, device, gen)
+    positions = torch.tensor([0, 3, 17, 1000, 123456]).to(device)
+    inv_freq = (1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))).to(device)
+    args = (q, positions, inv_freq, 1.1, 1e-6, sources, sinks, 0.2)
+    ref = reference.rope_attention(*args)
+    parts = reference.interleaved_rope(
+        reference.sparse_attention(reference.q_norm_rope(q, positions, inv_freq, 1.1, 1e-6), sources, sinks, 0.2),
+        positions, inv_freq, 1.1, inverse=True)
+    torch.testing.assert_close(ref, parts)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    torch.testing.assert_close(backend.rope_attention(*args), ref, **KERNEL_TOL[torch.float32])
+
+
 # --- real shapes (DeepSeek-V4-Flash: H 64, D 512, window 128, top-k 512) on the GPU -------------
 
 def v4_slot_rows(positions: torch.Tensor, window: int, ratio: int, topk: int, bs: int,
