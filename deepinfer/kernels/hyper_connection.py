@@ -17,14 +17,10 @@ a partial. The dot products, by block size:
   tf32x3 (about float32 accuracy; it splits both operands into tf32 hi/lo parts in
   registers every K step);
 - more tokens, bf16 streams (prefill): the tile as loaded against ``fn`` split into
-  three bf16 parts, ``hi = bf16(fn)``, ``lo = bf16(fn - hi)``, ``lo2 = bf16(fn - hi -
-  lo)`` (``HCConfig.bf16_split``), three bf16 ``tl.dot`` into one float32 accumulator. The parts
-  sum to ``fn`` exactly and bf16 x bf16 products are exact in float32, so this is as
-  accurate as tf32x3 (which drops fn's last bits and the lo x lo term) while the bf16
-  tile needs no conversion or splitting: tf32x3's per-element ALU work kept the kernel
-  at ~188 us at T=4096 against ~32 us of stream bytes (H200). The split is made per K
-  step in registers from ``fn``'s float32 tile: nothing cached, nothing to go stale when
-  the weights are reloaded.
+  three bf16 parts (``HCConfig.bf16_split``; ``split_dot.dot_bf16x3``), three bf16
+  ``tl.dot`` into one float32 accumulator: as accurate as tf32x3, while the bf16 tile needs
+  no conversion or splitting: tf32x3's per-element ALU work kept the kernel at ~188 us at
+  T=4096 against ~32 us of stream bytes (H200).
 
 The last program of a token block to arrive (an atomic counter per block) sums the
 partials, applies the RMS factor (``rms(s) @ fn.T == rsqrt(mean(s^2)+eps) *
@@ -64,21 +60,12 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.split_dot import dot_bf16x3
 
 _MIN_DOT = 16              # tl.dot needs every tile side >= 16
 _ONE_LAUNCH_MAX_T = 1      # up to here the finishing program also collapses (one launch)
 _MIN_SPLIT_COLS = 256      # columns of K per program at least: caps the partials to reduce
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-@triton.jit
-def _dot_bf16(x, w, acc, BF16_DOT: tl.constexpr):
-    """acc + x @ w for bfloat16 x [BT, BK] and w [BK, NCOL]: exact products, float32 sums.
-    Off the GPU (the interpreter multiplies bfloat16 tiles as raw integers) the same
-    products as float32 dots."""
-    if BF16_DOT:
-        return tl.dot(x, w, acc)
-    return tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -117,14 +104,7 @@ def _hc_pre_kernel(
         w_ptrs = fn_ptr + cols[None, :] * K + ks[:, None]             # [BK, NCOL]
         wmask = kmask[:, None] & (cols[None, :] < NMIX)
         if BF16_SPLIT:                                                # bf16 x times fn's three bf16 parts
-            w = tl.load(w_ptrs, mask=wmask, other=0.0)
-            w_hi = w.to(tl.bfloat16)
-            rest = w - w_hi.to(tl.float32)
-            w_lo = rest.to(tl.bfloat16)
-            w_lo2 = (rest - w_lo.to(tl.float32)).to(tl.bfloat16)
-            acc = _dot_bf16(x, w_hi, acc, BF16_DOT)
-            acc = _dot_bf16(x, w_lo, acc, BF16_DOT)
-            acc = _dot_bf16(x, w_lo2, acc, BF16_DOT)
+            acc = dot_bf16x3(x, tl.load(w_ptrs, mask=wmask, other=0.0), acc, BF16_DOT)
         else:
             w = tl.load(w_ptrs, mask=wmask, other=0.0)
             if USE_DOT:

@@ -14,11 +14,12 @@ Two kernels, chosen by T (:func:`pick_config`):
   W is the traffic (x is tiny and L2-resident): rows in blocks of 2 give 128 programs
   at E=256, about one per SM, each streaming 32 KiB of W. No tl.dot consumes the
   loads, so the loop asks for software pipelining itself (``tl.range(num_stages=)``).
-- more tokens: tensor-core tiles, ``tl.dot`` of a BLOCK_T x BLOCK_K tile of x
-  (widened to float32) and a BLOCK_K x BLOCK_E tile of W.T. On the GPU the dot is
-  tf32x3 (each operand split into a TF32 high and low part, three TF32 products: about
-  float32 accuracy; bf16/fp16 values of x are exact in TF32, so their low part is zero);
-  the CPU interpreter computes it in float32.
+- more tokens: tensor-core tiles, ``tl.dot`` of a BLOCK_T x BLOCK_K tile of x and a
+  BLOCK_K x BLOCK_E tile of W.T. For bf16 x, the tile as loaded against W's tile split into
+  three bf16 parts (``split_dot.dot_bf16x3``: float32 accuracy on bf16 tensor cores, half
+  the work of tf32x3). Otherwise x widened to float32 and tf32x3 (each operand split into
+  a TF32 high and low part, three TF32 products: about float32 accuracy). The CPU
+  interpreter computes both in float32.
 
 Either kernel can split H into ``split_k`` ranges, for more programs when the tiles
 alone do not fill the GPU (E=256 at T=64 is 8 tiles of 32 experts): each range writes a
@@ -37,6 +38,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.split_dot import dot_bf16x3
 
 _FMA_MAX_T = 16            # up to here float32 FMAs, above tensor-core tiles
 _FMA_TILE = 4096           # BLOCK_T * BLOCK_E * BLOCK_K of the FMA accumulator: 32 registers/thread, 4 warps
@@ -96,7 +98,8 @@ def _router_dot_kernel(
     x_ptr, w_ptr, part_ptr,
     T, E, H, cols_per_split, stride_x, stride_w,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     n_eb = tl.cdiv(E, BLOCK_E)
@@ -120,7 +123,10 @@ def _router_dot_kernel(
             kmask = k0 + kk < k_end
             x = tl.load(x_ptrs, mask=tmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
-        acc = tl.dot(x.to(tl.float32), w, acc, input_precision=PRECISION)
+        if BF16_SPLIT:                                  # bf16 x times W's three bf16 parts
+            acc = dot_bf16x3(x, w, acc, BF16_DOT)
+        else:
+            acc = tl.dot(x.to(tl.float32), w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = part_ptr + split.to(tl.int64) * T * E + toks[:, None].to(tl.int64) * E + rows[None, :]
@@ -213,7 +219,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterConfig | 
     if cfg.dot:
         _router_dot_kernel[(triton.cdiv(t, cfg.block_t) * triton.cdiv(e, cfg.block_e), splits)](
             *args, BLOCK_T=cfg.block_t, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, EVEN_K=even_k,
-            PRECISION="tf32x3" if x.is_cuda else "ieee", num_warps=cfg.num_warps,
+            PRECISION="tf32x3" if x.is_cuda else "ieee", BF16_SPLIT=x.dtype == torch.bfloat16,
+            BF16_DOT=x.is_cuda, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl.flags(x.device))
     else:
         _router_fma_kernel[(triton.cdiv(e, cfg.block_e), splits, triton.cdiv(t, cfg.block_t))](
