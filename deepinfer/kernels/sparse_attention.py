@@ -397,12 +397,12 @@ def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     :func:`reference.rope_attention`): the q norm + rope, :func:`sparse_attention`, the inverse
     rope of the output. Where the Gluon kernel applies, it also does the first (two launches);
     otherwise three."""
-    _check_inputs(q, sources, sinks)
     from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_, q_norm_rope
     half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
     live = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
     if live and _takes_gluon(q, live) and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2:
         from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
+        _check_inputs(q, sources, sinks)
         out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))
     else:
         out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
