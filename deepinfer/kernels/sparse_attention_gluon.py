@@ -225,7 +225,7 @@ def supported(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]])
     """Whether :func:`sparse_attention_prefill` takes these tensors: a Hopper GPU, q [T, 64, 512]
     bf16 with contiguous heads, one or two bf16 sources of one-head 512-wide rows, integer
     slots with unit column stride."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (q.is_cuda and q.dim() == 3 and torch.cuda.get_device_capability(q.device) == (9, 0)):
         return False
     t, h, d = q.shape
     if (h, d) != (HEADS, HEAD_DIM) or q.dtype != torch.bfloat16 or q.stride(1) != d or q.stride(2) != 1:
@@ -233,7 +233,7 @@ def supported(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]])
     if not 1 <= len(sources) <= 2:
         return False
     for cache, slots in sources:
-        if (cache.dtype != torch.bfloat16 or cache.dim() != 5 or cache.shape[3:] != (1, d)
+        if (slots.dim() != 2 or cache.dtype != torch.bfloat16 or cache.dim() != 5 or cache.shape[3:] != (1, d)
                 or cache.stride(-1) != 1 or slots.dtype not in (torch.int32, torch.int64)
                 or slots.stride(1) != 1):
             return False
