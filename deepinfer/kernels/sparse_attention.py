@@ -239,6 +239,7 @@ class SparseAttentionConfig:
 
 _LONG_PREFILL_T = 2048     # from here on prefill takes 64-key tiles (see default_config)
 _MAX_SCAN = 1024           # most slots a program's trimming scan reads in one load (see _attend_source)
+_QUERY_PROLOGUE = True     # rope_attention: the Gluon kernel normalises and ropes q itself
 _DECODE_T = 64             # up to here 16-bit queries take the decode tiles (see default_config)
 
 
@@ -400,7 +401,8 @@ def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_, q_norm_rope
     half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
     live = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
-    if live and _takes_gluon(q, live) and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2:
+    if (_QUERY_PROLOGUE and live and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2
+            and _takes_gluon(q, live)):
         from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
         _check_inputs(q, sources, sinks)
         out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))

@@ -63,31 +63,32 @@ class QueryRope(NamedTuple):
 
 @gluon.jit
 def _normalise_query(q_smem, pos, inv_freq_ptr, rope_scaling, eps, ROPE_HALF: gl.constexpr,
-                     LOAD: gl.constexpr):
-    """In place in shared memory: q <- rope(q / rms(q)) per head, 16 heads at a time, as
-    ``deepseek_v4_rope.q_norm_rope`` computes it. The rope rotates columns (2i, 2i+1) of the
-    trailing 2 * ROPE_HALF; a column's partner (col ^ 1) sits in the same thread (LOAD holds 8
-    consecutive columns a thread), so the gather is a register select. The angle is the
+                     LOAD: gl.constexpr, ROPE: gl.constexpr):
+    """In place in shared memory: q <- rope(q / rms(q)) per head, as
+    ``deepseek_v4_rope.q_norm_rope`` computes it. First the norm, 16 heads at a time; then the
+    rope on the trailing 2 * ROPE_HALF columns of all heads at once, so each thread computes
+    the cos/sin of only a few columns. Columns (2i, 2i+1) rotate together; ROPE holds pairs
+    in one thread, so a column's partner (col ^ 1) is a register select. The angle is the
     float32 ``pos * inv_freq`` reduced to [-pi, pi] in float64."""
     CHUNK: gl.constexpr = 16
-    nope = 512 - 2 * ROPE_HALF
-    cols = gl.arange(0, 512, layout=gl.SliceLayout(0, LOAD))[None, :]
-    is_rope = cols >= nope
-    pair = gl.where(is_rope, (cols - nope) // 2, 0)
-    freq = pos * gl.load(inv_freq_ptr + pair, mask=is_rope, other=0.0)
-    two_pi = gl.full([1, 512], 6.283185307179586, gl.float64, layout=LOAD)
-    f64 = freq.to(gl.float64)
-    angle = (f64 - gl.floor(f64 / two_pi + 0.5) * two_pi).to(gl.float32)
-    cos = gl.cos(angle) * rope_scaling
-    sin = gl.sin(angle) * rope_scaling * gl.where((cols % 2) == 1, 1.0, -1.0)   # even: x cos - x' sin
-    partner = gl.full([CHUNK, 512], 0, gl.int32, layout=LOAD) + (cols + 1 - 2 * (cols % 2))
     for c in gl.static_range(64 // CHUNK):
         rows = q_smem.slice(c * CHUNK, CHUNK, dim=0)
         x = rows.load(LOAD).to(gl.float32)
         rstd = gl.rsqrt(gl.sum(x * x, axis=1)[:, None] / 512 + eps)
-        y = (x * rstd.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16).to(gl.float32)   # in q's dtype
-        rotated = y * cos + gl.gather(y, partner, 1) * sin
-        rows.store(gl.where(is_rope, rotated, y).to(gl.bfloat16))
+        rows.store((x * rstd.to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))   # in q's dtype
+    gl.thread_barrier()                                # the normed rows, before other threads read them
+    rope = q_smem.slice(512 - 2 * ROPE_HALF, 2 * ROPE_HALF, dim=1)
+    y = rope.load(ROPE).to(gl.float32)                 # [64, 2 * ROPE_HALF]
+    cols = gl.arange(0, 2 * ROPE_HALF, layout=gl.SliceLayout(0, ROPE))[None, :]
+    freq = pos * gl.load(inv_freq_ptr + cols // 2)
+    two_pi = gl.full([1, 2 * ROPE_HALF], 6.283185307179586, gl.float64, layout=ROPE)
+    inv_two_pi = gl.full([1, 2 * ROPE_HALF], 0.15915494309189535, gl.float64, layout=ROPE)
+    f64 = freq.to(gl.float64)
+    angle = (f64 - gl.floor(f64 * inv_two_pi + 0.5) * two_pi).to(gl.float32)
+    cos = gl.cos(angle) * rope_scaling
+    sin = gl.sin(angle) * rope_scaling * gl.where((cols % 2) == 1, 1.0, -1.0)   # even: x cos - x' sin
+    partner = gl.full([64, 2 * ROPE_HALF], 0, gl.int32, layout=ROPE) + (cols + 1 - 2 * (cols % 2))
+    rope.store((y * cos + gl.gather(y, partner, 1) * sin).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -173,6 +174,8 @@ def _sparse_prefill_kernel(
     # 16-byte pieces, a warp over 2 rows x 128 columns, 8 warps over 16 rows.
     GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
     SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+    # The query's rope columns: a pair of columns per thread, 8 warps over 32 rows x 16 columns.
+    ROPE_PAIRS: gl.constexpr = gl.BlockedLayout([1, 2], [4, 8], [8, 1], [1, 0])
     QK_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 512], gl.bfloat16)
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.bfloat16)
 
@@ -197,7 +200,7 @@ def _sparse_prefill_kernel(
             async_copy.wait_group(0)
         gl.thread_barrier()                            # every thread's part of q has landed
         pos = gl.load(pos_ptr + token).to(gl.float32)
-        _normalise_query(q_smem, pos, inv_freq_ptr, rope_scaling, eps, ROPE_HALF, GATHER)
+        _normalise_query(q_smem, pos, inv_freq_ptr, rope_scaling, eps, ROPE_HALF, GATHER, ROPE_PAIRS)
 
     m = gl.load(sinks_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))) * 1.4426950408889634
     l = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
