@@ -199,24 +199,41 @@ def grouped_topk_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Ten
 
 
 def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                topk_weights: torch.Tensor, topk_ids: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """Routed SwiGLU experts: x [T, H], gate_up_proj [E, 2I, H], down_proj [E, H, I],
-    topk_weights / topk_ids [T, K] -> [T, H] (see :func:`reference.moe_experts`)."""
+    topk_weights / topk_ids [T, K] -> [T, H] (see :func:`reference.moe_experts`). ``packed``: the
+    weights are tile-packed for the fused kernel (``fused_moe.pack_expert_weights``)."""
     if use_triton(x):
         from deepinfer.kernels.fused_moe import fused_moe as kernel
-        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, packed=packed)
+    gate_up_proj, down_proj = _stacked(x, gate_up_proj, down_proj, packed)
     return reference.moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
 
 def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        swiglu_limit: float) -> torch.Tensor:
-    """DeepSeek-V4 routed experts (SwiGLU clamped at swiglu_limit, 0 = no clamp): shapes as
-    :func:`moe_experts` (see :func:`reference.clamped_moe_experts`)."""
+                        swiglu_limit: float, packed: bool = False) -> torch.Tensor:
+    """DeepSeek-V4 routed experts (SwiGLU clamped at swiglu_limit, 0 = no clamp): shapes and
+    ``packed`` as :func:`moe_experts` (see :func:`reference.clamped_moe_experts`)."""
     if use_triton(x):
         from deepinfer.kernels.fused_moe import fused_moe as kernel
-        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit, packed=packed)
+    gate_up_proj, down_proj = _stacked(x, gate_up_proj, down_proj, packed)
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
+
+
+def _stacked(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+             packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The references read stacked experts: tile-packed weights (packed on CUDA for the Triton
+    kernels, then run with the torch backend or moved) are unpacked into a copy per call, correct
+    but slow."""
+    if not packed:
+        return gate_up_proj, down_proj
+    from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE, unpack_expert_weights
+    h = x.shape[-1]
+    i = down_proj.shape[1] * DOWN_TILE[1] // h
+    return (unpack_expert_weights(gate_up_proj, 2 * i, h, *GATE_UP_TILE),
+            unpack_expert_weights(down_proj, h, i, *DOWN_TILE))
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

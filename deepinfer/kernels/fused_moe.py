@@ -52,6 +52,19 @@ padding rows of a tile, which are never stored (each output row of an MMA depend
 own operand row alone), so outputs stay bitwise reproducible. Both options run in the CPU
 interpreter as well (it implements descriptor loads), which the tests use.
 
+Packed weights (``packed=True``; :func:`pack_expert_weights`, the layout the layers store on CUDA
+once loaded). Stacked, a [128, 64] prefill box is 128 rows of 128 bytes, 4-8 KB apart, and the
+weights streamed at 83-85% of the copy rate; packed, each [tile_n, tile_k] tile of an expert
+(``GATE_UP_TILE``, ``DOWN_TILE``: the prefill boxes) is one contiguous run. H200, V4-Flash widths
+(``scripts/probes/fused_moe_packed.py``): gate_up + down at T=4096 3,550-3,578 us stacked against
+3,371-3,394 us packed (84% -> 88-89% of the copy rate), the whole fused_moe 4-8% faster; the decode
+configs' pointer loads 1.5% faster at T=16 and 64, equal at T=1. Every config reads them: TMA
+boxes that lie inside one tile (block_k = tile_k, block_n dividing tile_n and the gate/up
+boundary) load as [block_n, tile_k] runs of the packed rows; any other config loads by pointer,
+each element's address from its tile (the n and k parts of the address add, so a program
+computes one [BLOCK_N] and one [BLOCK_K] offset vector per step). Outputs are bitwise those of
+the stacked weights under the same tiles.
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert width,
 P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 """
@@ -83,6 +96,50 @@ class MoEConfig:
     num_stages: int
     tma: bool = False         # weight tiles (and down's sorted act tiles) by host-side TMA descriptors
     sorted_act: bool = False  # act in sorted rows: down's operand rows are contiguous
+
+
+# [tile_n, tile_k] of the packed expert weights: the prefill config's TMA boxes (pick_config), so
+# each box the prefill GEMMs read is one contiguous run (16 KB of gate_up, 32 KB of down in bf16).
+GATE_UP_TILE = (128, 64)
+DOWN_TILE = (256, 64)
+
+
+def packed_shape(num_experts: int, n: int, k: int, tile: tuple[int, int],
+                 name: str = "weights") -> tuple[int, int, int]:
+    """Shape of [E, N, K] expert weights packed in [tile_n, tile_k] tiles:
+    [E, (N/tile_n) * (K/tile_k) * tile_n, tile_k]. Raises ValueError unless the tiles divide N and K."""
+    tile_n, tile_k = tile
+    if n % tile_n or k % tile_k:
+        raise ValueError(f"{name}: [N={n}, K={k}] per expert is not a whole number of "
+                         f"[tile_n={tile_n}, tile_k={tile_k}] tiles (N must be a multiple of {tile_n}, "
+                         f"K of {tile_k})")
+    return num_experts, (n // tile_n) * (k // tile_k) * tile_n, tile_k
+
+
+def pack_expert_weights(w: torch.Tensor, tile_n: int, tile_k: int) -> torch.Tensor:
+    """[E, N, K] expert weights -> [E, (N/tile_n)*(K/tile_k)*tile_n, tile_k], each [tile_n, tile_k]
+    tile one contiguous run, an expert's tiles in (n-tile, k-tile) order: element (n, k) of expert
+    e sits at row ((n // tile_n) * (K/tile_k) + k // tile_k) * tile_n + n % tile_n, column
+    k % tile_k. Dim 0 stays the expert, so whole experts can still be indexed and moved. One
+    new tensor (the caller frees ``w``)."""
+    if w.dim() != 3:
+        raise ValueError(f"pack_expert_weights: w must be [E, N, K], got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    shape = packed_shape(e, n, k, (tile_n, tile_k), "pack_expert_weights")
+    tiles = w.reshape(e, n // tile_n, tile_n, k // tile_k, tile_k).permute(0, 1, 3, 2, 4)
+    return tiles.contiguous().view(shape)
+
+
+def unpack_expert_weights(packed: torch.Tensor, n: int, k: int, tile_n: int, tile_k: int) -> torch.Tensor:
+    """The inverse of :func:`pack_expert_weights`: [E, (N/tile_n)*(K/tile_k)*tile_n, tile_k] -> [E, N, K]
+    (a new contiguous tensor)."""
+    e = packed.shape[0]
+    expected = packed_shape(e, n, k, (tile_n, tile_k), "unpack_expert_weights")
+    if tuple(packed.shape) != expected:
+        raise ValueError(f"unpack_expert_weights: [E, N={n}, K={k}] in [{tile_n}, {tile_k}] tiles is "
+                         f"packed as {expected}, got shape {tuple(packed.shape)}")
+    tiles = packed.reshape(e, n // tile_n, k // tile_k, tile_n, tile_k).permute(0, 1, 3, 2, 4)
+    return tiles.reshape(e, n, k)
 
 
 # Pipelined operand tiles of a program must fit in shared memory (227 KB per block on
@@ -227,9 +284,11 @@ def _gate_up_tile(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
+    PACKED: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of act. With TMA, ``w`` is a descriptor over the weights as
-    [E*2I, H]; otherwise a pointer."""
+    [E*2I, H] (PACKED: over the packed rows [E*2I*H/TILE_K, TILE_K], boxes inside one tile);
+    otherwise a pointer."""
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)                                      # [BLOCK_M] sorted rows
     pair = tl.load(sorted_ptr + rows)
@@ -240,7 +299,18 @@ def _gate_up_tile(
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x + (pair // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]   # [BLOCK_M, BLOCK_K]
-    if not TMA:
+    if PACKED:
+        # Tile (n // TILE_N, k // TILE_K) of the expert starts at row (n-tile * k_tiles + k-tile) * TILE_N.
+        k_tiles = hidden // TILE_K
+        if TMA:                                      # box rows: the gate's and up's at k-tile 0
+            g_row = (expert * (2 * inter // TILE_N) + n0 // TILE_N) * k_tiles * TILE_N + n0 % TILE_N
+            u_row = ((expert * (2 * inter // TILE_N) + (inter + n0) // TILE_N) * k_tiles * TILE_N
+                     + (inter + n0) % TILE_N)
+        else:                                        # element offsets in the expert: n part + k part
+            w_e = w + expert.to(tl.int64) * stride_we
+            g_off = (cols // TILE_N) * (k_tiles * TILE_N * TILE_K) + (cols % TILE_N) * TILE_K
+            u_off = ((inter + cols) // TILE_N) * (k_tiles * TILE_N * TILE_K) + ((inter + cols) % TILE_N) * TILE_K
+    elif not TMA:
         g_ptrs = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
         u_ptrs = g_ptrs + inter * stride_wn                                 # [BLOCK_K, BLOCK_N]
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -252,7 +322,15 @@ def _gate_up_tile(
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < hidden - k * BLOCK_K), other=0.0)
-        if TMA:
+        if PACKED and not TMA:
+            kk = k * BLOCK_K + ks
+            k_off = (kk // TILE_K) * (TILE_N * TILE_K) + kk % TILE_K                # [BLOCK_K]
+            g_ptrs = w_e + g_off[None, :] + k_off[:, None]                          # [BLOCK_K, BLOCK_N]
+            u_ptrs = w_e + u_off[None, :] + k_off[:, None]
+        if TMA and PACKED:                                                  # BLOCK_K == TILE_K
+            wg = w.load([g_row + k * TILE_N, 0]).T
+            wu = w.load([u_row + k * TILE_N, 0]).T
+        elif TMA:
             wg = w.load([expert * 2 * inter + n0, k * BLOCK_K]).T
             wu = w.load([expert * 2 * inter + inter + n0, k * BLOCK_K]).T
         elif EVEN_K:
@@ -265,7 +343,7 @@ def _gate_up_tile(
         gate = tl.dot(a, wg, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, wu, up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-        if not TMA:
+        if not (TMA or PACKED):
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
     if HAS_LIMIT:
@@ -284,14 +362,16 @@ def _gate_up_kernel(
     stride_x, stride_we, stride_wn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PDL: tl.constexpr = False,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
+    PACKED: tl.constexpr = False, TILE_N: tl.constexpr = 1, TILE_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
         _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
-                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
+                      TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, HAS_LIMIT, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT,
+                      PACKED, TILE_N, TILE_K)
 
 
 @triton.jit
@@ -300,9 +380,11 @@ def _down_tile(
     num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
+    PACKED: tl.constexpr, TILE_N: tl.constexpr, TILE_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of the weighted pair outputs. With TMA, ``w`` is a descriptor
-    over the weights as [E*H, I] (and ``act`` one over the sorted rows [L, I] when SORTED_ACT)."""
+    over the weights as [E*H, I] (PACKED: over the packed rows [E*H*I/TILE_K, TILE_K], boxes inside
+    one tile), and ``act`` one over the sorted rows [L, I] when SORTED_ACT."""
     row0 = pid_m * BLOCK_M
     rows = row0 + tl.arange(0, BLOCK_M)                                      # [BLOCK_M] sorted rows
     pair = tl.load(sorted_ptr + rows)
@@ -315,7 +397,15 @@ def _down_tile(
     if not (TMA and SORTED_ACT):
         a_rows = rows.to(tl.int64) if SORTED_ACT else pair.to(tl.int64)
         a_ptrs = act + a_rows[:, None] * stride_act + ks[None, :]            # [BLOCK_M, BLOCK_K]
-    if not TMA:
+    if PACKED:
+        # Tile (n // TILE_N, k // TILE_K) of the expert starts at row (n-tile * k_tiles + k-tile) * TILE_N.
+        k_tiles = inter // TILE_K
+        if TMA:                                      # box row at k-tile 0
+            b_row = (expert * (hidden // TILE_N) + n0 // TILE_N) * k_tiles * TILE_N + n0 % TILE_N
+        else:                                        # element offsets in the expert: n part + k part
+            w_e = w + expert.to(tl.int64) * stride_we
+            b_off = (cols // TILE_N) * (k_tiles * TILE_N * TILE_K) + (cols % TILE_N) * TILE_K
+    elif not TMA:
         b_ptrs = w + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(inter, BLOCK_K)):
@@ -325,7 +415,13 @@ def _down_tile(
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=valid[:, None] & (ks[None, :] < inter - k * BLOCK_K), other=0.0)
-        if TMA:
+        if PACKED and not TMA:
+            kk = k * BLOCK_K + ks
+            k_off = (kk // TILE_K) * (TILE_N * TILE_K) + kk % TILE_K                # [BLOCK_K]
+            b_ptrs = w_e + b_off[None, :] + k_off[:, None]                          # [BLOCK_K, BLOCK_N]
+        if TMA and PACKED:                                                  # BLOCK_K == TILE_K
+            b = w.load([b_row + k * TILE_N, 0]).T
+        elif TMA:
             b = w.load([expert * hidden + n0, k * BLOCK_K]).T
         elif EVEN_K:
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -334,7 +430,7 @@ def _down_tile(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if not (TMA and SORTED_ACT):
             a_ptrs += BLOCK_K
-        if not TMA:
+        if not (TMA or PACKED):
             b_ptrs += BLOCK_K
     out_rows = pair.to(tl.int64)
     weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)  # [BLOCK_M]
@@ -349,14 +445,15 @@ def _down_kernel(
     stride_act, stride_we, stride_wn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr, SORTED_ACT: tl.constexpr, PDL: tl.constexpr = False,
+    TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
+    PACKED: tl.constexpr = False, TILE_N: tl.constexpr = 1, TILE_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
         _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                    num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT)
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT, PACKED, TILE_N, TILE_K)
 
 
 @triton.jit
@@ -396,70 +493,118 @@ def _weight_operand(w: torch.Tensor, block: list[int], tma: bool, name: str) -> 
     return TensorDescriptor(w, [e * n, k], [w.stride(1), 1], block)
 
 
+def _check_packed(w: torch.Tensor, n: int, k: int, tile: tuple[int, int], name: str) -> None:
+    """``w`` must hold [E, N, K] experts packed by :func:`pack_expert_weights` in ``tile``, each
+    expert's tiles contiguous (the kernels address an expert's elements with int32 offsets)."""
+    expected = packed_shape(w.shape[0], n, k, tile, f"fused_moe: {name}")
+    if tuple(w.shape) != expected or w.stride(2) != 1 or w.stride(1) != tile[1]:
+        raise ValueError(f"fused_moe: packed {name} [E, N={n}, K={k}] in {list(tile)} tiles must have shape "
+                         f"{expected} with contiguous experts (pack_expert_weights); got shape "
+                         f"{tuple(w.shape)} strides {w.stride()}")
+    if n * k >= 2 ** 31:
+        raise ValueError(f"fused_moe: packed {name} has N*K = {n * k} elements per expert; the kernels "
+                         f"address them with int32 offsets (limit {2 ** 31 - 1})")
+
+
+def _weight_loads(cfg: MoEConfig, packed: bool, block: tuple[int, int], tile: tuple[int, int],
+                  boundary: int, elem_bytes: int) -> tuple[bool, int]:
+    """(TMA, num_stages) of one GEMM's weight loads: the config's, except that a TMA box must lie
+    inside one tile of packed weights (block_k == tile_k, block_n dividing tile_n and ``boundary``,
+    the first row of gate_up's up half); otherwise pointer loads, with the stages that fit them."""
+    block_n, block_k = block
+    if not (cfg.tma and packed) or (block_k == tile[1] and tile[0] % block_n == 0 and boundary % block_n == 0):
+        return cfg.tma, cfg.num_stages
+    return False, _fit_stages(dataclasses.replace(cfg, tma=False), elem_bytes)
+
+
 def moe_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, sorted_pairs: torch.Tensor,
                 block_expert: torch.Tensor, num_padded: torch.Tensor, top_k: int, swiglu_limit: float,
-                cfg: MoEConfig) -> torch.Tensor:
+                cfg: MoEConfig, packed: bool = False) -> torch.Tensor:
     """The first grouped GEMM of :func:`fused_moe` (separate so benchmarks can time it): act =
     silu(min(g, L)) * clamp(u, -L, L) for the sorted pairs. Returns act [P, I] by pair, or
-    [L, I] by sorted row with ``cfg.sorted_act`` (rows that hold no pair unwritten)."""
+    [L, I] by sorted row with ``cfg.sorted_act`` (rows that hold no pair unwritten).
+    ``packed``: gate_up_proj is packed in ``GATE_UP_TILE`` tiles (see :func:`fused_moe`)."""
     t, h = x.shape
-    e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+    if packed:
+        i = gate_up_proj.shape[1] * GATE_UP_TILE[1] // (2 * h)
+        _check_packed(gate_up_proj, 2 * i, h, GATE_UP_TILE, "gate_up_proj")
+    else:
+        i = gate_up_proj.shape[1] // 2
     pairs, length = t * top_k, sorted_pairs.shape[0]
     num_pid_m = block_expert.shape[0]
     act = torch.empty(length if cfg.sorted_act else pairs, i, dtype=x.dtype, device=x.device)
-    w = _weight_operand(gate_up_proj, [cfg.block_n1, cfg.block_k1], cfg.tma, "gate_up_proj")
+    tma, stages = _weight_loads(cfg, packed, (cfg.block_n1, cfg.block_k1), GATE_UP_TILE, i, x.element_size())
+    w = _weight_operand(gate_up_proj, [cfg.block_n1, cfg.block_k1], tma, "gate_up_proj")
     _gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
         x, w, act, sorted_pairs, block_expert, num_padded,
         pairs, h, i, num_pid_m, float(swiglu_limit),
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, EVEN_K=h % cfg.block_k1 == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+        DOT_PRECISION=_dot_precision(x.dtype), TMA=tma, SORTED_ACT=cfg.sorted_act,
+        PACKED=packed, TILE_N=GATE_UP_TILE[0], TILE_K=GATE_UP_TILE[1],
+        num_warps=cfg.num_warps, num_stages=stages, **pdl.flags(x.device))
     return act
 
 
 def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Tensor,
              sorted_pairs: torch.Tensor, block_expert: torch.Tensor, num_padded: torch.Tensor,
-             out: torch.Tensor, cfg: MoEConfig) -> None:
+             out: torch.Tensor, cfg: MoEConfig, packed: bool = False) -> None:
     """The second grouped GEMM of :func:`fused_moe` (separate so benchmarks can time it):
     out[p] = w[p] * down_e(act of p), written by pair into out [P, H]; act as
-    :func:`moe_gate_up` returns it for the same ``cfg``."""
-    e, h, i = down_proj.shape
-    pairs = out.shape[0]
+    :func:`moe_gate_up` returns it for the same ``cfg``. ``packed``: down_proj is packed in
+    ``DOWN_TILE`` tiles (see :func:`fused_moe`)."""
+    pairs, h = out.shape
+    i = act.shape[1]
+    if packed:
+        _check_packed(down_proj, h, i, DOWN_TILE, "down_proj")
     num_pid_m = block_expert.shape[0]
-    a = _rows_operand(act, [cfg.block_m, cfg.block_k2], cfg.tma and cfg.sorted_act)
-    w = _weight_operand(down_proj, [cfg.block_n2, cfg.block_k2], cfg.tma, "down_proj")
+    tma, stages = _weight_loads(cfg, packed, (cfg.block_n2, cfg.block_k2), DOWN_TILE, h, act.element_size())
+    a = _rows_operand(act, [cfg.block_m, cfg.block_k2], tma and cfg.sorted_act)
+    w = _weight_operand(down_proj, [cfg.block_n2, cfg.block_k2], tma, "down_proj")
     _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
         a, w, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
         pairs, h, i, num_pid_m,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(act.dtype),
-        TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(act.device))
+        TMA=tma, SORTED_ACT=cfg.sorted_act, PACKED=packed, TILE_N=DOWN_TILE[0], TILE_K=DOWN_TILE[1],
+        num_warps=cfg.num_warps, num_stages=stages, **pdl.flags(act.device))
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, packed: bool = False) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t),
     e = ids[t,k], L = swiglu_limit (0: no clamp).
 
     x: [T, H]; gate_up_proj: [E, 2I, H] (gate rows, then up rows); down_proj: [E, H, I];
     topk_weights: [T, K] (float32); topk_ids: [T, K] integer -> [T, H] in x's dtype.
+    ``packed``: both weights are stored as :func:`pack_expert_weights` lays them out, gate_up_proj
+    in ``GATE_UP_TILE`` tiles ([E, 2I*H/64, 64]) and down_proj in ``DOWN_TILE`` tiles
+    ([E, H*I/64, 64]); the result is bitwise that of the stacked weights under the same config.
     A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
     ``config`` overrides :func:`pick_config` (benchmarks sweep it).
     """
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
     t, h = x.shape
-    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
-        raise ValueError(f"fused_moe: gate_up_proj has shape {tuple(gate_up_proj.shape)}, "
-                         f"expected [E, 2I, H={h}]")
-    e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
-    if down_proj.shape != (e, h, i):
-        raise ValueError(f"fused_moe: down_proj has shape {tuple(down_proj.shape)}, expected ({e}, {h}, {i})")
+    if packed:
+        tile_k = GATE_UP_TILE[1]
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != tile_k or (gate_up_proj.shape[1] * tile_k) % (2 * h):
+            raise ValueError(f"fused_moe: packed gate_up_proj has shape {tuple(gate_up_proj.shape)}, "
+                             f"expected [E, 2I*H/{tile_k}, {tile_k}] with H={h} (pack_expert_weights in "
+                             f"{list(GATE_UP_TILE)} tiles)")
+        e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] * tile_k // (2 * h)
+        _check_packed(gate_up_proj, 2 * i, h, GATE_UP_TILE, "gate_up_proj")
+        _check_packed(down_proj, h, i, DOWN_TILE, "down_proj")
+    else:
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != h or gate_up_proj.shape[1] % 2:
+            raise ValueError(f"fused_moe: gate_up_proj has shape {tuple(gate_up_proj.shape)}, "
+                             f"expected [E, 2I, H={h}]")
+        e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
+        if down_proj.shape != (e, h, i):
+            raise ValueError(f"fused_moe: down_proj has shape {tuple(down_proj.shape)}, expected ({e}, {h}, {i})")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
                          f"{tuple(topk_ids.shape)} must both be [T={t}, K]")
@@ -480,8 +625,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
-    act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg)
-    moe_down(act, down_proj, topk_weights, sorted_pairs, block_expert, num_padded, out, cfg)
+    act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg, packed)
+    moe_down(act, down_proj, topk_weights, sorted_pairs, block_expert, num_padded, out, cfg, packed)
     combined = torch.empty_like(x)                                          # [T, H]
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block_h))](

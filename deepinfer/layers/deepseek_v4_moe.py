@@ -68,7 +68,7 @@ class DeepseekV4Experts(FusedMoE):
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
         return backend.clamped_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
-                                           self.swiglu_limit)
+                                           self.swiglu_limit, packed=self.packed)
 
 
 class DeepseekV4SharedExpert(nn.Module):

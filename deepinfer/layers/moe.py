@@ -10,6 +10,15 @@ Both run through ``kernels/backend.py``: the pure-PyTorch references on the CPU,
 the fused Triton kernels (``kernels/moe_routing.py``, ``kernels/fused_moe.py``) on
 CUDA, which never synchronise with the host (CUDA-graph safe).
 
+Packed weights. Once loaded (``CausalLM.after_load``), experts that the Triton kernels run
+(CUDA, 16-bit weights whose widths divide the tiles) are re-laid out in place by
+:meth:`FusedMoE.pack_weights`: each [128, 64] tile of gate_up_proj and [256, 64] tile of
+down_proj becomes one contiguous run (``fused_moe.pack_expert_weights``), which the kernels
+stream faster at prefill; the parameters keep their names but take the packed shapes
+[E, 2I*H/64, 64] and [E, H*I/64, 64] (also in ``state_dict``). Loading into a packed
+layer is refused (:meth:`FusedMoE.unpack_weights` first); the torch references unpack a
+copy per call.
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert intermediate size.
 """
 
@@ -46,16 +55,59 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
+        self.hidden_size = hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
+        self.packed = False
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
-        return backend.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return backend.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                                   packed=self.packed)
+
+    def packing_helps(self) -> bool:
+        """Whether :meth:`pack_weights` pays: the Triton kernels run these weights (CUDA, Triton
+        backend), they are 16-bit (the layout was measured on bf16 prefill) and the expert widths
+        divide the tiles. Checked by ``CausalLM.after_load``."""
+        w = self.gate_up_proj
+        if self.packed or not w.is_cuda or w.element_size() != 2 or not backend.use_triton(w):
+            return False
+        from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE
+        h, i = self.hidden_size, self.intermediate_size
+        return ((2 * i) % GATE_UP_TILE[0] == 0 and h % GATE_UP_TILE[1] == 0
+                and h % DOWN_TILE[0] == 0 and i % DOWN_TILE[1] == 0)
+
+    @torch.no_grad()
+    def pack_weights(self) -> None:
+        """Re-lay out gate_up_proj and down_proj in place into the fused kernels' tile-packed
+        layout (``fused_moe.pack_expert_weights``); the Parameter objects stay, their data is
+        replaced. One projection at a time, so the peak extra memory is one projection of one
+        layer. Raises ValueError if already packed or the widths do not divide the tiles."""
+        from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE, pack_expert_weights
+        if self.packed:
+            raise ValueError("pack_weights: this layer's expert weights are already packed")
+        self.gate_up_proj.data = pack_expert_weights(self.gate_up_proj.data, *GATE_UP_TILE)
+        self.down_proj.data = pack_expert_weights(self.down_proj.data, *DOWN_TILE)
+        self.packed = True
+
+    @torch.no_grad()
+    def unpack_weights(self) -> None:
+        """Back to the stacked layout ([E, 2I, H], [E, H, I]), e.g. to load weights again."""
+        from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE, unpack_expert_weights
+        if not self.packed:
+            raise ValueError("unpack_weights: this layer's expert weights are not packed")
+        h, i = self.hidden_size, self.intermediate_size
+        self.gate_up_proj.data = unpack_expert_weights(self.gate_up_proj.data, 2 * i, h, *GATE_UP_TILE)
+        self.down_proj.data = unpack_expert_weights(self.down_proj.data, h, i, *DOWN_TILE)
+        self.packed = False
 
     def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]]:
         """Where one expert's ``{proj}.weight`` lives: (parameter name, index into it)."""
+        if self.packed:
+            raise ValueError("the expert weights are tile-packed for the fused MoE kernels "
+                             "(after_load); call unpack_weights() before loading into them")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: this layer has "
                              f"num_experts={self.num_experts}")

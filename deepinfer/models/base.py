@@ -88,7 +88,12 @@ class CausalLM(nn.Module):
         """Called once by ``models.loader.load_model`` after the weights are in place
         (loaded or dummy), before the first forward: a model may re-lay out its weights
         for speed here (e.g. fuse projections). The forward must stay correct without it,
-        for models filled by other means. The default does nothing."""
+        for models filled by other means. The default packs the routed experts' weights
+        for the fused MoE kernels where they run (:meth:`FusedMoE.packing_helps`), one
+        layer at a time; overrides call it."""
+        for module in self.modules():
+            if isinstance(module, FusedMoE) and module.packing_helps():
+                module.pack_weights()
 
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
         """Where checkpoint tensor ``name`` goes: a parameter name, a part of a
@@ -113,7 +118,14 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into parameters and persistent buffers (cast to
         their dtype and device). Raises ValueError on an unexpected name, a
         mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
-        checkpoint left (partly) unfilled. Tied parameters load through their first name."""
+        checkpoint left (partly) unfilled. Tied parameters load through their first name.
+        Refuses a model whose experts ``after_load`` packed (their parameters no longer have
+        the checkpoint's layout): call ``unpack_weights()`` on them first, ``after_load()`` after."""
+        packed = [name for name, m in self.named_modules() if isinstance(m, FusedMoE) and m.packed]
+        if packed:
+            raise ValueError(f"load_weights: the expert weights of {len(packed)} layer(s) ({_names(packed)}) are "
+                             "tile-packed for the fused MoE kernels by after_load(); call unpack_weights() on "
+                             "them before loading, and after_load() again after")
         targets: dict[str, torch.Tensor] = {}
         aliases: set[str] = set()
         seen_ids: set[int] = set()
@@ -159,10 +171,14 @@ class CausalLM(nn.Module):
         missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
                    for p, n in filled.items() if n != targets[p].numel()]
         if missing:
-            shown = ", ".join(missing[:_MAX_NAMES_SHOWN])
-            more = f" and {len(missing) - _MAX_NAMES_SHOWN} more" if len(missing) > _MAX_NAMES_SHOWN else ""
             raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
-                             f"{type(self).__name__}: {shown}{more}")
+                             f"{type(self).__name__}: {_names(missing)}")
+
+
+def _names(names: list[str]) -> str:
+    """The first _MAX_NAMES_SHOWN names, comma-separated, and how many more there are."""
+    more = f" and {len(names) - _MAX_NAMES_SHOWN} more" if len(names) > _MAX_NAMES_SHOWN else ""
+    return ", ".join(names[:_MAX_NAMES_SHOWN]) + more
 
 
 def _fmt(index: tuple[int | slice, ...]) -> str:

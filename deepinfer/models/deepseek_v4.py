@@ -364,10 +364,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         """Fuse the projections that read the same input (attention: q_a, kv, compressor
         and indexer; shared expert: gate and up) into one GEMM each. The parameters become
         views of the fused buffers (memory is not doubled; names and state_dict unchanged);
-        see layers/fused_linear.py for what happens when weights are reloaded."""
+        see layers/fused_linear.py for what happens when weights are reloaded. Then the
+        default's packing of the routed experts (``CausalLM.after_load``)."""
         for module in self.modules():
             if isinstance(module, (DeepseekV4Attention, DeepseekV4SharedExpert)):
                 module.fuse_projections()
+        super().after_load()
 
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
         if name in _TOP_RENAMES:

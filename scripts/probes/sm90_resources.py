@@ -117,7 +117,8 @@ def _sparse(two_sources: bool, block_n: int, stages: int, split: bool, block_h: 
                 divisible, warps, stages, options={"launch_pdl": True})
 
 
-def _moe_gate_up(cfg: fused_moe.MoEConfig) -> Case:
+def _moe_gate_up(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
+    # Packed weights: the kernel ignores stride_wn, which is then TILE_K (64), a multiple of 16.
     types = {"x": "*bf16", "w": f"tensordesc<bf16[{cfg.block_n1}, {cfg.block_k1}]>" if cfg.tma else "*bf16",
              "act_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
              "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32",
@@ -128,7 +129,8 @@ def _moe_gate_up(cfg: fused_moe.MoEConfig) -> Case:
     return Case(fused_moe._gate_up_kernel, types,
                 dict(TOP_K=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1,
                      GROUP_M=cfg.group_m, HAS_LIMIT=True, EVEN_K=True, DOT_PRECISION="tf32",
-                     TMA=cfg.tma, SORTED_ACT=cfg.sorted_act, PDL=True),
+                     TMA=cfg.tma, SORTED_ACT=cfg.sorted_act, PACKED=packed,
+                     TILE_N=fused_moe.GATE_UP_TILE[0], TILE_K=fused_moe.GATE_UP_TILE[1], PDL=True),
                 divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
@@ -142,6 +144,27 @@ def _gluon_sparse(two_sources: bool, rope: bool) -> Case:
                                     BLOCK_SCAN=512, ROPE=rope, ROPE_HALF=32), divisible, 8, 1)
 
 
+def _moe_down(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
+    sorted_tma = cfg.tma and cfg.sorted_act
+    types = {"act": f"tensordesc<bf16[{cfg.block_m}, {cfg.block_k2}]>" if sorted_tma else "*bf16",
+             "w": f"tensordesc<bf16[{cfg.block_n2}, {cfg.block_k2}]>" if cfg.tma else "*bf16",
+             "out_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32",
+             "num_pid_m": "i32", "stride_act": "i32", "stride_we": "i32", "stride_wn": "i32",
+             "stride_out": "i32"}
+    divisible = {"act", "w", "out_ptr", "weights_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr",
+                 "num_pairs", "hidden", "inter", "stride_act", "stride_we", "stride_wn", "stride_out"}
+    return Case(fused_moe._down_kernel, types,
+                dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
+                     EVEN_K=True, DOT_PRECISION="tf32", TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
+                     PACKED=packed, TILE_N=fused_moe.DOWN_TILE[0], TILE_K=fused_moe.DOWN_TILE[1], PDL=True),
+                divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
+
+
+def _v4_moe(t: int) -> fused_moe.MoEConfig:
+    return fused_moe.pick_config(t, 6, 256, 4096, 2048)
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
     "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
@@ -150,8 +173,18 @@ CASES: dict[str, Callable[[], Case]] = {
     "sparse_prefill_window_N64_s2": lambda: _sparse(False, 64, 2, False, scan=128),
     "sparse_prefill_window_top512_N32_s3": lambda: _sparse(True, 32, 3, False),
     "sparse_decode_H16_N16_split": lambda: _sparse(True, 16, 2, True, block_h=16, warps=4, scan=16),
-    "moe_gate_up_prefill_T4096": lambda: _moe_gate_up(fused_moe.pick_config(4096, 6, 256, 4096, 2048)),
-    "moe_gate_up_decode_T1": lambda: _moe_gate_up(fused_moe.pick_config(1, 6, 256, 4096, 2048)),
+    "moe_gate_up_prefill_T4096": lambda: _moe_gate_up(_v4_moe(4096)),
+    "moe_gate_up_prefill_T4096_packed": lambda: _moe_gate_up(_v4_moe(4096), packed=True),
+    "moe_gate_up_medium_T1024": lambda: _moe_gate_up(_v4_moe(1024)),
+    "moe_gate_up_medium_T1024_packed": lambda: _moe_gate_up(_v4_moe(1024), packed=True),
+    "moe_gate_up_decode_T1": lambda: _moe_gate_up(_v4_moe(1)),
+    "moe_gate_up_decode_T1_packed": lambda: _moe_gate_up(_v4_moe(1), packed=True),
+    "moe_down_prefill_T4096": lambda: _moe_down(_v4_moe(4096)),
+    "moe_down_prefill_T4096_packed": lambda: _moe_down(_v4_moe(4096), packed=True),
+    "moe_down_medium_T1024": lambda: _moe_down(_v4_moe(1024)),
+    "moe_down_medium_T1024_packed": lambda: _moe_down(_v4_moe(1024), packed=True),
+    "moe_down_decode_T1": lambda: _moe_down(_v4_moe(1)),
+    "moe_down_decode_T1_packed": lambda: _moe_down(_v4_moe(1), packed=True),
 }
 
 

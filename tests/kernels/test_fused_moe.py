@@ -12,14 +12,20 @@ import torch
 
 from deepinfer.kernels import reference
 from deepinfer.kernels.fused_moe import (
+    DOWN_TILE,
+    GATE_UP_TILE,
     MoEConfig,
+    _weight_loads,
     fused_moe,
     max_padded_pairs,
     moe_align,
+    pack_expert_weights,
     pick_config,
+    unpack_expert_weights,
 )
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4Experts, DeepseekV4Router
 from deepinfer.layers.moe import FusedMoE, SoftmaxTopKRouter
+from deepinfer.models.base import CausalLM
 
 from .conftest import capture
 
@@ -211,6 +217,131 @@ def test_layers_match_across_backends(device, monkeypatch):
         torch.testing.assert_close(w_a.gather(1, order_a), w_b.gather(1, order_b))
     for a, b in zip(got[6:], ref[6:]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_expert_weights_tiles_and_round_trip():
+    """Each [tile_n, tile_k] tile is one contiguous run, tiles in (n-tile, k-tile) order inside
+    an expert, experts along dim 0; unpacking restores the stacked tensor."""
+    e, n, k, tn, tk = 3, 8, 12, 4, 6
+    w = torch.randn(e, n, k, generator=torch.Generator().manual_seed(0))
+    packed = pack_expert_weights(w, tn, tk)
+    assert packed.shape == (e, (n // tn) * (k // tk) * tn, tk) and packed.is_contiguous()
+    flat = packed.reshape(-1)
+    for ex, row, col in [(0, 0, 0), (1, 5, 7), (2, 7, 11), (2, 3, 6)]:
+        tile = (ex * (n // tn) + row // tn) * (k // tk) + col // tk
+        assert flat[tile * tn * tk + (row % tn) * tk + col % tk] == w[ex, row, col]
+    assert torch.equal(packed[1], pack_expert_weights(w[1:2], tn, tk)[0])      # whole experts index
+    assert torch.equal(unpack_expert_weights(packed, n, k, tn, tk), w)
+    with pytest.raises(ValueError, match="N must be a multiple of 5"):
+        pack_expert_weights(w, 5, tk)
+    with pytest.raises(ValueError, match="K of 8"):
+        pack_expert_weights(w, tn, 8)
+    with pytest.raises(ValueError, match="got shape"):
+        unpack_expert_weights(packed, n, k, 2 * tn, tk // 2)                     # other tiles
+
+
+# Widths the packed tiles divide: H a multiple of 256 (down's tile_n), I of 64.
+PACKED_CONFIGS = {
+    # decode: 128-wide K steps span two 64-wide tiles
+    "decode": (64, 5, MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=2)),
+    # K steps narrower than a tile, N-tiles narrower than one
+    "small_blocks": (64, 5, MoEConfig(16, 16, 32, 32, 32, 2, num_warps=4, num_stages=2)),
+    # ragged: I=192 leaves half of GEMM1's second N-tile and of GEMM2's last K step masked
+    "ragged": (192, 5, MoEConfig(16, 128, 128, 64, 128, 2, num_warps=4, num_stages=2)),
+    # TMA boxes inside one tile (block_k = 64) for both GEMMs
+    "tma": (128, 9, MoEConfig(16, 64, 64, 128, 64, 2, num_warps=4, num_stages=2, tma=True, sorted_act=True)),
+    # I=192 is no multiple of block_n1=128, so up's boxes would straddle tiles: gate_up falls back
+    # to pointer loads, down keeps TMA
+    "tma_fallback": (192, 9, MoEConfig(16, 128, 64, 256, 64, 2, num_warps=4, num_stages=2, tma=True,
+                                       sorted_act=True)),
+    # pick_config's prefill choice (T*K/E = 36 pairs per expert: TMA, sorted act)
+    "picked_prefill": (64, 72, None),
+}
+
+
+@pytest.mark.parametrize("case", PACKED_CONFIGS)
+def test_fused_moe_packed_weights_match_stacked(case, device, poison_empty):
+    """Packed weights give bitwise the output of the stacked ones under the same config, on the
+    pointer path (blocks that do and do not match the tiles, ragged tails) and on the TMA path."""
+    i, t, config = PACKED_CONFIGS[case]
+    e, h, k = 4, 256, 2
+    gate_up, down = make_experts(e, h, i, torch.float16, device, seed=13)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(13)).to(torch.float16).to(device)
+    weights, ids = make_routing(t, k, list(range(e)), device, seed=13)
+    ids[1, 0] = -1
+    packed = (pack_expert_weights(gate_up, *GATE_UP_TILE), pack_expert_weights(down, *DOWN_TILE))
+    expect = fused_moe(x, gate_up, down, weights, ids, 0.7, config=config)
+    got = fused_moe(x, *packed, weights, ids, 0.7, config=config, packed=True)
+    assert torch.equal(got, expect)
+    ref = reference.clamped_moe_experts(x.float(), gate_up.float(), down.float(),
+                                        weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0), 0.7)
+    torch.testing.assert_close(got.float(), ref, **TOL[torch.float16])
+    cfg = config or pick_config(t, k, e, h, i)
+    if case in ("tma", "picked_prefill"):                 # the packed TMA path, not the fallback
+        assert _weight_loads(cfg, True, (cfg.block_n1, cfg.block_k1), GATE_UP_TILE, i, 2)[0]
+        assert _weight_loads(cfg, True, (cfg.block_n2, cfg.block_k2), DOWN_TILE, h, 2)[0]
+    if case == "tma_fallback":
+        assert not _weight_loads(cfg, True, (cfg.block_n1, cfg.block_k1), GATE_UP_TILE, i, 2)[0]
+
+
+def test_fused_moe_packed_rejects_other_layouts(device):
+    e, h, i, t = 2, 256, 128, 3
+    gate_up, down = make_experts(e, h, i, torch.float16, device)
+    x = torch.randn(t, h, device=device).to(torch.float16)
+    weights, ids = make_routing(t, 2, list(range(e)), device)
+    with pytest.raises(ValueError, match="packed gate_up_proj has shape"):
+        fused_moe(x, gate_up, down, weights, ids, packed=True)                   # stacked, not packed
+    with pytest.raises(ValueError, match="packed down_proj"):
+        fused_moe(x, pack_expert_weights(gate_up, *GATE_UP_TILE), down, weights, ids, packed=True)
+    narrow = torch.randn(t, 64, device=device).to(torch.float16)               # H=64: no [256, 64] down tiles
+    gu64, dn64 = make_experts(e, 64, i, torch.float16, device)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        fused_moe(narrow, pack_expert_weights(gu64, *GATE_UP_TILE), dn64, weights, ids, packed=True)
+
+
+class _TinyMoEModel(CausalLM):
+    """A CausalLM holding only routed experts, for after_load and load_weights."""
+
+    def __init__(self, experts: FusedMoE) -> None:
+        super().__init__({}, torch.float16)
+        self.experts = experts
+
+
+def test_layer_packs_weights_in_place(device, monkeypatch):
+    """after_load packs the experts where packing_helps (CUDA + Triton + 16-bit; forced here on the
+    CPU), the Parameters stay and are repacked in place, the forward through the Triton kernels
+    is bitwise unchanged and through the torch references still correct; loading into packed
+    experts is refused until they are unpacked."""
+    e, h, i, t = 4, 256, 64, 5
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(t, h, generator=gen)).to(torch.float16).to(device)
+    weights, ids = make_routing(t, 2, list(range(e)), device, seed=17)
+    experts = DeepseekV4Experts(e, h, i, swiglu_limit=0.6).to(torch.float16).to(device)
+    gate_up, down = make_experts(e, h, i, torch.float16, device, seed=17)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    model = _TinyMoEModel(experts)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    expect = experts(x, weights, ids)
+    assert experts.packing_helps() == (device.type == "cuda")
+    monkeypatch.setattr(FusedMoE, "packing_helps", lambda self: not self.packed)
+    param = experts.gate_up_proj
+    model.after_load()
+    assert experts.packed and experts.gate_up_proj is param
+    assert experts.gate_up_proj.shape == (e, 2 * i * h // 64, 64) and experts.down_proj.shape == (e, h * i // 64, 64)
+    assert torch.equal(experts(x, weights, ids), expect)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    torch.testing.assert_close(experts(x, weights, ids).float(),
+                               reference.clamped_moe_experts(x.float(), gate_up.float(), down.float(), weights,
+                                                             ids, 0.6), **TOL[torch.float16])
+    with pytest.raises(ValueError, match="unpack_weights"):
+        model.load_weights([("experts.gate_up_proj", gate_up)])
+    with pytest.raises(ValueError, match="unpack_weights"):
+        experts.expert_weight_index("up_proj", 1)
+    experts.unpack_weights()
+    assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
+    model.load_weights([("experts.gate_up_proj", gate_up), ("experts.down_proj", down)])
 
 
 @pytest.fixture(scope="module")
