@@ -24,6 +24,9 @@ after the copy. (Rotating the output back in the epilogue as well was tried: wit
 program per SM its extra round trip through memory is not hidden, and the kernel got slower
 than the separate inverse-rope launch.)
 
+It is launched without programmatic dependent launch (``pdl.py``): Gluon in triton 3.6 has
+no ``griddepcontrol.wait``, and a plain launch is ordered after the previous kernel.
+
 Gluon has no CPU interpreter: this kernel is tested on the GPU only
 (``tests/kernels/test_sparse_attention_gluon.py``, ``-m gpu``), against the same references
 as the Triton kernel, which stays the implementation everywhere else (CPU interpreter,

@@ -73,16 +73,19 @@ def test_chain_in_a_cuda_graph_equals_plain_launches(monkeypatch):
 
 def _kernels_and_launches() -> tuple[dict[tuple[str, str], ast.FunctionDef], list[tuple[str, str, ast.Call]]]:
     """The @triton.jit functions of deepinfer/kernels by (file, name), and every ``*_kernel[grid](...)``
-    launch there."""
+    launch of one there (Gluon kernels, ``@gluon.jit``, are left out: see the test below)."""
     defs, launches = {}, []
     for path in sorted(Path(kernels_pkg.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
+        gluon_kernels = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                         and any(ast.unparse(d).startswith("gluon.jit") for d in node.decorator_list)}
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
                     ast.unparse(d).startswith("triton.jit") for d in node.decorator_list):
                 defs[(path.name, node.name)] = node
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")):
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel")
+                    and node.func.value.id not in gluon_kernels):
                 launches.append((path.name, node.func.value.id, node))
     return defs, launches
 
@@ -102,3 +105,21 @@ def test_every_launched_kernel_keeps_the_pdl_contract():
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]
         assert ast.unparse(body[0]) == "pdl.enter(PDL)", f"{file}: {name} does not start with pdl.enter(PDL)"
+
+
+def test_gluon_kernels_launch_plainly():
+    """Gluon (triton 3.6) has no griddepcontrol, so a Gluon kernel cannot wait inside: it must
+    be launched without the PDL attribute, which orders it after the previous kernel as any
+    plain launch is (the next kernel, launched with PDL, waits for it in turn)."""
+    found = 0
+    for path in sorted(Path(kernels_pkg.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        gluon_kernels = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                         and any(ast.unparse(d).startswith("gluon.jit") for d in node.decorator_list)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in gluon_kernels):
+                found += 1
+                assert not any(k.arg in (None, "launch_pdl") for k in node.keywords), \
+                    f"{path.name}: {node.func.value.id} must be launched without PDL"
+    assert found >= 1
