@@ -245,6 +245,14 @@ class Timer:
         return time.perf_counter() - self._t0
 
 
+def device_kernels(events) -> list:
+    """The profiler's device events that are work (kernels, copies, memsets): on the device,
+    and not the GPU-side spans of our ``record_function`` ranges (``deepinfer.forward``, ...),
+    which the profiler also reports as device events and would count every kernel twice."""
+    return [e for e in events if str(getattr(e, "device_type", None)).endswith("CUDA")
+            and not getattr(e, "is_user_annotation", False) and not e.key.startswith("deepinfer.")]
+
+
 def profile_to_file(path: str, label: str, units: int, work) -> None:
     """Run ``work()`` under torch.profiler and write the kernels by device time to ``path``,
     headed by kernel launches and device time per unit (``units`` of ``label``)."""
@@ -256,8 +264,7 @@ def profile_to_file(path: str, label: str, units: int, work) -> None:
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = [e for e in events if getattr(e, "device_type", None) is not None
-               and str(e.device_type).endswith("CUDA")]
+    kernels = device_kernels(events)
     total_us = sum(e.self_device_time_total for e in kernels) if kernels else 0.0
     launches = sum(e.count for e in kernels)
     with open(path, "w") as f:

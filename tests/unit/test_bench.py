@@ -157,3 +157,18 @@ def test_bench_engine_is_frozen_then_released(tiny_config):
         del engine
         free_memory(model.device)
     assert gc.get_freeze_count() == 0
+
+
+def test_profile_kernel_total_leaves_out_our_ranges():
+    """The profile header's kernel time sums device work only: the GPU-side spans of the
+    runner's record_function ranges are device events too and cover the same kernels."""
+    from types import SimpleNamespace
+
+    from deepinfer.bench.common import device_kernels
+    cuda, cpu = "DeviceType.CUDA", "DeviceType.CPU"
+    events = [SimpleNamespace(key="_gate_up_kernel", device_type=cuda, is_user_annotation=False),
+              SimpleNamespace(key="deepinfer.forward", device_type=cuda, is_user_annotation=True),
+              SimpleNamespace(key="deepinfer.prepare", device_type=cuda),            # older torch: no flag
+              SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False),
+              SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", device_type=cuda, is_user_annotation=False)]
+    assert [e.key for e in device_kernels(events)] == ["_gate_up_kernel", "Memcpy HtoD (Pinned -> Device)"]
