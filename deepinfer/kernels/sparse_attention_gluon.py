@@ -53,6 +53,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 _LOG2E = 1.4426950408889634
 HEADS, HEAD_DIM = 64, 512
+# Widest slot row whose trim scan is one load (compiled for sm_90 at 512, 2048 and 8192 slots
+# with the same 254 registers: the scan runs before the accumulator is live). 8192 covers the
+# HCA entries of a 1M-token context; wider rows take the Triton kernel, which loops its scan.
+MAX_SLOTS = 8192
 
 
 class QueryRope(NamedTuple):
@@ -239,7 +243,7 @@ def supported(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]])
     if not 1 <= len(sources) <= 2:
         return False
     for cache, slots in sources:
-        if (slots.dim() != 2 or cache.dtype != torch.bfloat16 or cache.dim() != 5 or cache.shape[3:] != (1, d)
+        if (slots.dim() != 2 or slots.shape[1] > MAX_SLOTS or cache.dtype != torch.bfloat16 or cache.dim() != 5 or cache.shape[3:] != (1, d)
                 or cache.stride(-1) != 1 or slots.dtype not in (torch.int32, torch.int64)
                 or slots.stride(1) != 1):
             return False
