@@ -243,9 +243,9 @@ def supported(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]])
     if not 1 <= len(sources) <= 2:
         return False
     for cache, slots in sources:
-        if (slots.dim() != 2 or slots.shape[1] > MAX_SLOTS or cache.dtype != torch.bfloat16 or cache.dim() != 5 or cache.shape[3:] != (1, d)
-                or cache.stride(-1) != 1 or slots.dtype not in (torch.int32, torch.int64)
-                or slots.stride(1) != 1):
+        if (slots.dim() != 2 or slots.shape[1] > MAX_SLOTS or slots.stride(1) != 1
+                or slots.dtype not in (torch.int32, torch.int64) or cache.dtype != torch.bfloat16
+                or cache.dim() != 5 or cache.shape[3:] != (1, d) or cache.stride(-1) != 1):
             return False
     return True
 
