@@ -60,7 +60,7 @@ MAX_SLOTS = 8192
 
 
 class QueryRope(NamedTuple):
-    """What the fused prologue/epilogue needs: positions [T] (int32/int64), inv_freq [R/2]
+    """What the query prologue needs: positions [T] (int32/int64), inv_freq [R/2]
     float32, the rope's scaling factor and the q norm's eps."""
     positions: torch.Tensor
     inv_freq: torch.Tensor
