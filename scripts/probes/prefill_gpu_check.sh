@@ -1,0 +1,19 @@
+#!/bin/bash
+# Issue 5 (prefill speed) in one device call, from the repository root on an H200 (about 5
+# minutes): the GPU tests of the prefill kernels, the probes that time them against their
+# alternatives in one process, and `bench prefill` with a profile taken with PDL off (with
+# PDL on, the profiler charges each kernel with part of the previous one's run).
+#   bash scripts/probes/prefill_gpu_check.sh 2>&1 | tail -120     # the profile lands in $OUT
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp}
+echo "=== GPU tests"
+timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_sparse_attention_gluon.py tests/kernels/test_fused_moe.py \
+    tests/kernels/test_router.py tests/kernels/test_hyper_connection.py 2>&1 | tail -6
+echo "=== sparse attention: Triton vs Gluon"
+timeout 120 python3 scripts/probes/sparse_attention_gluon_check.py 2>&1 | tail -10
+echo "=== routed experts: stacked vs packed weights"
+timeout 120 python3 scripts/probes/fused_moe_packed.py 2>&1 | tail -12
+echo "=== bench prefill, profile with PDL off"
+DEEPINFER_PDL=0 timeout 200 python3 -m deepinfer.entrypoints.cli bench prefill --config deepseek-v4-flash \
+    --prompt-len 4096 --no-hf --profile "$OUT/prefill_profile.txt" 2>&1 | tail -8
+head -40 "$OUT/prefill_profile.txt" | cut -c1-100,150-200
