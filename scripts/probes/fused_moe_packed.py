@@ -27,6 +27,7 @@ from triton.testing import do_bench
 sys.path.insert(0, "scripts")
 import gpu_kernel_check as g  # noqa: E402
 
+from deepinfer.bench.floors import measure_hbm_bandwidth  # noqa: E402
 from deepinfer.kernels import reference  # noqa: E402
 from deepinfer.kernels.fused_moe import (  # noqa: E402
     DOWN_TILE,
@@ -44,15 +45,6 @@ E, K, H, I, LIMIT = 256, 6, 4096, 2048, 10.0
 TOKENS = (1, 16, 64, 4096)
 GRAPH_REPS = 20
 DEV, BF16 = "cuda", torch.bfloat16
-
-
-def copy_rate_gbps() -> float:
-    """Device-to-device copy rate of 4 GiB (bytes read + written per second), GB/s."""
-    src = torch.empty(2 << 30, dtype=BF16, device=DEV)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    del src, dst
-    return 2 * (4 << 30) / ms / 1e6
 
 
 def time_us(fn, t: int) -> float:
@@ -89,7 +81,7 @@ def gemm_breakdown(x, stacked, packed, weights, ids, copy: float, touched: int) 
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}; E={E} K={K} H={H} I={I} bf16, swiglu_limit {LIMIT}; "
           f"tiles gate_up {GATE_UP_TILE}, down {DOWN_TILE}")
-    copy = copy_rate_gbps()
+    copy = measure_hbm_bandwidth(torch.device(DEV), 4 << 30)
     print(f"copy rate {copy:.0f} GB/s")
     gen = torch.Generator(device=DEV).manual_seed(0)
     gate_up = torch.randn(E, 2 * I, H, device=DEV, dtype=BF16, generator=gen) / H ** 0.5

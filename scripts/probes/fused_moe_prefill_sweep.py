@@ -24,6 +24,7 @@ os.environ["DEEPINFER_PDL"] = "0"
 import torch  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from deepinfer.bench.floors import measure_hbm_bandwidth  # noqa: E402
 from deepinfer.kernels import reference  # noqa: E402
 from deepinfer.kernels.fused_moe import MoEConfig, fused_moe, moe_align, moe_down, moe_gate_up, pick_config  # noqa: E402
 
@@ -67,14 +68,6 @@ def short(c: MoEConfig) -> str:
     flags = [f for f in ("tma", "sorted_act") if getattr(c, f)]
     return (f"m{c.block_m} n{c.block_n1}/{c.block_n2} k{c.block_k1}/{c.block_k2} g{c.group_m} "
             f"w{c.num_warps} s{c.num_stages}" + (" " + "+".join(flags) if flags else ""))
-
-
-def copy_rate_gbps() -> float:
-    src = torch.empty(2 << 30, dtype=BF16, device=DEV)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    del src, dst
-    return 2 * (4 << 30) / ms / 1e6
 
 
 class Case:
@@ -134,7 +127,7 @@ def check(case: Case, out: torch.Tensor, default: torch.Tensor, ref: torch.Tenso
 
 print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
       f"triton {__import__('triton').__version__}")
-copy = copy_rate_gbps()
+copy = measure_hbm_bandwidth(torch.device(DEV), 4 << 30)
 print(f"copy rate (4 GiB device copy_, read + write): {copy:.0f} GB/s")
 g0 = torch.Generator(device=DEV).manual_seed(0)
 gate_up = torch.randn(E, 2 * I, H, device=DEV, dtype=BF16, generator=g0) / H ** 0.5
