@@ -116,9 +116,43 @@ def _norm_rope_kernel(
             tl.store(row + nope + 2 * pairs + 1, out_odd.to(cache_ptr.dtype.element_ty), mask=pair_mask)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-            scaling: float, inverse: bool, norm: int, eps: float, weight: torch.Tensor | None,
-            cache: torch.Tensor | None, slot_mapping: torch.Tensor | None, name: str) -> None:
+@triton.jit
+def _rope_kernel(
+    x_ptr, pos_ptr, inv_freq_ptr, T, stride_x_token, stride_x_head, num_heads, rope_start,
+    scaling, sin_sign,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """In place, the rope only (no norm): program (token block, head block) loads each token's
+    trailing ``2 * HALF`` channels of ``BLOCK_H`` heads as one contiguous [BLOCK_H, 2 * HALF]
+    tile and splits it into (even, odd) in registers, where ``_norm_rope_kernel`` loads the
+    two halves with stride-2 gathers. The angles are computed once per token, not per head
+    block as there."""
+    pdl.enter(PDL)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]          # [BH, 1]
+    chans = tl.arange(0, 2 * HALF)[None, :]                                     # [1, R]
+    mask = heads < num_heads
+    pairs = tl.arange(0, HALF)
+    inv_freq = tl.load(inv_freq_ptr + pairs)                                    # [HALF]
+    two_pi = tl.full([], 6.283185307179586, tl.float64)
+    for i in range(BLOCK_T):
+        token = tl.program_id(0) * BLOCK_T + i
+        if token < T:
+            # Angles as in _norm_rope_kernel: the float32 product, reduced in float64.
+            f64 = (tl.load(pos_ptr + token).to(tl.float32) * inv_freq).to(tl.float64)
+            angle = (f64 - tl.floor(f64 / two_pi + 0.5) * two_pi).to(tl.float32)
+            cos = (tl.cos(angle) * scaling)[None, :]                            # [1, HALF]
+            sin = (tl.sin(angle) * scaling * sin_sign)[None, :]
+            ptrs = x_ptr + token.to(tl.int64) * stride_x_token + heads * stride_x_head + rope_start + chans
+            x = tl.load(ptrs, mask=mask, other=0.0)                             # [BH, R]
+            even, odd = tl.split(tl.reshape(x.to(tl.float32), [BLOCK_H, HALF, 2]))
+            out_even = (even * cos - odd * sin).to(x.dtype)
+            out_odd = (odd * cos + even * sin).to(x.dtype)
+            tl.store(ptrs, tl.reshape(tl.join(out_even, out_odd), [BLOCK_H, 2 * HALF]), mask=mask)
+
+
+def _check(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+           weight: torch.Tensor | None, cache: torch.Tensor | None, slot_mapping: torch.Tensor | None,
+           name: str) -> None:
     if x.dim() != 3:
         raise ValueError(f"{name}: x must be [T, H, D], got shape {tuple(x.shape)}")
     t, h, d = x.shape
@@ -146,6 +180,14 @@ def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_fre
     for other in (out, positions, inv_freq, weight, cache, slot_mapping):
         if other is not None and other.device != x.device:
             raise ValueError(f"{name}: every tensor must be on {x.device}, got one on {other.device}")
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+            scaling: float, inverse: bool, norm: int, eps: float, weight: torch.Tensor | None,
+            cache: torch.Tensor | None, slot_mapping: torch.Tensor | None, name: str) -> None:
+    _check(x, out, positions, inv_freq, weight, cache, slot_mapping, name)
+    t, h, d = x.shape
+    half = inv_freq.shape[0]
     if t == 0:
         return
     # Tile config: one program per (token, block of heads); a block holds up to 4096 elements of
@@ -190,6 +232,21 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor
 def interleaved_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                       inverse: bool = False) -> torch.Tensor:
     """Rotate x [T, H, D] in place at ``positions`` [T] (``inverse``: by minus the angle); returns x."""
+    half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
+    if x.dim() == 3 and half >= 1 and half & (half - 1) == 0 and 2 * half <= x.shape[2]:
+        _check(x, x, positions, inv_freq, None, None, None, "interleaved_rope_")
+        t, h, d = x.shape
+        if t == 0:
+            return x
+        # Tile config: up to 4096 rope channels a program (64 heads at R=64), and blocks of 4
+        # tokens once there are enough tokens for a wave of programs.
+        block_h = min(triton.next_power_of_2(h), max(1, 4096 // (2 * half)))
+        block_t = 4 if t >= 2048 else 1
+        _rope_kernel[(triton.cdiv(t, block_t), triton.cdiv(h, block_h))](
+            x, positions, inv_freq, t, x.stride(0), x.stride(1), h, d - 2 * half, float(scaling),
+            -1.0 if inverse else 1.0, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+            **pdl.flags(x.device))
+        return x
     _launch(x, x, positions, inv_freq, scaling, inverse, NO_NORM, 0.0, None, None, None, "interleaved_rope_")
     return x
 

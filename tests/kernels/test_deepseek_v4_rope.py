@@ -120,6 +120,23 @@ def test_inverse_rope_undoes_the_rope(device):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", [7, 2051])     # token blocks of 1 and (from 2048 tokens) of 4, with a tail
+def test_rope_only_kernel_matches_the_strided_kernel(t, device):
+    """interleaved_rope_ takes the contiguous-tile kernel at power-of-two rope widths; it must
+    give the same bits as the norm kernel's rope-only variant, which loads strided halves."""
+    from deepinfer.kernels import deepseek_v4_rope as k
+    gen = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 5, 48, generator=gen).to(torch.bfloat16).to(device)
+    pos = positions(t, gen, device)
+    inv_freq, scaling = rope_params(16, yarn=True)
+    inv_freq = inv_freq.to(device)
+    strided = x.clone()
+    k._launch(strided, strided, pos, inv_freq, scaling, True, k.NO_NORM, 0.0, None, None, None, "test")
+    fast = interleaved_rope_(x.clone(), pos, inv_freq, scaling, inverse=True)
+    assert not torch.equal(fast, x)
+    assert torch.equal(fast, strided)
+
+
 def test_empty_batch(device):
     inv_freq = default_inv_freq(4, 10000.0).to(device)
     empty = torch.empty(0, dtype=torch.long, device=device)
