@@ -123,7 +123,8 @@ def test_inverse_rope_undoes_the_rope(device):
 @pytest.mark.parametrize("t", [7, 2051])     # token blocks of 1 and (from 2048 tokens) of 4, with a tail
 def test_rope_only_kernel_matches_the_strided_kernel(t, device):
     """interleaved_rope_ takes the contiguous-tile kernel at power-of-two rope widths; it must
-    give the same bits as the norm kernel's rope-only variant, which loads strided halves."""
+    give the norm kernel's rope-only variant's values (strided halves): the same bits in the
+    interpreter, and on a GPU up to the compiler fusing a multiply-add differently (a bf16 ulp)."""
     from deepinfer.kernels import deepseek_v4_rope as k
     gen = torch.Generator().manual_seed(t)
     x = torch.randn(t, 5, 48, generator=gen).to(torch.bfloat16).to(device)
@@ -134,7 +135,10 @@ def test_rope_only_kernel_matches_the_strided_kernel(t, device):
     k._launch(strided, strided, pos, inv_freq, scaling, True, k.NO_NORM, 0.0, None, None, None, "test")
     fast = interleaved_rope_(x.clone(), pos, inv_freq, scaling, inverse=True)
     assert not torch.equal(fast, x)
-    assert torch.equal(fast, strided)
+    if device.type == "cpu":
+        assert torch.equal(fast, strided)
+    else:
+        torch.testing.assert_close(fast, strided, rtol=8e-3, atol=8e-3)
 
 
 def test_empty_batch(device):
