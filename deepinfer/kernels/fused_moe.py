@@ -258,12 +258,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     block_expert = torch.empty(length // block_m, dtype=torch.int32, device=topk_ids.device)
     num_padded = torch.zeros(1, dtype=torch.int32, device=topk_ids.device)
     if pairs:
-        # BLOCK ids per loop step; 1024 keeps a decode batch in one step.
+        # BLOCK ids per loop step; 1024 keeps a decode batch in one step. Each program walks
+        # all pairs twice, one dependent L2 load a step, so prefill takes 4096-id steps over
+        # 8 warps (fewer, wider steps: the walk is latency bound, not bandwidth bound).
         block = min(1024, max(16, triton.next_power_of_2(pairs)))
+        warps = 4
+        if pairs > 4 * 1024:
+            block, warps = 4096, 8
         _align_kernel[(num_experts + 1,)](
             topk_ids.reshape(-1), sorted_pairs, block_expert, num_padded, out,
             pairs, num_experts, out.shape[1], out.stride(0),
-            BLOCK_M=block_m, BLOCK=block, BLOCK_COLS=max(16, min(64, 4096 // block)), num_warps=4,
+            BLOCK_M=block_m, BLOCK=block, BLOCK_COLS=max(16, min(64, 4096 // block)), num_warps=warps,
             **pdl.flags(topk_ids.device))
     return sorted_pairs, block_expert, num_padded
 

@@ -52,7 +52,7 @@ def make_routing(t: int, k: int, experts: list[int], device, seed: int = 0):
     return weights.to(device), ids.to(device)
 
 
-@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("t", [1, 5, 33, 2100])     # 2100: prefill's 4096-id steps, the last partial
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_align_sorts_every_pair_into_its_experts_blocks(t, block_m, device):
     e, k = 8, 2
