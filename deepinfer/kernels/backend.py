@@ -246,13 +246,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+           norm: tuple[torch.Tensor, float] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]) (see :func:`reference.hc_pre`)."""
+    """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); with ``norm``
+    (weight [D], eps) the block input comes back RMS-normalised, equal bit for bit to
+    ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
+    return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

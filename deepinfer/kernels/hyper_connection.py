@@ -36,6 +36,16 @@ float32 and writes post/comb. Then the collapse ``x = sum_j pre_j s_j``:
   :func:`pick_config`). The streams are then read twice (the second time from
   L2 while they fit there: T <= ~1500 in bf16).
 
+With the block's input RMSNorm (``norm``: DeepSeek-V4 normalises the block input and
+nothing else reads it) the collapse launch normalises too, so x is never written and
+read back, and the norm needs no launch of its own: a program then holds a token's whole row (the
+sum of squares needs it), with :func:`rms_norm.row_config`'s width and warps and
+:func:`rms_norm.inv_rms`'s reduction, on x rounded to the streams' dtype as the norm
+kernel would load it, so the result equals ``rms_norm(x)`` bit for bit. A single
+token then takes this launch too rather than the one-launch collapse (whose program
+runs the projection's warp count: another reduction tree), still two launches as the
+collapse and the norm were.
+
 Small T spreads K over many programs (at least 256 columns each) so that
 ``fn`` is read in parallel; large T uses bigger token blocks so ``fn`` is
 re-read less from L2 (32 x 1.5 MiB at T=4096).
@@ -60,6 +70,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
 
 _MIN_DOT = 16              # tl.dot needs every tile side >= 16
@@ -191,8 +202,8 @@ def _hc_pre_kernel(
 
 @triton.jit
 def _hc_collapse_kernel(
-    s_ptr, pre_ptr, x_ptr, D, s_stride, x_stride,
-    N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    s_ptr, pre_ptr, w_ptr, x_ptr, D, s_stride, x_stride, eps,
+    N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -202,7 +213,14 @@ def _hc_collapse_kernel(
     for j in tl.static_range(N):                                      # stream order, as the reference
         sv = tl.load(s_ptr + t * s_stride + j * D + ds, mask=dmask, other=0.0)
         xo += tl.load(pre_ptr + t * N + j) * sv.to(tl.float32)
-    tl.store(x_ptr + t * x_stride + ds, xo.to(x_ptr.dtype.element_ty), mask=dmask)
+    xo = xo.to(x_ptr.dtype.element_ty)                                # the block input, as unfused
+    if NORM:
+        # One program holds the whole row (BLOCK_D >= D, zero past D): the norm of the rounded
+        # x, as _rms_norm_kernel (round_first=False) would compute it from x in memory.
+        xf = xo.to(tl.float32)
+        w = tl.load(w_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
+        xo = (xf * inv_rms(xf, D, eps) * w).to(x_ptr.dtype.element_ty)
+    tl.store(x_ptr + t * x_stride + ds, xo, mask=dmask)
 
 
 @triton.jit
@@ -301,7 +319,8 @@ def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
-         config: HCConfig | None, who: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         config: HCConfig | None, who: str, norm: tuple[torch.Tensor, float] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s2 = _streams_2d(streams, who)
     t, n, d = streams.shape
     nmix = (2 + n) * n if full else n
@@ -315,6 +334,13 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         raise ValueError(f"{who}: fn, base and scale must be on the streams' device {dev}")
     if sinkhorn_iters < 1:
         raise ValueError(f"{who}: sinkhorn_iters={sinkhorn_iters} must be >= 1")
+    if norm is not None:
+        if norm[0].shape != (d,) or norm[0].device != dev:
+            raise ValueError(f"{who}: norm weight must be [{d}] on {dev}, got {tuple(norm[0].shape)} on "
+                             f"{norm[0].device}")
+        if d > MAX_COLS:
+            raise ValueError(f"{who}: a norm needs the whole row in one program; D={d} exceeds {MAX_COLS}")
+        norm = (norm[0].contiguous(), float(norm[1]))
     fn, base, scale = fn.contiguous(), base.float().contiguous(), scale.float().contiguous()
     x = torch.empty(t, d, dtype=streams.dtype, device=dev)                  # [T, D]
     post = torch.empty(t, n, dtype=torch.float32, device=dev)               # [T, n]
@@ -343,7 +369,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if cfg.bf16_split and (streams.dtype != torch.bfloat16 or block_t < _MIN_DOT):
         raise ValueError(f"{who}: config bf16_split=True needs bfloat16 streams and block_t >= "
                          f"{_MIN_DOT}, got {streams.dtype} and block_t={block_t}")
-    collapse = t <= cfg.one_launch_max_t
+    collapse = t <= cfg.one_launch_max_t and norm is None              # the norm: always the 2nd launch
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
     pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
     counters = _zeroed_counters(dev, n_tb)
@@ -358,22 +384,30 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.flags(s2.device))
     if not collapse:
-        # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of the grid.
-        block_d = min(triton.next_power_of_2(d), 1024)
+        # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of
+        # the grid; with the norm the whole row, as the norm kernel tiles it.
+        if norm is None:
+            block_d, warps = min(triton.next_power_of_2(d), 1024), 4
+            w_arg, eps_arg = pre, 0.0                                       # unused without NORM
+        else:
+            (block_d, warps), (w_arg, eps_arg) = row_config(d), norm
         _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
-            s2, pre, x, d, s2.stride(0), x.stride(0), N=n, BLOCK_D=block_d, num_warps=4,
-            **pdl.flags(s2.device))
+            s2, pre, w_arg, x, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
+            NORM=norm is not None, num_warps=warps, **pdl.flags(s2.device))
     return x, post, comb
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None,
-           config: HCConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: HCConfig | None = None, norm: tuple[torch.Tensor, float] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
     (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
+    ``norm`` (weight [D], eps): the block input comes back through the block's RMSNorm
+    (``round_first=False``), equal bit for bit to :func:`rms_norm.rms_norm` of the plain result.
     ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
     return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config,
-                "hc_pre")
+                "hc_pre", norm)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -437,13 +437,17 @@ def _hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+           norm: tuple[torch.Tensor, float] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The "pre" half of a hyper-connection: the block input and the two output mixings.
 
     streams: [T, n, D]; fn: [(2+n)*n, n*D] float32 (rows: n pre, n post, n*n comb);
     base: [(2+n)*n]; scale: [3] (pre, post, comb) -> (block input [T, D] in the
     streams' dtype, post [T, n] float32, comb [T, n, n] float32 doubly stochastic).
+    ``norm`` (weight [D] float32, eps): the block's input RMSNorm (DeepSeek-V4's, no
+    rounding before the weight), applied to the block input before it is returned; the
+    plain composition ``rms_norm(x, weight, eps, round_first=False)``, which the kernel fuses.
     """
     n = streams.shape[1]
     mixes = _hc_mixes(streams, fn, norm_eps)                                     # [T, (2+n)*n]
@@ -458,7 +462,10 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return _hc_collapse(streams, pre), post, comb
+    x = _hc_collapse(streams, pre)                                               # [T, D]
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1], round_first=False)
+    return x, post, comb
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -1,11 +1,16 @@
 """RMSNorm as one Triton program per row; reference: :func:`reference.rms_norm`.
 
 Each program loads its whole row once (the row fits in registers up to
-``_MAX_COLS`` columns), so the kernel reads x and writes y exactly once: it is
+``MAX_COLS`` columns), so the kernel reads x and writes y exactly once: it is
 bound by memory bandwidth. The sum of squares runs in float32; the normalised
 row is rounded to x's dtype before the weight multiplies (Llama/Qwen, HF), or,
 with ``round_first=False`` (DeepSeek-V4), the weight multiplies in float32 and
 the result is rounded once to x's dtype.
+
+:func:`inv_rms` and :func:`row_config` are shared with the kernels that fuse this norm
+into the op producing its input (``hyper_connection._hc_collapse_kernel``): same
+reduction over a row tile of the same width and warp count, so the fused result
+equals this kernel's bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +23,21 @@ from deepinfer.kernels import pdl
 
 # Above this a row no longer fits one program's registers; such a norm would
 # need a looped kernel (no supported model has a hidden size near it).
-_MAX_COLS = 65536
+MAX_COLS = 65536
+
+
+def row_config(n_cols: int) -> tuple[int, int]:
+    """(block, num_warps) of a program that holds a whole row of ``n_cols``: one warp per
+    256 elements keeps about 8 float32 values per thread, up to 16 warps."""
+    block = triton.next_power_of_2(n_cols)
+    return block, min(16, max(1, block // 256))
+
+
+@triton.jit
+def inv_rms(x, n_cols, eps):
+    """``1 / sqrt(mean(x^2) + eps)`` of a float32 row tile x [BLOCK] that is zero past
+    ``n_cols`` (the reduction a fused caller must share to match this kernel bitwise)."""
+    return tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
 
 
 @triton.jit
@@ -33,8 +52,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    normed = x * inv_rms
+    normed = x * inv_rms(x, n_cols, eps)
     if ROUND_FIRST:
         # Round to x's dtype first: the reference multiplies the weight in that dtype.
         normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -52,8 +70,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     d = x.shape[-1]
     if weight.shape != (d,):
         raise ValueError(f"rms_norm: weight has shape {tuple(weight.shape)}, expected ({d},)")
-    if d > _MAX_COLS:
-        raise ValueError(f"rms_norm: last dim {d} exceeds the kernel's limit of {_MAX_COLS}")
+    if d > MAX_COLS:
+        raise ValueError(f"rms_norm: last dim {d} exceeds the kernel's limit of {MAX_COLS}")
     if x.device != weight.device:
         raise ValueError(f"rms_norm: x on {x.device} but weight on {weight.device}")
     x2 = x.reshape(-1, d)                                            # [N, D], a view when it can be
@@ -64,10 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     if x2.shape[0] == 0:
         return out.view(x.shape)
-    # Tile config: the whole row in one block; one warp per 256 elements keeps
-    # about 8 float32 values per thread, up to 16 warps.
-    block = triton.next_power_of_2(d)
-    num_warps = min(16, max(1, block // 256))
+    block, num_warps = row_config(d)                                 # the whole row in one block
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight, out, x2.stride(0), out.stride(0), d, eps,
         BLOCK=block, ROUND_FIRST=round_first, num_warps=num_warps, **pdl.flags(x2.device))

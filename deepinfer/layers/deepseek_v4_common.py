@@ -34,6 +34,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return backend.rms_norm(x, self.weight, self.eps, round_first=False)
 
+    def params(self) -> tuple[torch.Tensor, float]:
+        """(weight, eps), for a kernel that applies this norm to the input it produces
+        (``HyperConnection``'s ``norm``)."""
+        return self.weight, self.eps
+
 
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:
     """[dim/2] float32: ``base ** (-2i/dim)``."""

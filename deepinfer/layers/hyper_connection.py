@@ -15,6 +15,12 @@ mixing). All mixing runs in float32, as in the reference. The math lives in
 ``kernels/reference.py`` (``hc_pre``, ``hc_post``, ``hc_head``) and, fused, in
 ``kernels/hyper_connection.py``; ``kernels/backend.py`` picks one per call.
 
+The block input is read only by the block's input RMSNorm, so the connection takes
+that norm's (weight, eps) and returns the normalised input: the kernel then never
+writes the raw input to memory (one pass over [T, D] and a launch fewer). The norm
+keeps its own module and parameter (checkpoint names unchanged); the caller passes
+them in.
+
 Shapes: T tokens, n streams, D hidden size.
 """
 
@@ -42,10 +48,13 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))   # pre, post, comb
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # streams: [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); post/comb float32
+    def forward(self, streams: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams: [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); post/comb
+        float32. ``norm`` (weight [D] float32, eps): the block input comes back normalised
+        (``rms_norm(x, weight, eps, round_first=False)``, DeepSeek-V4's RMSNorm)."""
         return backend.hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
-                              self.norm_eps)
+                              self.norm_eps, norm)
 
     @staticmethod
     def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -218,12 +218,13 @@ class DeepseekV4DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext,
                 ropes: dict[str, InterleavedRope]) -> torch.Tensor:
-        # streams: [T, n, Hd] -> [T, n, Hd]
-        x, post, comb = self.attn_hc(streams)
-        x = self.self_attn(self.input_layernorm(x), ctx, ropes)
+        # streams: [T, n, Hd] -> [T, n, Hd]. Each connection applies its block's input norm
+        # (x comes back normalised: the kernel fuses the norm into the collapse).
+        x, post, comb = self.attn_hc(streams, norm=self.input_layernorm.params())   # x: [T, Hd]
+        x = self.self_attn(x, ctx, ropes)
         streams = self.attn_hc.expand(x, streams, post, comb)
-        x, post, comb = self.ffn_hc(streams)
-        x = self.mlp(self.post_attention_layernorm(x), input_ids)
+        x, post, comb = self.ffn_hc(streams, norm=self.post_attention_layernorm.params())
+        x = self.mlp(x, input_ids)
         return self.ffn_hc.expand(x, streams, post, comb)
 
 

@@ -13,6 +13,8 @@ echo "=== sparse attention: Triton vs Gluon"
 timeout 120 python3 scripts/probes/sparse_attention_gluon_check.py 2>&1 | tail -10
 echo "=== routed experts: stacked vs packed weights"
 timeout 120 python3 scripts/probes/fused_moe_packed.py 2>&1 | tail -12
+echo "=== hc_pre: the block's RMSNorm fused into the collapse vs hc_pre + rms_norm"
+timeout 60 python3 scripts/probes/hc_norm_fuse.py 2>&1 | tail -20
 echo "=== bench prefill, profile with PDL off"
 DEEPINFER_PDL=0 timeout 200 python3 -m deepinfer.entrypoints.cli bench prefill --config deepseek-v4-flash \
     --prompt-len 4096 --no-hf --profile "$OUT/prefill_profile.txt" 2>&1 | tail -8

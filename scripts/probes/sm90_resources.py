@@ -36,7 +36,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from deepinfer.kernels import fused_moe, sparse_attention, sparse_attention_gluon  # noqa: E402
+from deepinfer.kernels import fused_moe, hyper_connection, rms_norm  # noqa: E402
+from deepinfer.kernels import sparse_attention, sparse_attention_gluon  # noqa: E402
 
 
 @dataclass
@@ -161,6 +162,28 @@ def _moe_down(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
                 divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
+def _hc_collapse(norm: bool) -> Case:
+    # V4-Flash: bf16 streams [T, 4, 4096]; with the norm one program per token holds the whole
+    # row at rms_norm's tile (row_config), without it 1024-column tiles of 4 warps.
+    block_d, warps = rms_norm.row_config(4096) if norm else (1024, 4)
+    types = {"s_ptr": "*bf16", "pre_ptr": "*fp32", "w_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32",
+             "s_stride": "i32", "x_stride": "i32", "eps": "fp32"}
+    return Case(hyper_connection._hc_collapse_kernel, types,
+                dict(N=4, BLOCK_D=block_d, NORM=norm, PDL=True),
+                {"s_ptr", "pre_ptr", "w_ptr", "x_ptr", "D", "s_stride", "x_stride"}, warps, 3,
+                options={"launch_pdl": True})
+
+
+def _rms_norm_row() -> Case:
+    # The unfused norm the collapse's NORM path must match (same reduction layout).
+    block, warps = rms_norm.row_config(4096)
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16", "x_row_stride": "i32",
+             "out_row_stride": "i32", "n_cols": "i32", "eps": "fp32"}
+    return Case(rms_norm._rms_norm_kernel, types, dict(BLOCK=block, ROUND_FIRST=False, PDL=True),
+                {"x_ptr", "w_ptr", "out_ptr", "x_row_stride", "out_row_stride", "n_cols"}, warps, 3,
+                options={"launch_pdl": True})
+
+
 def _v4_moe(t: int) -> fused_moe.MoEConfig:
     return fused_moe.pick_config(t, 6, 256, 4096, 2048)
 
@@ -185,6 +208,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "moe_down_medium_T1024_packed": lambda: _moe_down(_v4_moe(1024), packed=True),
     "moe_down_decode_T1": lambda: _moe_down(_v4_moe(1)),
     "moe_down_decode_T1_packed": lambda: _moe_down(_v4_moe(1), packed=True),
+    "hc_collapse_D4096": lambda: _hc_collapse(False),
+    "hc_collapse_norm_D4096": lambda: _hc_collapse(True),
+    "hc_rms_norm_D4096": _rms_norm_row,
 }
 
 

@@ -7,6 +7,7 @@ import torch
 
 from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
+from deepinfer.kernels.rms_norm import rms_norm
 
 # Mixing weights are float32 either way; the collapsed/expanded streams come back in the
 # streams' dtype, where bfloat16 gets two ulps (the CPU interpreter truncates where the GPU rounds).
@@ -81,6 +82,45 @@ def test_hc_pre_launch_configs(t, n, d, dtype, cfg, device, poison_empty):
     torch.testing.assert_close(x, rx, **TOL[dtype])
 
 
+@pytest.mark.parametrize("t,n,d,cfg", [
+    (1, 4, 64, None), (5, 4, 40, None), (40, 3, 96, None), (300, 4, 64, None), (2, 4, 200, None),
+    # A config whose finishing program would collapse 7 tokens itself: with the norm they go
+    # to the collapse launch all the same.
+    (7, 4, 64, hc.HCConfig(16, 64, None, 4, 16))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_norm_equals_the_norm_kernel_of_the_block_input(t, n, d, cfg, dtype, device, poison_empty):
+    """With the block's RMSNorm fused into the collapse, the result is bit for bit the norm
+    kernel's of the unfused block input, for the one-launch T=1 path, D not a power of two
+    (40, 96, 200), n=3 and the large-T config; post and comb are unchanged; and it is the
+    reference composition to the kernels' tolerance."""
+    gen = torch.Generator().manual_seed(t * 31 + d)
+    s = streams_of(t, n, d, dtype, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    w = (torch.randn(d, generator=gen) + 1).to(device)                   # float32, as V4's norms
+    args = (s, fn, base, scale, 20, 1e-6, 1e-6)
+    x, post, comb = hc.hc_pre(*args, config=cfg)
+    y, ypost, ycomb = hc.hc_pre(*args, config=cfg, norm=(w, 1e-5))
+    want = rms_norm(x, w, 1e-5, round_first=False)
+    assert y.dtype == dtype and not y.isnan().any()
+    assert not torch.equal(y, x)                                         # the norm did something
+    assert torch.equal(y, want)
+    assert torch.equal(ypost, post) and torch.equal(ycomb, comb)
+    ref = reference.hc_pre(*args, norm=(w, 1e-5))[0]
+    torch.testing.assert_close(y, ref, **TOL[dtype])
+
+
+def test_reference_hc_pre_norm_is_the_plain_composition():
+    gen = torch.Generator().manual_seed(11)
+    n, d, t = 4, 48, 6
+    s = streams_of(t, n, d, torch.bfloat16, gen, "cpu")
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, "cpu")
+    w = torch.randn(d, generator=gen)
+    x, post, comb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6)
+    y, ypost, ycomb = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, (w, 1e-6))
+    assert torch.equal(y, reference.rms_norm(x, w, 1e-6, round_first=False))
+    assert torch.equal(ypost, post) and torch.equal(ycomb, comb)
+
+
 def test_hc_pre_strided_rows_and_one_sinkhorn_iteration(device, poison_empty):
     """Streams that are every other row of a wider buffer; sinkhorn_iters=1 runs only the
     first column normalisation."""
@@ -152,6 +192,9 @@ def test_hc_launchers_name_the_bad_argument(device):
     with pytest.raises(ValueError, match="must be a bool"):
         hc.hc_pre(s.bfloat16(), fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6,
                   1e-6, config=hc.HCConfig(16, 64, 2, 4, 0, "memory"))
+    with pytest.raises(ValueError, match="norm weight must be"):
+        hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6,
+                  norm=(torch.ones(32, device=device), 1e-6))
     with pytest.raises(ValueError, match="comb"):
         hc.hc_post(torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
                    torch.rand(2, 4, 3, device=device))
@@ -170,10 +213,13 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
     s = (torch.randn(t, n, d) * 2).to(device)
     block_out = torch.randn(t, d).to(device)
 
+    norm_w = torch.randn(d).to(device)
+
     def run():
         x, post, comb = conn(s)
+        normed = conn(s, norm=(norm_w, 1e-6))[0]
         new = conn.expand(block_out, s, post, comb)
-        return x, new, head(new)
+        return x, normed, new, head(new)
 
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
     want = run()
@@ -187,7 +233,7 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_hc_gpu_sizes(t):
-    """V4-Flash widths: n=4, D=4096, bf16 streams."""
+    """V4-Flash widths: n=4, D=4096, bf16 streams; the fused norm bitwise as the norm kernel's."""
     gen = torch.Generator().manual_seed(t)
     n, d = 4, 4096
     s = streams_of(t, n, d, torch.bfloat16, gen, "cuda")
@@ -198,6 +244,9 @@ def test_hc_gpu_sizes(t):
     torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out[0], ref[0], rtol=1.6e-2, atol=1e-2)
     assert int(hc._COUNTERS[s.device].abs().sum()) == 0
+    norm_w = torch.randn(d, device="cuda") + 1
+    assert torch.equal(hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6))[0],
+                       rms_norm(out[0], norm_w, 1e-6, round_first=False))
     block_out = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(hc.hc_post(block_out, s, ref[1], ref[2]),
                                reference.hc_post(block_out, s, ref[1], ref[2]), rtol=1.6e-2, atol=1e-2)
