@@ -14,7 +14,7 @@ equal, and each row's kept set equal to the old kernels' (and to torch.topk's up
 
 Run from the repository root on an H200 (well under a minute):
     PYTHONPATH=. python scripts/probes/indexer_prefill_ab.py            # old = a27462b
-    PYTHONPATH=. python scripts/probes/indexer_prefill_ab.py <rev>
+    PYTHONPATH=. python scripts/probes/indexer_prefill_ab.py <rev | directory of the old files>
 """
 from __future__ import annotations
 
@@ -42,12 +42,18 @@ BLOCK_CONFIGS = [(4, 64, 8, 3), (4, 64, 4, 3), (2, 64, 4, 3), (8, 64, 8, 3), (4,
 
 
 def module_at(rev: str, path: str):
-    """``path`` (deepinfer/kernels/...) as of ``rev``, imported under another name."""
-    shown = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
-    if shown.returncode:
-        raise SystemExit(f"git show {rev}:{path} failed ({shown.stderr.strip()}): pass a revision this "
-                         "checkout holds")
-    text = shown.stdout
+    """``path`` (deepinfer/kernels/...) as of ``rev``, imported under another name. ``rev`` may
+    also be a directory holding the old files by base name (a copy without ``.git``)."""
+    if os.path.isdir(rev):
+        with open(os.path.join(rev, os.path.basename(path))) as f:
+            text = f.read()
+        rev = "old"
+    else:
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if shown.returncode:
+            raise SystemExit(f"git show {rev}:{path} failed ({shown.stderr.strip()}): pass a revision this "
+                             "checkout holds, or a directory of the old files")
+        text = shown.stdout
     name = f"{os.path.basename(path)[:-3]}_{rev}"
     file = os.path.join(tempfile.mkdtemp(), name + ".py")        # kept: Triton reads it back
     with open(file, "w") as f:
