@@ -106,12 +106,15 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
-                 scale: float, topk: int) -> torch.Tensor:
-    """[T, min(topk, N)] best candidate slots (see :func:`reference.indexer_topk`)."""
+                 scale: float, topk: int, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, min(topk, N)] best candidate slots (see :func:`reference.indexer_topk`). ``groups``
+    ([T] int ids, tokens of one id having candidate rows that agree wherever both are >= 0,
+    as one sequence's tokens do) lets the Triton kernel load each key once for a block of
+    tokens; the result does not depend on it."""
     if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
         from deepinfer.kernels.topk import MAX_CANDIDATES, topk_slots
-        scores = kernel(q, weights, key_cache, slots, scale)
+        scores = kernel(q, weights, key_cache, slots, scale, groups=groups)
         if slots.shape[1] <= topk:
             # Every candidate is kept (short contexts, decode buckets): no sort, the same set in
             # candidate order, which attention does not depend on.

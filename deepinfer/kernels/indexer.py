@@ -14,6 +14,21 @@ registers. Tiles past the last real slot of a run are not gathered, only set to
 -inf, so rows padded to the longest context cost what their real candidates cost.
 Splitting a token's candidates keeps the GPU busy when T is small
 (decode over long contexts); for prefill one run per token loads q once.
+
+Token blocks (prefill). The tokens of one prompt see runs of the same keys (each token a
+prefix of its sequence's compressed entries, longer by one entry every r tokens), so one
+program per token gathers every key about T / r times over: at T = 4096 (r = 4) that
+gather, not the tensor-core work, set the kernel's time. Given ``groups`` ([T] ids; tokens
+of one id have candidate rows that agree wherever both are >= 0, as the rows of one
+sequence do), a program of :func:`_indexer_block_kernel` takes BLOCK_T consecutive tokens:
+one gathered key tile [BLOCK_N, Di] times their queries [BLOCK_T * Hi, Di]^T gives
+[BLOCK_N, BLOCK_T * Hi] dots, so each key is loaded once a block and the product is
+BLOCK_T times wider. Column j's key is the slot the block's tokens agree on (their
+largest, -1 being smaller than any slot); token t scores it only where its own slot is
+>= 0. A block that straddles two sequences takes one pass per id, each with its own
+slots; ids are read on the device (no host synchronisation). Blocks run last first:
+later tokens of a prompt see more keys, and starting the longest ones first shortens
+the kernel's tail.
 """
 
 from __future__ import annotations
@@ -77,14 +92,93 @@ def _indexer_kernel(
                  mask=j < hi)
 
 
+@triton.jit
+def _indexer_block_kernel(
+    q_ptr, w_ptr, cache_ptr, slots_ptr, groups_ptr, out_ptr,
+    t, n, num_heads, head_dim, tiles_per_split, scale,
+    stride_q_t, stride_q_h, stride_w_t, stride_w_h, stride_slots_t, stride_slots_n,
+    stride_cache_block, stride_cache_offset, stride_out_t,
+    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HI: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pdl.enter(PDL)
+    block = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)          # the last block first
+    split = tl.program_id(1)
+    toks = block * BLOCK_T + tl.arange(0, BLOCK_T)                              # [BLOCK_T]
+    tok_ok = toks < t
+    # Query rows: token i's head h at row i * BLOCK_HI + h.
+    rows = tl.arange(0, BLOCK_T * BLOCK_HI)
+    row_tok = block * BLOCK_T + rows // BLOCK_HI
+    row_head = rows % BLOCK_HI
+    row_ok = (row_tok < t) & (row_head < num_heads)
+    dims = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + row_tok[:, None] * stride_q_t + row_head[:, None] * stride_q_h + dims[None, :],
+                mask=row_ok[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_T * BLOCK_HI, BLOCK_D]
+    # The scale folds into the head weights (padding heads and tokens weigh 0).
+    w = tl.load(w_ptr + row_tok * stride_w_t + row_head * stride_w_h, mask=row_ok, other=0.0) * scale
+    group = tl.load(groups_ptr + toks, mask=tok_ok, other=0)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, n)
+    slot_rows = slots_ptr + toks[None, :] * stride_slots_t                     # [1, BLOCK_T]
+    out_rows = out_ptr + toks[None, :] * stride_out_t
+    index = tl.arange(0, BLOCK_T)
+    todo = tok_ok
+    # One pass per id among the block's tokens: one pass within a sequence.
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        first = tl.min(tl.where(todo, index, BLOCK_T), axis=0)
+        sel = todo & (group == tl.sum(tl.where(index == first, group, 0), axis=0))  # [BLOCK_T]
+        todo = todo & ~sel
+        # The last column any selected token sees: later tiles are only set to -inf.
+        last = lo - 1
+        for n0 in range(lo, hi, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            s = tl.load(slot_rows + j[:, None] * stride_slots_n, mask=sel[None, :] & (j[:, None] < hi),
+                        other=-1)
+            last = tl.maximum(last, tl.max(tl.max(tl.where(s >= 0, j[:, None], lo - 1), axis=1), axis=0))
+        for n0 in range(lo, last + 1, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)                                       # [BLOCK_N]
+            in_run = j < hi
+            s = tl.load(slot_rows + j[:, None] * stride_slots_n, mask=sel[None, :] & in_run[:, None],
+                        other=-1)                                                # [BLOCK_N, BLOCK_T]
+            seen = s >= 0
+            slot = tl.max(s, axis=1).to(tl.int64)                                # [BLOCK_N] shared slot
+            valid = slot >= 0
+            slot = tl.where(valid, slot, 0)
+            row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
+            k = tl.load(cache_ptr + row[:, None] + dims[None, :],
+                        mask=valid[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_N, BLOCK_D]
+            dots = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)      # [BLOCK_N, BLOCK_T * BLOCK_HI]
+            dots = tl.maximum(dots, 0.0) * w[None, :]
+            score = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_T, BLOCK_HI]), axis=2)   # [BLOCK_N, BLOCK_T]
+            score = tl.where(seen, score, float("-inf"))
+            tl.store(out_rows + j[:, None], score, mask=sel[None, :] & in_run[:, None])
+        tail = tl.cdiv(last + 1 - lo, BLOCK_N) * BLOCK_N + lo                   # first tile not scored
+        for n0 in range(tail, hi, BLOCK_N):
+            j = n0 + tl.arange(0, BLOCK_N)
+            tl.store(out_rows + j[:, None], tl.full([BLOCK_N, BLOCK_T], float("-inf"), tl.float32),
+                     mask=sel[None, :] & (j[:, None] < hi))
+
+
 @dataclass(frozen=True)
 class IndexerConfig:
     """Tile config of one launch: BLOCK_N candidates per tile, ``num_splits`` runs of tiles
-    per token, and the launch's warps and pipeline stages."""
+    per token (block), the launch's warps and pipeline stages, and ``block_t`` tokens a
+    program: 1 is the per-token kernel; more takes :func:`_indexer_block_kernel`, which needs
+    the caller's ``groups``."""
     block_n: int
     num_splits: int
     num_warps: int
     num_stages: int
+    block_t: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"IndexerConfig: block_n must be a power of two >= 16 (a tensor-core "
+                             f"tile side), got {self.block_n}")
+        if self.block_t < 1 or self.block_t & (self.block_t - 1):
+            raise ValueError(f"IndexerConfig: block_t must be a power of two >= 1, got {self.block_t}")
+        if self.num_splits < 1:
+            raise ValueError(f"IndexerConfig: num_splits must be >= 1, got {self.num_splits}")
 
 
 @functools.cache
@@ -92,18 +186,37 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(q: torch.Tensor, n: int) -> IndexerConfig:
-    """The launcher's choice for q [T, Hi, Di] over N candidates per token.
+def _block_hi(hi: int) -> int:
+    return max(16, triton.next_power_of_2(hi))
 
-    BLOCK_N = 64 candidates: the key tile is the MMA's M side, 64 rows fill a Hopper
-    warpgroup (4 warps); [64, Hi = 64] float32 dots take 32 registers a thread. Splits: about
-    four programs per SM over all tokens, each with two tiles at least; none off CUDA.
+
+# Query rows of a token block's product ([BLOCK_T * Hi, Di]): 256 is the widest wgmma N side;
+# at Hi = 64 that is 4 tokens, whose [64, 256] float32 dots take 64 registers a thread at 8 warps.
+BLOCK_ROWS = 256
+
+
+def default_config(q: torch.Tensor, n: int, grouped: bool = False) -> IndexerConfig:
+    """The launcher's choice for q [T, Hi, Di] over N candidates per token; ``grouped``: the
+    caller passes ``groups`` (token blocks are possible).
+
+    Per token: BLOCK_N = 64 candidates, the key tile is the MMA's M side, 64 rows fill a
+    Hopper warpgroup (4 warps); [64, Hi = 64] float32 dots take 32 registers a thread.
+    Grouped: BLOCK_ROWS / Hi tokens a block (fewer when T is smaller), 8 warps (166 registers a
+    thread, no spills, the key gather pipelined at 3 stages: scripts/probes/sm90_resources.py).
+    Splits: about four programs per SM over all tokens (blocks), each with two tiles at least;
+    none off CUDA.
     """
     t = q.shape[0]
     block_n = 64
+    block_t = 1
+    if grouped:
+        block_t = min(max(1, BLOCK_ROWS // _block_hi(q.shape[1])), triton.next_power_of_2(t))
+    programs = triton.cdiv(t, block_t)
     num_splits = 1
     if q.is_cuda:
-        num_splits = max(1, min(triton.cdiv(4 * _sm_count(q.device), t), triton.cdiv(n, block_n) // 2))
+        num_splits = max(1, min(triton.cdiv(4 * _sm_count(q.device), programs), triton.cdiv(n, block_n) // 2))
+    if block_t > 1:
+        return IndexerConfig(block_n, num_splits, num_warps=8, num_stages=3, block_t=block_t)
     return IndexerConfig(block_n, num_splits, num_warps=4, num_stages=3)
 
 
@@ -119,9 +232,13 @@ def indexer_scores(
     slots: torch.Tensor,           # [T, N] candidate entry slots, -1 = none
     scale: float,
     config: IndexerConfig | None = None,
+    groups: torch.Tensor | None = None,   # [T] int ids: rows of one id agree where both are >= 0
 ) -> torch.Tensor:                 # [T, N] float32, -inf where slot is -1
     """Lightning-indexer scores (see the module docstring); ``config`` overrides
-    :func:`default_config`. No host synchronisation: the launch depends only on shapes."""
+    :func:`default_config`. ``groups`` lets tokens of one id share key loads (token blocks);
+    the caller vouches that their candidate rows agree wherever both are >= 0 (the rows of
+    one sequence's tokens from :func:`paged_slots.paged_slots` do), else the scores are
+    wrong. No host synchronisation: the launch depends only on shapes."""
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"indexer_scores: q must be [T, Hi, Di] with Di contiguous, got shape "
                          f"{tuple(q.shape)} strides {q.stride()}")
@@ -143,22 +260,32 @@ def indexer_scores(
     if not (q.device == weights.device == key_cache.device == slots.device):
         raise ValueError(f"indexer_scores: q, weights, key_cache and slots must share a device, got "
                          f"{q.device}, {weights.device}, {key_cache.device}, {slots.device}")
+    if groups is not None and (groups.shape != (t,) or groups.dtype not in (torch.int32, torch.int64)
+                               or groups.device != q.device or groups.stride(0) != 1):
+        raise ValueError(f"indexer_scores: groups must be a contiguous [T={t}] int32/int64 tensor on "
+                         f"{q.device}, got {groups.dtype} of shape {tuple(groups.shape)} on {groups.device}")
     n = slots.shape[1]
     out = torch.empty(t, n, dtype=torch.float32, device=q.device)
     if t == 0 or n == 0:
         return out
     if config is None:
-        config = default_config(q, n)
+        config = default_config(q, n, groups is not None)
+    if config.block_t > 1 and groups is None:
+        raise ValueError(f"indexer_scores: block_t={config.block_t} needs groups (which tokens share "
+                         "candidate rows)")
     tiles = triton.cdiv(n, config.block_n)
     tiles_per_split = triton.cdiv(tiles, config.num_splits)
     num_splits = triton.cdiv(tiles, tiles_per_split)       # no split left without a tile
-    _indexer_kernel[(t, num_splits)](
-        q, weights, key_cache, slots, out,
-        n, hi, di, tiles_per_split, scale,
-        q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
-        slots.stride(0), slots.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0),
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_N=config.block_n,
-        BLOCK_HI=max(16, triton.next_power_of_2(hi)), BLOCK_D=max(16, triton.next_power_of_2(di)),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.flags(q.device))
+    common = dict(BLOCK_SIZE=key_cache.shape[1], BLOCK_N=config.block_n, BLOCK_HI=_block_hi(hi),
+                  BLOCK_D=max(16, triton.next_power_of_2(di)), DOT_PRECISION=_dot_precision(q.dtype),
+                  num_warps=config.num_warps, num_stages=config.num_stages, **pdl.flags(q.device))
+    strides = (q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
+               slots.stride(0), slots.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0))
+    if config.block_t > 1:
+        _indexer_block_kernel[(triton.cdiv(t, config.block_t), num_splits)](
+            q, weights, key_cache, slots, groups, out, t, n, hi, di, tiles_per_split, scale, *strides,
+            BLOCK_T=config.block_t, **common)
+    else:
+        _indexer_kernel[(t, num_splits)](
+            q, weights, key_cache, slots, out, n, hi, di, tiles_per_split, scale, *strides, **common)
     return out

@@ -9,9 +9,12 @@ A program loads its row's N scores into registers (padded to a power of two with
 1. Scores map to int32 keys in the same order (the float bits, with the sign-magnitude
    negatives flipped; -0.0 folded onto +0.0, as they compare equal).
 2. The threshold ``t``, the largest key with ``count(key >= t) >= K``, is built one bit
-   at a time from the top (the sign bit first, then bits 30..0): 32 counting passes,
-   each one reduction over the row in registers. A row with at most K visible scores
-   skips the search and keeps all of them.
+   at a time from the top (the sign bit first, then bits 30..0): up to 32 counting
+   passes, each one reduction over the row in registers. The search stops early once
+   exactly K keys are ``>= t``: that t keeps the same K candidates (with distinct scores
+   this comes after the bits that separate the K-th from the (K+1)-th key, about half
+   the passes at N = 1024, K = 512). A row with at most K visible scores skips the
+   search and keeps all of them.
 3. The kept candidates are those above ``t``, then those equal to ``t`` in candidate
    order until K are kept (a cumulative sum ranks the ties); a second cumulative sum
    gives each kept candidate its output position.
@@ -66,11 +69,17 @@ def _topk_slots_kernel(
     # Threshold: the K-th largest key; with at most K visible scores, below every one of them.
     t = neg_inf_key
     if n_visible > k:
-        t = tl.where(tl.sum((key >= 0).to(tl.int32), axis=0) >= k, 0, -2147483648)
-        for i in tl.static_range(31):
+        count = tl.sum((key >= 0).to(tl.int32), axis=0)
+        t = tl.where(count >= k, 0, -2147483648)
+        i = 0
+        # Once exactly K keys are >= t, t selects the same K as the K-th largest key would:
+        # stop there (distinct scores get there after about 32 - log2(key gap) bits).
+        while (i < 31) & (count != k):
             # Within one sign, setting a lower bit raises a two's-complement value.
             cand = t | (1 << (30 - i))
-            t = tl.where(tl.sum((key >= cand).to(tl.int32), axis=0) >= k, cand, t)
+            count = tl.sum((key >= cand).to(tl.int32), axis=0)
+            t = tl.where(count >= k, cand, t)
+            i += 1
 
     above = key > t
     tie = visible & (key == t)

@@ -276,19 +276,22 @@ class Indexer(GatedPool):
         return super().projections() + [self.scorer.weights_proj]
 
     def select(self, q_residual: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-               rope: InterleavedRope, keys: _Paged, candidates: torch.Tensor) -> torch.Tensor:
+               rope: InterleavedRope, keys: _Paged, candidates: torch.Tensor,
+               token_seq: torch.Tensor | None) -> torch.Tensor:
         """The best ``index_topk`` candidates of each token: [T, min(topk, Nmax)] slots of the
         key cache, -1 where fewer are visible.
 
         q_residual: [T, q_lora]; weights: [T, Hi] ``scorer.weights_proj(x)``; positions: [T];
-        candidates: [T, Nmax] key slots.
+        candidates: [T, Nmax] key slots (:meth:`_Paged.slots`: one sequence's tokens see
+        prefixes of one row); token_seq: [T] sequence of each token, which lets the scores
+        load a key once for a block of one sequence's tokens (prefill), or None (decode).
         """
         t = q_residual.shape[0]
         q = backend.interleaved_rope(self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim),
                                      positions, rope.inv_freq, rope.scaling)          # [T, Hi, Di]
         weights = weights.float() * self.num_heads ** -0.5                         # [T, Hi]
         return backend.indexer_topk(q, weights, keys.cache, candidates, self.head_dim ** -0.5,
-                                    self.index_topk)
+                                    self.index_topk, token_seq)
 
 
 class Compressor(GatedPool):
@@ -328,8 +331,10 @@ class Compressor(GatedPool):
         if keys.meta is not entries.meta:
             raise RuntimeError("the indexer's keys and the compressed entries must share one KV-cache "
                                "group: the top-k key slots are used as entry slots")
+        # A decode_only context has one token a sequence: no candidates to share.
+        token_seq = None if ctx.decode_only else ctx.token_seq
         return entries.cache, self.indexer.select(q_residual, index_weights, ctx.positions, rope, keys,
-                                                  slots)
+                                                  slots, token_seq)
 
     def cache_slots(self) -> list[CacheSlot]:
         return super().cache_slots() + (self.indexer.cache_slots() if self.indexer is not None else [])

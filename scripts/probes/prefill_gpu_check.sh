@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 5 (prefill speed) in one device call, from the repository root on an H200 (about 5
+# Issue 5 (prefill speed) in one device call, from the repository root on an H200 (about 6
 # minutes): the GPU tests of the prefill kernels, the probes that time them against their
 # alternatives in one process, and `bench prefill` with a profile taken with PDL off (with
 # PDL on, the profiler charges each kernel with part of the previous one's run).
@@ -7,8 +7,11 @@
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp}
 echo "=== GPU tests"
-timeout 240 python3 -m pytest -q -m gpu tests/kernels/test_sparse_attention_gluon.py tests/kernels/test_fused_moe.py \
-    tests/kernels/test_router.py tests/kernels/test_hyper_connection.py 2>&1 | tail -6
+timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_sparse_attention_gluon.py tests/kernels/test_fused_moe.py \
+    tests/kernels/test_router.py tests/kernels/test_hyper_connection.py tests/kernels/test_indexer.py \
+    tests/kernels/test_topk.py 2>&1 | tail -6
+echo "=== indexer: per-token vs token blocks, top-k early exit"
+timeout 120 python3 scripts/probes/indexer_prefill_ab.py 2>&1 | tail -60
 echo "=== sparse attention: Triton vs Gluon"
 timeout 120 python3 scripts/probes/sparse_attention_gluon_check.py 2>&1 | tail -10
 echo "=== routed experts: stacked vs packed weights"

@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from deepinfer.kernels import fused_moe, hyper_connection, rms_norm  # noqa: E402
+from deepinfer.kernels import fused_moe, hyper_connection, indexer, rms_norm, topk  # noqa: E402
 from deepinfer.kernels import sparse_attention, sparse_attention_gluon  # noqa: E402
 
 
@@ -184,11 +184,51 @@ def _rms_norm_row() -> Case:
                 options={"launch_pdl": True})
 
 
+_INDEXER_TYPES = {
+    "q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "slots_ptr": "*i64", "groups_ptr": "*i32",
+    "out_ptr": "*fp32", "t": "i32", "n": "i32", "num_heads": "i32", "head_dim": "i32",
+    "tiles_per_split": "i32", "scale": "fp32", "stride_q_t": "i32", "stride_q_h": "i32",
+    "stride_w_t": "i32", "stride_slots_t": "i32", "stride_cache_block": "i32",
+    "stride_cache_offset": "i32", "stride_out_t": "i32",
+}
+
+
+def _indexer(block_t: int, block_n: int, warps: int, stages: int) -> Case:
+    # The model's call at T=4096: q [T, 64, 128] from the rope (contiguous), weights [T, 64]
+    # float32 (stride_w_h == 1), paged_slots' int64 rows [T, 1024] (stride_slots_n == 1).
+    kernel = indexer._indexer_block_kernel if block_t > 1 else indexer._indexer_kernel
+    types = {k: v for k, v in _INDEXER_TYPES.items() if k in kernel.arg_names}
+    divisible = {k for k in types if k.endswith("_ptr") or k.startswith("stride")
+                 or k in ("t", "n", "num_heads", "head_dim")}
+    constants = dict(stride_w_h=1, stride_slots_n=1, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_HI=64,
+                     BLOCK_D=128, DOT_PRECISION="tf32", PDL=True)
+    if block_t > 1:
+        constants["BLOCK_T"] = block_t
+    return Case(kernel, types, constants, divisible, warps, stages, options={"launch_pdl": True})
+
+
+def _topk(block: int, warps: int) -> Case:
+    # The indexer's top-512 over paged_slots' int64 rows at T=4096 (N = 1024 candidates).
+    types = {"scores_ptr": "*fp32", "slots_ptr": "*i64", "out_ptr": "*i64", "n": "i32", "k": "i32",
+             "stride_scores_t": "i32", "stride_slots_t": "i32", "stride_out_t": "i32"}
+    divisible = set(types)
+    return Case(topk._topk_slots_kernel, types, dict(stride_slots_n=1, BLOCK=block, PDL=True), divisible,
+                warps, 1, options={"launch_pdl": True})
+
+
 def _v4_moe(t: int) -> fused_moe.MoEConfig:
     return fused_moe.pick_config(t, 6, 256, 4096, 2048)
 
 
 CASES: dict[str, Callable[[], Case]] = {
+    "topk_prefill_N1024_w2": lambda: _topk(1024, 2),
+    "indexer_prefill_per_token_N64_w4_s3": lambda: _indexer(1, 64, 4, 3),
+    "indexer_prefill_T4_N64_w8_s2": lambda: _indexer(4, 64, 8, 2),
+    "indexer_prefill_T4_N64_w8_s3": lambda: _indexer(4, 64, 8, 3),
+    "indexer_prefill_T4_N64_w4_s3": lambda: _indexer(4, 64, 4, 3),
+    "indexer_prefill_T2_N64_w4_s3": lambda: _indexer(2, 64, 4, 3),
+    "indexer_prefill_T8_N64_w8_s3": lambda: _indexer(8, 64, 8, 3),
+    "indexer_prefill_T4_N64_w16_s3": lambda: _indexer(4, 64, 16, 3),
     "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
     "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
     "gluon_sparse_prefill_window_rope": lambda: _gluon_sparse(False, True),

@@ -124,6 +124,102 @@ def test_backend_indexer_topk_matches_reference(n, topk, empty_row, cap, monkeyp
         assert sorted(row) == sorted(ref_row)
 
 
+def sequence_inputs(q_lens, seq_lens, hi, di, ratio, bs, dtype, device, gen, slot_dtype=torch.int64):
+    """A batch as the model builds it: sequence b's last ``q_lens[b]`` of ``seq_lens[b]`` tokens
+    (a prefix already cached when fewer), each seeing the compressed entries ``0 .. (p+1)//r - 1``
+    of its sequence through a shuffled block table ([T, Nmax] slots from reference.paged_slots).
+    Returns (q, weights, cache, slots, token_seq)."""
+    n_max = -(-max(seq_lens) // ratio)
+    per_seq = -(-n_max // bs)
+    num_blocks = per_seq * len(seq_lens) + 3
+    (cache,) = page_buffer_caches(num_blocks, [(bs, 1, di)], dtype, device, gen)
+    table = torch.randperm(num_blocks, generator=gen)[:per_seq * len(seq_lens)].view(len(seq_lens), per_seq)
+    seq = torch.cat([torch.full((q,), b, dtype=torch.int32) for b, q in enumerate(q_lens)])
+    pos = torch.cat([torch.arange(n - q, n) for q, n in zip(q_lens, seq_lens)])
+    slots = reference.paged_slots(table, bs, seq, pos, n_max, ratio, False).to(slot_dtype)
+    t = seq.shape[0]
+    q = torch.randn(t, hi, di, generator=gen).to(dtype)
+    weights = torch.randn(t, hi, generator=gen)
+    return q.to(device), weights.to(device), cache, slots.to(device), seq.to(device)
+
+
+BLOCK_CASES = [
+    # q_lens, seq_lens, hi, di, ratio, dtype, config (block_n, splits, warps, stages, block_t)
+    ([45], [45], 4, 32, 1, torch.float32, IndexerConfig(16, 1, 4, 2, block_t=4)),          # partial last block
+    ([13, 6, 1, 9, 23], [13, 6, 1, 9, 23], 4, 32, 1, torch.float32,
+     IndexerConfig(16, 1, 4, 2, block_t=4)),                                               # blocks straddle
+    ([13, 6, 1, 9, 23], [30, 6, 40, 9, 23], 6, 48, 2, torch.float16,
+     IndexerConfig(16, 2, 4, 2, block_t=8)),                                               # cached prefixes
+    ([3, 1, 1, 2], [50, 7, 33, 64], 4, 32, 2, torch.float32, IndexerConfig(16, 3, 4, 2, block_t=2)),
+    ([37, 20], [37, 20], 20, 32, 1, torch.float16, None),                                  # default config
+]
+
+
+@pytest.mark.parametrize("q_lens,seq_lens,hi,di,ratio,dtype,config", BLOCK_CASES)
+def test_triton_indexer_token_blocks_match_reference(q_lens, seq_lens, hi, di, ratio, dtype, config,
+                                                     device, poison_empty):
+    """Token blocks (groups = each token's sequence) against the reference and the per-token
+    kernel: one sequence with a partial last block, blocks straddling sequences (one pass per
+    sequence), cached prefixes, splits, and tokens that see no entry yet."""
+    gen = torch.Generator().manual_seed(sum(seq_lens))
+    q, w, cache, slots, seq = sequence_inputs(q_lens, seq_lens, hi, di, ratio, 4, dtype, device, gen)
+    out = indexer_scores(q, w, cache, slots, 0.3, config, groups=seq)
+    assert not out.isnan().any()
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 0.3), **KERNEL_TOL[dtype])
+    torch.testing.assert_close(out, indexer_scores(q, w, cache, slots, 0.3), **KERNEL_TOL[dtype])
+
+
+def test_triton_indexer_token_blocks_any_rows_of_one_id(device, poison_empty):
+    """The contract, not the prefix shape: rows of one id that agree wherever both are >= 0 (here
+    random holes in one shared row, ids interleaved within blocks) score as the reference."""
+    gen = torch.Generator().manual_seed(11)
+    t, n, hi, di = 11, 40, 4, 32
+    q, w, cache, _ = make_inputs(t, hi, di, n, 8, 1, torch.float32, device, gen)
+    ids = torch.tensor([0, 1, 0, 0, 2, 1, 1, 0, 2, 2, 0], dtype=torch.int32)
+    rows = random_slots(3, n, 80, gen, 0.0).long()                              # one row per id
+    slots = torch.where(torch.rand(t, n, generator=gen) < 0.3, -1, rows[ids.long()])
+    slots, ids = slots.to(device), ids.to(device)
+    out = indexer_scores(q, w, cache, slots, 0.3, IndexerConfig(16, 1, 4, 2, block_t=4), groups=ids)
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 0.3),
+                               **KERNEL_TOL[torch.float32])
+
+
+def test_triton_indexer_token_blocks_reject_bad_inputs(device):
+    gen = torch.Generator().manual_seed(4)
+    q, w, cache, slots, seq = sequence_inputs([9], [9], 4, 16, 1, 4, torch.float32, device, gen)
+    with pytest.raises(ValueError, match="groups must be"):
+        indexer_scores(q, w, cache, slots, 1.0, groups=seq[:-1])
+    with pytest.raises(ValueError, match="groups must be"):
+        indexer_scores(q, w, cache, slots, 1.0, groups=seq.float())
+    with pytest.raises(ValueError, match="needs groups"):
+        indexer_scores(q, w, cache, slots, 1.0, IndexerConfig(16, 1, 4, 2, block_t=4))
+    with pytest.raises(ValueError, match="block_t must be"):
+        IndexerConfig(16, 1, 4, 2, block_t=3)
+    with pytest.raises(ValueError, match="block_n must be"):
+        IndexerConfig(8, 1, 4, 2)
+
+
+def test_backend_indexer_topk_token_blocks(monkeypatch, device):
+    """backend.indexer_topk with groups (the model's prefill call) keeps what the reference keeps,
+    up to ties: the same number of slots a row with the same scores (a score is exactly 0 where
+    every head's dot is negative, so ties at 0 are common with few heads)."""
+    gen = torch.Generator().manual_seed(12)
+    q, w, cache, slots, seq = sequence_inputs([40, 3, 25], [40, 30, 25], 4, 32, 1, 4, torch.float32,
+                                              device, gen)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    picked = backend.indexer_topk(q, w, cache, slots, 0.3, 8, seq).cpu()
+    expected = reference.indexer_topk(q, w, cache, slots, 0.3, 8).cpu()
+    assert picked.shape == expected.shape == (q.shape[0], 8)
+    scores, slots = reference.indexer_scores(q, w, cache, slots, 0.3).cpu(), slots.cpu()
+    for row in range(q.shape[0]):
+        score_of = dict(zip(slots[row].tolist(), scores[row].tolist()))
+        kept = [score_of[s] for s in picked[row].tolist() if s >= 0]
+        assert len(set(picked[row].tolist()) - {-1}) == len(kept)                 # distinct slots
+        assert sorted(kept) == sorted(score_of[s] for s in expected[row].tolist() if s >= 0)
+
+
 # --- real shapes (DeepSeek-V4-Flash indexer: Hi 64, Di 128) on the GPU ----------------------------
 
 @pytest.mark.gpu
@@ -140,6 +236,21 @@ def test_triton_indexer_gpu_sizes(t, n, dtype, poison_empty):
     assert not out.isnan().any()
     assert torch.equal(out.isneginf(), slots < 0)
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_lens,seq_lens", [([4096], [4096]), ([1000, 7, 1, 2500], [1000, 3000, 9, 2500])])
+def test_triton_indexer_gpu_token_blocks(q_lens, seq_lens, poison_empty):
+    """Token blocks at V4-Flash widths (ratio 4, block size 16): one 4096-token prompt, and a
+    batch with cached prefixes and blocks straddling sequences."""
+    gen = torch.Generator().manual_seed(len(q_lens))
+    q, w, cache, slots, seq = sequence_inputs(q_lens, seq_lens, 64, 128, 4, 16, torch.bfloat16,
+                                              torch.device("cuda"), gen)
+    out = indexer_scores(q, w, cache, slots, 128 ** -0.5, groups=seq)
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 128 ** -0.5),
+                               **KERNEL_TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu
