@@ -38,7 +38,7 @@ HI, DI, BS, RATIO, TOPK = 64, 128, 16, 4, 512
 SCALE = DI ** -0.5
 BASE = "a27462b"          # main before the token-block kernel and the top-k early exit
 # (block_t, block_n, num_warps, num_stages) of the token-block kernel, default first.
-BLOCK_CONFIGS = [(4, 64, 8, 3), (4, 64, 4, 3), (2, 64, 4, 3), (8, 64, 8, 3), (4, 64, 16, 3)]
+BLOCK_CONFIGS = [(4, 64, 4, 3), (4, 64, 8, 3), (2, 64, 4, 3), (2, 64, 8, 3), (4, 64, 16, 3)]
 
 
 def module_at(rev: str, path: str):

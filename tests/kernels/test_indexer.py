@@ -197,6 +197,8 @@ def test_triton_indexer_token_blocks_reject_bad_inputs(device):
         indexer_scores(q, w, cache, slots, 1.0, IndexerConfig(16, 1, 4, 2, block_t=4))
     with pytest.raises(ValueError, match="block_t must be"):
         IndexerConfig(16, 1, 4, 2, block_t=3)
+    with pytest.raises(ValueError, match="exceeds 256 query rows"):     # 32 tokens x 16 head rows
+        indexer_scores(q, w, cache, slots, 1.0, IndexerConfig(16, 1, 4, 2, block_t=32), groups=seq)
     with pytest.raises(ValueError, match="block_n must be"):
         IndexerConfig(8, 1, 4, 2)
 
