@@ -8,11 +8,12 @@ request ends when its prefill samples a token):
   kernels and warm allocators), the figure is ``batch x prompt_len / mean round time`` over
   the next ``--iters`` rounds. The engine is idle between rounds, so the host work before the
   first launch and after the last sync counts.
-* steady (throughput under load, DESIGN.md's definition): ``(warmup + iters) x batch``
+* steady (throughput under load, DESIGN.md's definition): ``(warmup + iters + 1) x batch``
   prompts are queued at once and the engine prefills ``batch`` of them a step (the token
   budget); the figure is the input tokens of the ``iters`` steps after the warm-up ones over
-  the time between their completions, so overlapped scheduling hides the host work as it
-  would in a serving engine.
+  the time between their completions (a last batch queued behind them keeps the window's
+  end as late as its start: ``measure_steady``), so overlapped scheduling hides the host
+  work as it would in a serving engine, as far as the host keeps ahead of the device.
 
 Floor: the prefill's useful FLOPs / measured matmul rate (or its bytes / measured bandwidth,
 whichever is larger; bench/floors.py). Beside it, for DeepSeek-V4, a per-part floor: the
@@ -23,6 +24,7 @@ each at its own bound, summed (``floors.parts_floor_ms``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -71,31 +73,39 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
 
 def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, iters: int,
                    gen: torch.Generator) -> dict[str, Any]:
-    """Queue ``(warmup + iters) x batch`` prompts at once and time the ``iters`` steps of
-    ``batch`` prompts after the warm-up ones, from the completion of the last warm-up prompt
-    to that of the last timed one (host clock: when each output reaches the host; the device
-    is synchronised at the end)."""
+    """Queue ``(warmup + iters + 1) x batch`` prompts at once and time the ``iters`` steps of
+    ``batch`` prompts after the warm-up ones: from the completion of the last warm-up prompt
+    to that of the last timed one (host clock: when each output reaches the host).
+
+    One more batch stays queued behind the window, so that its last completion is seen as
+    late as its first: with overlapped scheduling a step() launches the next step before it
+    lands the previous one, so an output reaches the host only once the next step is
+    launched. Where that launch takes about as long as a step on the device, a window whose
+    last step has nothing queued behind it ends early by up to that launch time (this
+    overstated throughput by ~8% on the H200 at T=4096 before the extra batch)."""
     vocab = engine.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompts = random_prompts((warmup + iters) * batch, prompt_len, vocab, gen)
+    prompts = random_prompts((warmup + iters + 1) * batch, prompt_len, vocab, gen)
     order = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-    done = [0.0] * len(prompts)
     finished = 0
     start_at = warmup * batch            # prompts finished when the window opens (0: at once)
+    end_at = (warmup + iters) * batch    # ... when it closes
     sync(engine.config.device)
-    t0 = time.perf_counter()
+    t0 = t1 = time.perf_counter()
     engine.reset_stats()
+    stats = engine.stats
     while finished < len(prompts):
         for out in step_outputs(engine):
-            if out.finished:
-                done[order[out.request_id]] = time.perf_counter()
+            if out.finished and order.pop(out.request_id, None) is not None:
                 finished += 1
                 if finished == start_at:
-                    t0 = done[order[out.request_id]]
+                    t0 = time.perf_counter()
                     engine.reset_stats()
+                if finished == end_at:
+                    t1 = time.perf_counter()
+                    stats = dataclasses.replace(engine.stats)       # the window's, not the tail's
     sync(engine.config.device)
-    stats = engine.stats
-    elapsed = max(done) - t0
+    elapsed = t1 - t0
     tokens = iters * batch * prompt_len
     cuda = engine.config.device.type == "cuda"
     # ms: per batch of prompts (one engine step unless the budget chunks the prompts).

@@ -82,13 +82,14 @@ def test_prefill(tiny_config, tmp_path, capsys):
     assert e["input_tok_s"] == pytest.approx(2 * 48 / (e["ms"] * 1e-3))
     positive(f, "flops", "bytes", "floor_ms")
     positive(r, "engine_over_floor", "matmul_peak_share", "steady_matmul_peak_share")
-    # Steady: (1 warm-up + 2 timed) x 2 prompts queued at once, 2 prompts a step. The window
-    # opens when the warm-up step lands, after the first timed step was launched behind it:
-    # the last timed step is launched inside the window, overlapped with the one before.
+    # Steady: (1 warm-up + 2 timed + 1 behind the window) x 2 prompts queued at once, 2
+    # prompts a step. The window opens when the warm-up step lands, after the first timed
+    # step was launched behind it, and closes when the last timed step lands, after the step
+    # behind it was launched: two launches inside the window, each overlapped.
     st = e["steady"]
     positive(st, "ms", "input_tok_s_per_gpu")
     assert st["input_tok_s_per_gpu"] == pytest.approx(2 * 48 / (st["ms"] * 1e-3))
-    assert st["steps"] == st["overlapped_steps"] == 1
+    assert st["steps"] == st["overlapped_steps"] == 2
     positive(r["hf"], "ms", "input_tok_s")
     out = capsys.readouterr().out
     assert "input tok/s/GPU" in out and "engine, steady" in out and "steady" in out
