@@ -18,9 +18,12 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from deepinfer.kernels import hyper_connection as hc
-from deepinfer.kernels import pdl
-from deepinfer.kernels.rms_norm import rms_norm, row_config
+sys.path.insert(0, "scripts/probes")
+from hc_pre_prefill_sweep import random_inputs  # noqa: E402
+
+from deepinfer.kernels import hyper_connection as hc  # noqa: E402
+from deepinfer.kernels import pdl  # noqa: E402
+from deepinfer.kernels.rms_norm import rms_norm, row_config  # noqa: E402
 
 DEV, BF16 = "cuda", torch.bfloat16
 N, D, ITERS, EPS = 4, 4096, 20, 1e-6
@@ -39,13 +42,9 @@ def copy_gbps() -> float:
 
 def run_t(t: int, rate: float) -> None:
     gen = torch.Generator(device=DEV).manual_seed(t)
-    s = torch.randn(t, N, D, device=DEV, generator=gen).to(BF16)                 # [T, n, D]
-    m = (2 + N) * N
-    fn = torch.randn(m, N * D, device=DEV, generator=gen) / 64                    # mixes O(1) at K = n*D
-    base = torch.randn(m, device=DEV, generator=gen)
-    scale = torch.rand(3, device=DEV, generator=gen) + 0.5
+    args = random_inputs(t, gen)
+    s = args[0]
     w = torch.randn(D, device=DEV, generator=gen) + 1                             # [D] float32
-    args = (s, fn, base, scale, ITERS, 1e-6, 1e-6)
 
     def unfused():
         x, post, comb = hc.hc_pre(*args)

@@ -61,14 +61,21 @@ def collapse_us(s: torch.Tensor, pre: torch.Tensor) -> float:
         **pdl.flags(s2.device)))
 
 
-def sweep_t(t: int, rate: float) -> tuple[float, str] | None:
-    gen = torch.Generator(device=DEV).manual_seed(t)
+def random_inputs(t: int, gen: torch.Generator) -> tuple:
+    """hc_pre's positional arguments at V4-Flash widths: bf16 streams [T, n, D] and a
+    connection's fn / base / scale with mixes of order 1."""
     s = torch.randn(t, N, D, device=DEV, generator=gen).to(BF16)                 # [T, n, D]
     m = (2 + N) * N
     fn = torch.randn(m, N * D, device=DEV, generator=gen) / 64                    # mixes O(1) at K = n*D
     base = torch.randn(m, device=DEV, generator=gen)
     scale = torch.rand(3, device=DEV, generator=gen) + 0.5
-    args = (s, fn, base, scale, ITERS, 1e-6, 1e-6)
+    return (s, fn, base, scale, ITERS, 1e-6, 1e-6)
+
+
+def sweep_t(t: int, rate: float) -> tuple[float, str] | None:
+    gen = torch.Generator(device=DEV).manual_seed(t)
+    args = random_inputs(t, gen)
+    s = args[0]
     rx, rpost, rcomb = reference.hc_pre(*args)
     stream_bytes = s.numel() * 2
     floor = stream_bytes / rate / 1e3
