@@ -286,14 +286,15 @@ def indexer_scores(
     num_splits = triton.cdiv(tiles, tiles_per_split)       # no split left without a tile
     common = dict(BLOCK_SIZE=key_cache.shape[1], BLOCK_N=config.block_n, BLOCK_HI=_block_hi(hi),
                   BLOCK_D=max(16, triton.next_power_of_2(di)), DOT_PRECISION=_dot_precision(q.dtype),
-                  num_warps=config.num_warps, num_stages=config.num_stages, **pdl.flags(q.device))
+                  num_warps=config.num_warps, num_stages=config.num_stages)
     strides = (q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
                slots.stride(0), slots.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0))
     if config.block_t > 1:
         _indexer_block_kernel[(triton.cdiv(t, config.block_t), num_splits)](
             q, weights, key_cache, slots, groups, out, t, n, hi, di, tiles_per_split, scale, *strides,
-            BLOCK_T=config.block_t, **common)
+            BLOCK_T=config.block_t, **common, **pdl.flags(q.device))
     else:
         _indexer_kernel[(t, num_splits)](
-            q, weights, key_cache, slots, out, n, hi, di, tiles_per_split, scale, *strides, **common)
+            q, weights, key_cache, slots, out, n, hi, di, tiles_per_split, scale, *strides, **common,
+            **pdl.flags(q.device))
     return out
