@@ -354,6 +354,10 @@ def test_failure_mid_stream_sends_error_then_done(server, client):
     calls = {"n": 0}
 
     def flaky(plan):
+        # Count only steps with work: a plan may carry nothing but the runner bookkeeping of
+        # an earlier test's finished request (finished_req_ids), depending on timing.
+        if plan.is_empty:
+            return real(plan)
         calls["n"] += 1
         if calls["n"] == 4:
             raise RuntimeError("injected device fault")
