@@ -165,6 +165,15 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def steady_device_ms(steady: dict[str, Any], steps_per_batch: float) -> float | None:
+    """The device timeline of one steady batch (busy + idle per step x steps a batch), which
+    should match the window's ``ms``; None off CUDA. A gap between the two means the window
+    does not cover the steps it counts."""
+    if steady.get("gpu_busy_ms_per_step") is None:
+        return None
+    return (steady["gpu_busy_ms_per_step"] + steady["gpu_idle_ms_per_step"]) * steps_per_batch
+
+
 def report(result: dict[str, Any]) -> None:
     print_header(result)
     e, f, hf = result["engine"], result["floor"], result["hf"]
@@ -186,6 +195,10 @@ def report(result: dict[str, Any]) -> None:
     if st.get("gpu_busy_ms_per_step") is not None:
         print(f"steady: {st['overlapped_steps']}/{st['steps']} steps overlapped; device busy "
               f"{st['gpu_busy_ms_per_step']:.3g} ms/step, idle between steps {st['gpu_idle_ms_per_step']:.3g} ms/step")
+        device = steady_device_ms(st, statistics.fmean(e["steps_per_round"]))
+        if abs(device - st["ms"]) > 0.05 * st["ms"]:
+            print(f"WARNING: the steady window ({st['ms']:.3g} ms a batch) and the device timeline of its "
+                  f"steps ({device:.3g} ms) differ by more than 5%: the window figure is suspect")
     print(f"floor: {f['flops'] / 1e12:.3g} TFLOP -> {f['flops_ms']:.3g} ms; {f['bytes'] / 1e9:.3g} GB -> "
           f"{f['bytes_ms']:.3g} ms ({f['bound']}-bound); engine at "
           f"{100 * result['matmul_peak_share']:.1f}% of the measured matmul rate per round, "

@@ -173,3 +173,10 @@ def test_profile_kernel_total_leaves_out_our_ranges():
               SimpleNamespace(key="aten::mm", device_type=cpu, is_user_annotation=False),
               SimpleNamespace(key="Memcpy HtoD (Pinned -> Device)", device_type=cuda, is_user_annotation=False)]
     assert [e.key for e in device_kernels(events)] == ["_gate_up_kernel", "Memcpy HtoD (Pinned -> Device)"]
+
+
+def test_steady_device_time_is_busy_plus_idle_per_batch():
+    from deepinfer.bench.prefill import steady_device_ms
+    st = {"ms": 29.0, "gpu_busy_ms_per_step": 9.5, "gpu_idle_ms_per_step": 0.25}
+    assert steady_device_ms(st, 3) == pytest.approx(29.25)
+    assert steady_device_ms({"ms": 1.0, "gpu_busy_ms_per_step": None}, 1) is None
