@@ -218,9 +218,7 @@ def default_config(q: torch.Tensor, n: int, grouped: bool = False) -> IndexerCon
     num_splits = 1
     if q.is_cuda:
         num_splits = max(1, min(triton.cdiv(4 * _sm_count(q.device), programs), triton.cdiv(n, block_n) // 2))
-    if block_t > 1:
-        return IndexerConfig(block_n, num_splits, num_warps=4, num_stages=3, block_t=block_t)
-    return IndexerConfig(block_n, num_splits, num_warps=4, num_stages=3)
+    return IndexerConfig(block_n, num_splits, num_warps=4, num_stages=3, block_t=block_t)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -273,10 +271,10 @@ def indexer_scores(
         return out
     if config is None:
         config = default_config(q, n, groups is not None)
-    if config.block_t * _block_hi(q.shape[1]) > BLOCK_ROWS:
+    if config.block_t * _block_hi(hi) > BLOCK_ROWS:
         # Measured on the H200 (triton 3.6): 8 tokens x 64 heads gave wrong scores (max error
         # 3.95 on scores of 4); the products stay within one wgmma's N side.
-        raise ValueError(f"indexer_scores: block_t={config.block_t} x {_block_hi(q.shape[1])} head rows "
+        raise ValueError(f"indexer_scores: block_t={config.block_t} x {_block_hi(hi)} head rows "
                          f"exceeds {BLOCK_ROWS} query rows a product")
     if config.block_t > 1 and groups is None:
         raise ValueError(f"indexer_scores: block_t={config.block_t} needs groups (which tokens share "

@@ -227,7 +227,6 @@ CASES: dict[str, Callable[[], Case]] = {
     "indexer_prefill_T4_N64_w8_s3": lambda: _indexer(4, 64, 8, 3),
     "indexer_prefill_T4_N64_w4_s3": lambda: _indexer(4, 64, 4, 3),
     "indexer_prefill_T2_N64_w4_s3": lambda: _indexer(2, 64, 4, 3),
-    "indexer_prefill_T8_N64_w8_s3": lambda: _indexer(8, 64, 8, 3),
     "indexer_prefill_T4_N64_w16_s3": lambda: _indexer(4, 64, 16, 3),
     "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
     "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
