@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.scheduler.plan import PLACEHOLDER_TOKEN_ID
 from tests.server.conftest import API_KEY, MODEL, RunningServer, generate_direct, serve
 
 PROMPT = "Return a new dictionary with keys from iterable and values set to value."
@@ -347,19 +348,20 @@ def test_tokenize_detokenize(server):
 
 # -- failures ------------------------------------------------------------------------------------------
 def test_failure_mid_stream_sends_error_then_done(server, client):
-    # The fault is injected by launch count: no other request may be stepping.
+    # The fault hits the first launch of a sequence that has two sampled tokens already: by
+    # then both have been streamed (a step lands the previous one after launching the next).
+    # Keyed on the request's own tokens, not on a launch count, which another request's
+    # steps (or bookkeeping) could advance.
     server.wait_idle()
     runner = server.engine.runner
     real = runner.launch
-    calls = {"n": 0}
+
+    def sampled(req_id: str) -> int:
+        state = runner.requests.get(req_id)
+        return 0 if state is None else sum(t != PLACEHOLDER_TOKEN_ID for t in state.output_token_ids)
 
     def flaky(plan):
-        # Count only steps with work: a plan may carry nothing but the runner bookkeeping of
-        # an earlier test's finished request (finished_req_ids), depending on timing.
-        if plan.is_empty:
-            return real(plan)
-        calls["n"] += 1
-        if calls["n"] == 4:
+        if any(sampled(seq.req_id) >= 2 for seq in plan.seqs):
             raise RuntimeError("injected device fault")
         return real(plan)
 
@@ -374,7 +376,6 @@ def test_failure_mid_stream_sends_error_then_done(server, client):
     assert "injected device fault" in error["message"] and error["code"] == 500
     assert any(json.loads(e).get("choices") for e in events[:-2])     # some text came first
     # The SDK surfaces the in-band error; the server keeps serving.
-    calls["n"] = 0
     runner.launch = flaky
     try:
         with pytest.raises(openai.APIError, match="injected"):
@@ -384,7 +385,6 @@ def test_failure_mid_stream_sends_error_then_done(server, client):
     finally:
         runner.launch = real
     # Not streamed: a 500 in OpenAI's shape.
-    calls["n"] = 0
     runner.launch = flaky
     try:
         with pytest.raises(openai.InternalServerError, match="injected") as info:
