@@ -284,6 +284,45 @@ def test_fused_moe_packed_weights_match_stacked(case, device, poison_empty):
         assert not _weight_loads(cfg, True, (cfg.block_n1, cfg.block_k1), GATE_UP_TILE, i, 2)[0]
 
 
+SHARED_CASES = {
+    "decode": (64, 5, False, MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=2)),
+    "pointers": (64, 9, False, MoEConfig(16, 32, 64, 64, 64, 2, num_warps=4, num_stages=2)),
+    "tma": (128, 9, False, MoEConfig(16, 64, 64, 128, 64, 2, num_warps=4, num_stages=2, tma=True,
+                                     sorted_act=True)),
+    "packed_tma": (128, 9, True, MoEConfig(16, 64, 64, 128, 64, 2, num_warps=4, num_stages=2, tma=True,
+                                           sorted_act=True)),
+    "packed_picked": (64, 72, True, None),
+}
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_fused_moe_shared_expert_is_one_more_slot(case, device, poison_empty):
+    """``shared_expert=True``: the last expert is taken by every token with weight 1, bitwise as
+    if the routing had that (K+1)-th slot, stacked or packed weights, TMA or pointer loads; and
+    equal to the references' routed sum plus the shared expert."""
+    i, t, packed, config = SHARED_CASES[case]
+    e, h, k = 4, 256, 2
+    gate_up, down = make_experts(e + 1, h, i, torch.float16, device, seed=21)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(21)).to(torch.float16).to(device)
+    weights, ids = make_routing(t, k, list(range(e)), device, seed=21)
+    ids[1, 0] = -1
+    cfg = config or pick_config(t, k, e, h, i)
+    ext_weights, ext_ids = reference.append_shared_slot(weights, ids, e)
+    assert ext_ids.shape == (t, k + 1) and (ext_ids[:, k] == e).all() and (ext_weights[:, k] == 1).all()
+    expect = fused_moe(x, gate_up, down, ext_weights, ext_ids, 0.7, config=cfg)
+    if packed:
+        gate_up, down = pack_expert_weights(gate_up, *GATE_UP_TILE), pack_expert_weights(down, *DOWN_TILE)
+    got = fused_moe(x, gate_up, down, weights, ids, 0.7, config=cfg, packed=packed, shared_expert=True)
+    assert torch.equal(got, expect)
+    gate_up, down = make_experts(e + 1, h, i, torch.float16, device, seed=21)
+    f = x.float()
+    ref = reference.clamped_moe_experts(f, gate_up[:e].float(), down[:e].float(),
+                                        weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0), 0.7)
+    g, u = (f @ gate_up[e].float().t()).chunk(2, dim=-1)
+    ref = ref + reference.clamped_swiglu(g, u, 0.7) @ down[e].float().t()
+    torch.testing.assert_close(got.float(), ref, **TOL[torch.float16])
+
+
 def test_fused_moe_packed_rejects_other_layouts(device):
     e, h, i, t = 2, 256, 128, 3
     gate_up, down = make_experts(e, h, i, torch.float16, device)
@@ -407,3 +446,69 @@ def test_fused_moe_gpu_cuda_graph(v4_experts_gpu):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, forward(), rtol=0, atol=0)   # same kernels, same tiles: bitwise
+
+
+def test_v4_moe_runs_the_shared_expert_in_the_grouped_gemms_at_prefill(monkeypatch):
+    """DeepseekV4MoE packed with its shared expert (pack_weights): from SHARED_IN_GROUPED_MIN_TOKENS
+    tokens on (Triton kernels) the shared expert rides in the routed GEMMs as expert E; the output
+    matches the separate shared expert and the torch references to rounding. Unpacking drops the
+    copy; moving the parameters makes it unusable rather than stale."""
+    from deepinfer.layers import deepseek_v4_moe as moe_mod
+    e, h, i, t = 8, 256, 64, 40                      # widths the packed tiles divide
+    torch.manual_seed(5)
+    layer = moe_mod.DeepseekV4MoE(h, i, e, 2, "sqrtsoftplus", 1.5, 0.8, None)
+    for p in layer.parameters():
+        p.data.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    layer.gate.e_score_correction_bias.normal_(0, 0.1)
+    layer.experts.half()
+    layer.shared_experts.half()                       # the router stays float32, as loaded
+    layer.shared_experts.fuse_projections()
+    x = torch.randn(t, h).half()
+    ids = torch.zeros(t, dtype=torch.long)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    stacked = layer(x, ids)                           # not packed: the separate shared expert
+    layer.experts.pack_weights(shared=layer.shared_experts.stacked_weights())
+    assert layer.experts.with_shared_expert()[0].shape[0] == e + 1
+    calls = []
+    real = moe_mod.backend.clamped_moe_experts
+    monkeypatch.setattr(moe_mod.backend, "clamped_moe_experts",
+                        lambda *a, **k: calls.append(k.get("shared_expert", False)) or real(*a, **k))
+    monkeypatch.setattr(moe_mod, "SHARED_IN_GROUPED_MIN_TOKENS", t)
+    folded = layer(x, ids)
+    monkeypatch.setattr(moe_mod, "SHARED_IN_GROUPED_MIN_TOKENS", t + 1)
+    separate = layer(x, ids)
+    assert calls == [True, False]
+    assert torch.equal(separate, stacked)
+    torch.testing.assert_close(folded.float(), separate.float(), **TOL[torch.float16])
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    torch.testing.assert_close(layer(x, ids).float(), folded.float(), **TOL[torch.float16])
+    layer.experts.float()                             # new parameter tensors: the copy is not used
+    assert layer.experts.with_shared_expert() is None
+    layer.experts.half().unpack_weights()
+    assert layer.experts._with_shared is None and not layer.experts.packed
+    with pytest.raises(ValueError, match="shared expert weights must be"):
+        layer.experts.pack_weights(shared=(layer.shared_experts.down_proj.weight, layer.shared_experts.down_proj.weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [300, 4096])
+def test_fused_moe_gpu_shared_expert(t, v4_experts_gpu):
+    """The shared expert as the last of 257 packed experts at prefill sizes, V4-Flash widths: the
+    routed output plus the shared expert's (float32 from the same bf16 inputs)."""
+    gate_up, down = v4_experts_gpu
+    gen = torch.Generator(device="cuda").manual_seed(t)
+    shared = (torch.randn(4096, 4096, device="cuda", generator=gen).div_(64).bfloat16(),
+              torch.randn(4096, 2048, device="cuda", generator=gen).div_(45).bfloat16())
+    packed = (pack_expert_weights(torch.cat([gate_up, shared[0][None]]), *GATE_UP_TILE),
+              pack_expert_weights(torch.cat([down, shared[1][None]]), *DOWN_TILE))
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda", generator=gen),
+                                         torch.zeros(256, device="cuda"), 6, "sqrtsoftplus", 1.5)
+    routed = fused_moe(x, packed[0][:256], packed[1][:256], weights, ids, 10.0, packed=True)
+    out = fused_moe(x, *packed, weights, ids, 10.0, packed=True, shared_expert=True)
+    g, u = (x.float() @ shared[0].float().t()).chunk(2, dim=-1)
+    ref = routed.float() + reference.clamped_swiglu(g, u, 10.0) @ shared[1].float().t()
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    torch.testing.assert_close(fused_moe(x, *packed, weights, ids, 10.0, packed=True, shared_expert=True), out,
+                               rtol=0, atol=0)
