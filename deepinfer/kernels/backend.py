@@ -215,17 +215,12 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
 
 def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        swiglu_limit: float, packed: bool = False, shared_expert: bool = False) -> torch.Tensor:
+                        swiglu_limit: float, packed: bool = False) -> torch.Tensor:
     """DeepSeek-V4 routed experts (SwiGLU clamped at swiglu_limit, 0 = no clamp): shapes and
-    ``packed`` as :func:`moe_experts` (see :func:`reference.clamped_moe_experts`).
-    ``shared_expert``: the weights' last expert is taken by every token with weight 1
-    (``fused_moe``'s ``shared_expert``)."""
+    ``packed`` as :func:`moe_experts` (see :func:`reference.clamped_moe_experts`)."""
     if use_triton(x):
         from deepinfer.kernels.fused_moe import fused_moe as kernel
-        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit, packed=packed,
-                      shared_expert=shared_expert)
-    if shared_expert:
-        topk_weights, topk_ids = reference.append_shared_slot(topk_weights, topk_ids, gate_up_proj.shape[0] - 1)
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit, packed=packed)
     gate_up_proj, down_proj = _stacked(x, gate_up_proj, down_proj, packed)
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
 

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from deepinfer.kernels import pdl, reference
+from deepinfer.kernels import pdl
 
 
 @dataclass(frozen=True)
@@ -579,7 +579,7 @@ def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Ten
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
-              config: MoEConfig | None = None, packed: bool = False, shared_expert: bool = False) -> torch.Tensor:
+              config: MoEConfig | None = None, packed: bool = False) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t),
     e = ids[t,k], L = swiglu_limit (0: no clamp).
 
@@ -590,12 +590,6 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     ([E, H*I/64, 64]); the result is bitwise that of the stacked weights under the same config.
     A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
     ``config`` overrides :func:`pick_config` (benchmarks sweep it).
-
-    ``shared_expert``: the weights' last expert (E-1) is a shared expert that every token takes
-    with weight 1 (DeepSeek's), run in the same grouped GEMMs as a (K+1)-th slot per token
-    (:func:`reference.append_shared_slot`); topk_ids route over the other E-1. At prefill the
-    routed GEMMs are bound by their weight stream with the tensor cores half idle, and the shared
-    expert's tiles (its weights re-read from L2) fill them.
     """
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
@@ -631,16 +625,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if swiglu_limit < 0:
         raise ValueError(f"fused_moe: swiglu_limit={swiglu_limit} must be >= 0 (0: no clamp)")
     k = topk_ids.shape[1]
-    if t == 0:
-        return torch.zeros_like(x)
-    # Tiles by the routed pairs per expert; the shared expert's T rows are more of the same.
-    cfg = config or pick_config(t, k, e - shared_expert, h, i, x.element_size())
-    if shared_expert:
-        topk_weights, topk_ids = reference.append_shared_slot(topk_weights, topk_ids, e - 1)
-        k += 1
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
+    cfg = config or pick_config(t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
     act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg, packed)

@@ -403,15 +403,6 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
     return torch.nn.functional.silu(gate) * up
 
 
-def append_shared_slot(topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       expert: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A shared expert as one more routed slot: [T, K] float32 weights and ids -> [T, K+1] with
-    slot K = (weight 1, ``expert``) for every token."""
-    t = topk_ids.shape[0]
-    return (torch.cat([topk_weights.float(), topk_weights.new_ones(t, 1, dtype=torch.float32)], dim=1),
-            torch.cat([topk_ids, topk_ids.new_full((t, 1), expert)], dim=1))
-
-
 def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         swiglu_limit: float) -> torch.Tensor:

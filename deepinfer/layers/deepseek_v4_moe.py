@@ -23,9 +23,6 @@ from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import FusedMoE
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
-# From this many tokens on, the shared expert runs inside the routed grouped GEMMs when the
-# experts were packed with it (DeepseekV4MoE.pack_weights); below, beside them.
-SHARED_IN_GROUPED_MIN_TOKENS = side_stream.MAX_TOKENS + 1
 
 
 class DeepseekV4Router(nn.Module):
@@ -67,14 +64,9 @@ class DeepseekV4Experts(FusedMoE):
         super().__init__(num_experts, hidden_size, intermediate_size)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                with_shared: bool = False) -> torch.Tensor:
-        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]. ``with_shared``: plus the shared
-        # expert packed with the routed ones (with_shared_expert() must not be None)
-        if with_shared:
-            gate_up, down = self.with_shared_expert()
-            return backend.clamped_moe_experts(x, gate_up, down, topk_weights, topk_ids, self.swiglu_limit,
-                                               packed=True, shared_expert=True)
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
         return backend.clamped_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                            self.swiglu_limit, packed=self.packed)
 
@@ -93,10 +85,6 @@ class DeepseekV4SharedExpert(nn.Module):
         """Store gate_proj and up_proj in one buffer and compute them as one GEMM; called
         once the weights are loaded (``CausalLM.after_load``)."""
         self.gate_up.fuse()
-
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H]: gate rows then up rows, down [H, I]), a routed expert's layout."""
-        return torch.cat([self.gate_proj.weight, self.up_proj.weight]), self.down_proj.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [T, H] -> [T, H], plus ``residual`` [T, H] added in the down projection's GEMM
@@ -126,28 +114,8 @@ class DeepseekV4MoE(nn.Module):
         self.experts = DeepseekV4Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
         self.shared_experts = DeepseekV4SharedExpert(hidden_size, intermediate_size, swiglu_limit)
 
-    def pack_weights(self) -> None:
-        """Pack the routed experts for the fused kernels (``FusedMoE.pack_weights``) with a copy of
-        the shared expert as expert E, where packing helps (``FusedMoE.packing_helps``); called by
-        ``DeepseekV4ForCausalLM.after_load``.
-
-        At prefill sizes (from :data:`SHARED_IN_GROUPED_MIN_TOKENS` tokens) the shared expert then
-        runs as one more expert of the routed grouped GEMMs: those are bound by their weight
-        stream (~96 rows per expert at T=4096, against the ~185 FLOP per weight byte at which the
-        H200 turns compute bound) with the tensor cores half idle, and the shared expert's tiles
-        (its weights re-read from L2) fill them, instead of two cuBLAS GEMMs and an activation
-        launch of their own. Decode keeps the separate shared expert: there its gate/up GEMM
-        overlaps the routing on a side stream. The copy costs the shared expert's weights once
-        more (3*I*H elements a layer)."""
-        if self.experts.packing_helps():
-            self.experts.pack_weights(shared=self.shared_experts.stacked_weights())
-
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H], input_ids: [T] (hash layers route by token) -> [T, H]
-        if x.shape[0] >= SHARED_IN_GROUPED_MIN_TOKENS and self.experts.with_shared_expert() is not None \
-                and backend.use_triton(x):
-            weights, ids = self.gate(x, input_ids)
-            return self.experts(x, weights, ids, with_shared=True)
         # At decode sizes the shared expert's gate/up GEMM streams its weights on a side
         # stream while routing (a chain of small launches) and the routed experts run;
         # its down projection then adds the routed output in one GEMM, as inline.

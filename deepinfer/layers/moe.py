@@ -60,9 +60,6 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
         self.packed = False
-        # pack_weights(shared=...): packed [E+1, ...] buffers whose first E experts the
-        # parameters view and whose last is a copy of a shared expert (with_shared_expert).
-        self._with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -83,59 +80,28 @@ class FusedMoE(nn.Module):
                 and h % DOWN_TILE[0] == 0 and i % DOWN_TILE[1] == 0)
 
     @torch.no_grad()
-    def pack_weights(self, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def pack_weights(self) -> None:
         """Re-lay out gate_up_proj and down_proj in place into the fused kernels' tile-packed
         layout (``fused_moe.pack_expert_weights``); the Parameter objects stay, their data is
         replaced. One projection at a time, so the peak extra memory is one projection of one
-        layer. Raises ValueError if already packed or the widths do not divide the tiles.
-
-        ``shared`` (gate_up [2I, H], down [H, I]): a shared expert, packed as expert E behind
-        the routed ones, so that the kernels can run it in the same grouped GEMMs
-        (:meth:`with_shared_expert`). It is a copy: the caller keeps its own weights (and must
-        not change them while packed; loading weights is refused until :meth:`unpack_weights`)."""
+        layer. Raises ValueError if already packed or the widths do not divide the tiles."""
         from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE, pack_expert_weights
         if self.packed:
             raise ValueError("pack_weights: this layer's expert weights are already packed")
-        if shared is not None:
-            h, i = self.hidden_size, self.intermediate_size
-            if tuple(shared[0].shape) != (2 * i, h) or tuple(shared[1].shape) != (h, i):
-                raise ValueError(f"pack_weights: shared expert weights must be gate_up [{2 * i}, {h}] and "
-                                 f"down [{h}, {i}], got {tuple(shared[0].shape)} and {tuple(shared[1].shape)}")
-        packed = []
-        for param, piece, tile in ((self.gate_up_proj, None if shared is None else shared[0], GATE_UP_TILE),
-                                   (self.down_proj, None if shared is None else shared[1], DOWN_TILE)):
-            param.data = pack_expert_weights(param.data, *tile)
-            if piece is not None:
-                whole = torch.cat([param.data, pack_expert_weights(piece[None].to(param.dtype), *tile)])
-                param.data = whole[:self.num_experts]
-                packed.append(whole)
-        self._with_shared = tuple(packed) if packed else None
+        self.gate_up_proj.data = pack_expert_weights(self.gate_up_proj.data, *GATE_UP_TILE)
+        self.down_proj.data = pack_expert_weights(self.down_proj.data, *DOWN_TILE)
         self.packed = True
 
     @torch.no_grad()
     def unpack_weights(self) -> None:
-        """Back to the stacked layout ([E, 2I, H], [E, H, I]), e.g. to load weights again (a
-        packed shared expert copy is dropped)."""
+        """Back to the stacked layout ([E, 2I, H], [E, H, I]), e.g. to load weights again."""
         from deepinfer.kernels.fused_moe import DOWN_TILE, GATE_UP_TILE, unpack_expert_weights
         if not self.packed:
             raise ValueError("unpack_weights: this layer's expert weights are not packed")
         h, i = self.hidden_size, self.intermediate_size
         self.gate_up_proj.data = unpack_expert_weights(self.gate_up_proj.data, 2 * i, h, *GATE_UP_TILE)
         self.down_proj.data = unpack_expert_weights(self.down_proj.data, h, i, *DOWN_TILE)
-        self._with_shared = None
         self.packed = False
-
-    def with_shared_expert(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The packed (gate_up, down) of E+1 experts, the last the shared expert given to
-        :meth:`pack_weights`; None without one, or once the parameters no longer view them
-        (moved or converted since)."""
-        if self._with_shared is None:
-            return None
-        gate_up, down = self._with_shared
-        if self.gate_up_proj.data_ptr() != gate_up.data_ptr() or self.down_proj.data_ptr() != down.data_ptr() \
-                or self.gate_up_proj.dtype != gate_up.dtype:
-            return None
-        return self._with_shared
 
     def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]]:
         """Where one expert's ``{proj}.weight`` lives: (parameter name, index into it)."""

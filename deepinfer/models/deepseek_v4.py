@@ -366,15 +366,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         and indexer; shared expert: gate and up) into one GEMM each. The parameters become
         views of the fused buffers (memory is not doubled; names and state_dict unchanged);
         see layers/fused_linear.py for what happens when weights are reloaded. Then the
-        routed experts are packed for the fused MoE kernels, each layer's with a copy of its
-        shared expert (``DeepseekV4MoE.pack_weights``), then the default's packing of any others
-        (``CausalLM.after_load``)."""
+        default's packing of the routed experts (``CausalLM.after_load``)."""
         for module in self.modules():
             if isinstance(module, (DeepseekV4Attention, DeepseekV4SharedExpert)):
                 module.fuse_projections()
-        for module in self.modules():
-            if isinstance(module, DeepseekV4MoE):
-                module.pack_weights()
         super().after_load()
 
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
