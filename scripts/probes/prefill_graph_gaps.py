@@ -9,6 +9,9 @@ times the same forward three ways on the device, each as CUDA events around ever
   before the device starts, so only the device's own launch gaps remain;
 * one CUDA graph of the forward, replayed back to back.
 
+``--side-stream``: instead, eager forwards alternated A/B/A/B with the side stream
+(layers/side_stream.py) limited to decode sizes (A, the default) and allowed at this size (B).
+
     PYTHONPATH=. python3 scripts/probes/prefill_graph_gaps.py --config deepseek-v4-flash \
         --prompt-len 4096 --no-hf
 """
@@ -45,6 +48,7 @@ def timed(run, n: int, sleep_cycles: int = 0) -> tuple[list[float], float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     add_prefill_args(p)
+    p.add_argument("--side-stream", action="store_true", help="A/B the side stream at prefill instead")
     args = p.parse_args()
     args.argv = []
     model = BenchModel.from_args(args)
@@ -77,6 +81,20 @@ def main() -> None:
         for _ in range(3):
             eager()
         n = 6
+        if args.side_stream:
+            from deepinfer.layers import side_stream
+            default, ref = side_stream.MAX_TOKENS, eager().float()
+            runs: dict[str, list[float]] = {"decode sizes only": [], "at prefill too": []}
+            for _ in range(3):
+                for label, limit in (("decode sizes only", default), ("at prefill too", 1 << 30)):
+                    side_stream.MAX_TOKENS = limit
+                    runs[label].append(statistics.median(timed(eager, n)[0]))
+            err = (eager().float() - ref).abs().max().item()
+            side_stream.MAX_TOKENS = default
+            for label, ms in runs.items():
+                print(f"side stream {label}: {statistics.median(ms):.3f} ms/forward ({', '.join(f'{x:.2f}' for x in ms)})")
+            print(f"max |B - A| {err:.3g}")
+            return
         back, host_back = timed(eager, n)
         ahead, host_ahead = timed(eager, n, sleep_cycles=int(2e9))
         print(f"eager back to back: device {statistics.median(back):.3f} ms/forward "
