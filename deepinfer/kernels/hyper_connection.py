@@ -58,6 +58,24 @@ graph capture (run the model eagerly once first, as warm-up does anyway).
 
 **post** is one elementwise launch: for each token and D tile,
 ``out_k = post_k * block_out + sum_j comb[j, k] * s_j`` in float32.
+
+**post fused with the next projection** (:func:`hc_post_project`, prefill: from
+``FUSE_POST_MIN_T`` tokens). Every connection's new streams are read next by another
+connection (the next block's, or the head after the last layer), whose projection pass
+then reads them from memory again: at T=4096 in bf16 that pass (~72 us on the H200) and
+the collapse (~44 us) each read the 134 MB of streams, which hc_post has just had in
+registers. So hc_post tiles (token block) x (a range of D) over all n streams, rounds
+each new tile to the streams' dtype (what the projection would load), and projects it
+against the next connection's fn as ``_hc_pre_kernel`` would (bf16: fn split into three
+bf16 parts; float32: tf32x3), with the sum of squares, into partials
+[splits, T, NCOL] (one split per D range). The next ``hc_pre``/``hc_head(partials=...)``
+then runs one launch, ``_hc_finish_collapse_kernel``: one program per token (it holds the
+whole row for the norm anyway) sums its partials, computes pre/post/comb (the same helpers
+as the finishing program) and collapses; the streams are read once per connection and no
+block counters are involved. The new streams are bit for bit hc_post's; the mixings differ
+from the unfused pair's by float32 ulps (the same products summed per D range rather than
+per K range), x by about an ulp of its dtype. The first connection (streams from the
+embedding) and decode / small T keep the unfused pair.
 """
 
 from __future__ import annotations
