@@ -318,7 +318,8 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_hc_gpu_sizes(t):
-    """V4-Flash widths: n=4, D=4096, bf16 streams; the fused norm bitwise as the norm kernel's."""
+    """V4-Flash widths: n=4, D=4096, bf16 streams; the fused norm bitwise as the norm kernel's;
+    at prefill the fused hc_post projection + hc_pre from partials as the unfused pair."""
     gen = torch.Generator().manual_seed(t)
     n, d = 4, 4096
     s = streams_of(t, n, d, torch.bfloat16, gen, "cuda")
@@ -339,3 +340,12 @@ def test_hc_gpu_sizes(t):
     torch.testing.assert_close(hc.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                reference.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                rtol=1.6e-2, atol=1e-2)
+    if t >= hc.FUSE_POST_MIN_T:                                          # prefill: the fused pair
+        new = hc.hc_post(block_out, s, ref[1], ref[2])
+        fused, partials = hc.hc_post_project(block_out, s, ref[1], ref[2], fn)
+        assert torch.equal(fused, new)
+        want = hc.hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6))
+        got = hc.hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6), partials=partials)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-2)
