@@ -250,39 +250,32 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-           norm: tuple[torch.Tensor, float] | None = None, partials: torch.Tensor | None = None
+           norm: tuple[torch.Tensor, float] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); with ``norm``
     (weight [D], eps) the block input comes back RMS-normalised, equal bit for bit to
-    ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`).
-    ``partials``: what :func:`hc_post` returned for these streams and this ``fn`` (the reference
-    has none: it projects the streams itself)."""
+    ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm, partials=partials)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
     return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
 
 
-def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-            next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(new streams [T, n, D] (see :func:`reference.hc_post`), partials or None). ``next_fn``:
-    the fn of the connection or head that reads the new streams next; at prefill sizes the
-    Triton kernel projects them against it on the way out and returns the partial sums for
-    that connection's :func:`hc_pre` / :func:`hc_head` (``partials=``), else None."""
+def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor:
+    """New streams [T, n, D] (see :func:`reference.hc_post`)."""
     if use_triton(streams):
-        from deepinfer.kernels import hyper_connection as hc
-        if next_fn is not None and hc.fuses_post(streams.shape[0]):
-            return hc.hc_post_project(block_out, streams, post, comb, next_fn)
-        return hc.hc_post(block_out, streams, post, comb), None
-    return reference.hc_post(block_out, streams, post, comb), None
+        from deepinfer.kernels.hyper_connection import hc_post as kernel
+        return kernel(block_out, streams, post, comb)
+    return reference.hc_post(block_out, streams, post, comb)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-            hc_eps: float, norm_eps: float, partials: torch.Tensor | None = None) -> torch.Tensor:
-    """streams [T, n, D] -> [T, D] (see :func:`reference.hc_head`); ``partials`` as for :func:`hc_pre`."""
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """streams [T, n, D] -> [T, D] (see :func:`reference.hc_head`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_head as kernel
-        return kernel(streams, fn, base, scale, hc_eps, norm_eps, partials=partials)
+        return kernel(streams, fn, base, scale, hc_eps, norm_eps)
     return reference.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
 
 

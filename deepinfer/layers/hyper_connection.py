@@ -21,13 +21,6 @@ writes the raw input to memory (one pass over [T, D] and a launch fewer). The no
 keeps its own module and parameter (checkpoint names unchanged); the caller passes
 them in.
 
-The projection of the streams is the other pass over them, so :meth:`HyperConnection.expand`
-takes the fn of whatever reads the new streams next (the next connection, or the head) and,
-at prefill sizes on the Triton backend, projects the new streams against it while writing
-them: it returns the partial sums with the streams, and that connection's forward
-(``partials=``) then reads the streams only to collapse them. Otherwise the partials are
-None and the next forward projects the streams itself.
-
 Shapes: T tokens, n streams, D hidden size.
 """
 
@@ -55,25 +48,22 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))   # pre, post, comb
 
-    def forward(self, streams: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-                partials: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, streams: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams: [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); post/comb
         float32. ``norm`` (weight [D] float32, eps): the block input comes back normalised
-        (``rms_norm(x, weight, eps, round_first=False)``, DeepSeek-V4's RMSNorm). ``partials``:
-        what :meth:`expand` returned with these streams for ``next_fn=self.fn``."""
+        (``rms_norm(x, weight, eps, round_first=False)``, DeepSeek-V4's RMSNorm)."""
         return backend.hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
-                              self.norm_eps, norm, partials)
+                              self.norm_eps, norm)
 
     @staticmethod
-    def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-               next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """New streams ``post_k * block_out + sum_j comb[j, k] * streams_j``, and their partial
-        projection against ``next_fn`` (the fn of the connection or head that reads them next)
-        for its forward's ``partials``, or None (no next_fn, decode sizes, reference backend).
+    def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+               comb: torch.Tensor) -> torch.Tensor:
+        """New streams ``post_k * block_out + sum_j comb[j, k] * streams_j``.
 
-        block_out: [T, D]; streams: [T, n, D]; post: [T, n]; comb: [T, n, n] -> ([T, n, D], partials).
+        block_out: [T, D]; streams: [T, n, D]; post: [T, n]; comb: [T, n, n] -> [T, n, D].
         """
-        return backend.hc_post(block_out, streams, post, comb, next_fn)
+        return backend.hc_post(block_out, streams, post, comb)
 
 
 class HyperHead(nn.Module):
@@ -87,7 +77,6 @@ class HyperHead(nn.Module):
         self.hc_base = nn.Parameter(torch.empty(hc_mult, dtype=torch.float32))
         self.hc_scale = nn.Parameter(torch.empty(1, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor, partials: torch.Tensor | None = None) -> torch.Tensor:
-        # streams: [T, n, D] -> [T, D]; partials from HyperConnection.expand(..., next_fn=self.hc_fn)
-        return backend.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps,
-                               partials)
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        # streams: [T, n, D] -> [T, D]
+        return backend.hc_head(streams, self.hc_fn, self.hc_base, self.hc_scale, self.hc_eps, self.norm_eps)

@@ -217,19 +217,15 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(args.hc_mult, d, args.hc_sinkhorn_iters, args.hc_eps, eps)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext,
-                ropes: dict[str, InterleavedRope], partials: torch.Tensor | None = None,
-                next_fn: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # streams: [T, n, Hd] -> ([T, n, Hd], partials). Each connection applies its block's input
-        # norm (x comes back normalised: the kernel fuses the norm into the collapse). Each expand
-        # is given the fn that reads its streams next (``next_fn``: the next layer's attention
-        # connection or the head), so that at prefill it projects them on the way out and the
-        # next connection reads them only once (``partials``; None when it did not).
-        x, post, comb = self.attn_hc(streams, norm=self.input_layernorm.params(), partials=partials)
-        x = self.self_attn(x, ctx, ropes)                                            # x: [T, Hd]
-        streams, partials = self.attn_hc.expand(x, streams, post, comb, next_fn=self.ffn_hc.fn)
-        x, post, comb = self.ffn_hc(streams, norm=self.post_attention_layernorm.params(), partials=partials)
+                ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+        # streams: [T, n, Hd] -> [T, n, Hd]. Each connection applies its block's input norm
+        # (x comes back normalised: the kernel fuses the norm into the collapse).
+        x, post, comb = self.attn_hc(streams, norm=self.input_layernorm.params())   # x: [T, Hd]
+        x = self.self_attn(x, ctx, ropes)
+        streams = self.attn_hc.expand(x, streams, post, comb)
+        x, post, comb = self.ffn_hc(streams, norm=self.post_attention_layernorm.params())
         x = self.mlp(x, input_ids)
-        return self.ffn_hc.expand(x, streams, post, comb, next_fn=next_fn)
+        return self.ffn_hc.expand(x, streams, post, comb)
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
@@ -250,7 +246,7 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
                 ctx: ForwardContext, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
         # streams: [T, n, Hd], embeds: [T, Hd] -> [T, n, Hd]
         x = self.e_proj(self.enorm(embeds)).unsqueeze(1) + self.h_proj(self.hnorm(streams))
-        return super().forward(x, input_ids, ctx, ropes)[0]
+        return super().forward(x, input_ids, ctx, ropes)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         # [T, n, Hd] -> [T, Hd]
@@ -267,21 +263,16 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
         self.rotary_emb = DeepseekV4Rope(args)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, head_fn: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # input_ids: [T] -> (pre-head streams [T, n, Hd], their partial projection against
-        # head_fn for hc_head, or None)
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids: [T] -> pre-head streams [T, n, Hd]
         # The n streams start as n copies of the embedding: one gather writes them all (an
         # embedding then a copy into n streams wrote and re-read [T, Hd] once more: 72 us at
         # T=4096 on the H200 for the copy alone).
         streams = self.embed_tokens(input_ids[:, None].expand(-1, self.hc_mult))          # [T, n, Hd]
         ropes = self.rotary_emb.by_type()
-        # The first connection projects the embedding copies itself (no hc_post before it).
-        partials = None
-        next_fns = [layer.attn_hc.fn for layer in self.layers[1:]] + [head_fn]
-        for layer, next_fn in zip(self.layers, next_fns):
-            streams, partials = layer(streams, input_ids, ctx, ropes, partials, next_fn)
-        return streams, partials
+        for layer in self.layers:
+            streams = layer(streams, input_ids, ctx, ropes)
+        return streams
 
 
 # DeepSeek's in-layer names -> ours (HF's), matched on whole dotted components, in order.
@@ -349,15 +340,14 @@ class DeepseekV4ForCausalLM(CausalLM):
     # -- forward -------------------------------------------------------------------
     def forward_streams(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] -> the last layer's streams [T, n, Hd] (before hc_head), as MTP takes them."""
-        return self.model(input_ids, ctx)[0]
+        return self.model(input_ids, ctx)
 
-    def head(self, streams: torch.Tensor, partials: torch.Tensor | None = None) -> torch.Tensor:
-        """Streams [T, n, Hd] -> hidden states [T, Hd] for :meth:`compute_logits`; ``partials``:
-        the last expand's projection of the streams against the head's fn, if it made one."""
-        return self.model.norm(self.model.hc_head(streams, partials))
+    def head(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams [T, n, Hd] -> hidden states [T, Hd] for :meth:`compute_logits`."""
+        return self.model.norm(self.model.hc_head(streams))
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.head(*self.model(input_ids, ctx, head_fn=self.model.hc_head.hc_fn))
+        return self.head(self.forward_streams(input_ids, ctx))
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: ForwardContext,
                     k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

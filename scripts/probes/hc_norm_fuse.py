@@ -67,7 +67,7 @@ def run_t(t: int, rate: float) -> None:
 
     def collapse_then_norm():
         hc._hc_collapse_kernel[(t, triton.cdiv(D, 1024))](
-            s2, pre, pre, x, D, s2.stride(0), x.stride(0), 0.0, N=N, NP=N, BLOCK_D=1024, NORM=False,
+            s2, pre, pre, x, D, s2.stride(0), x.stride(0), 0.0, N=N, BLOCK_D=1024, NORM=False,
             num_warps=4, **flags)
         rms_norm(x, w, EPS, round_first=False)
 
@@ -75,7 +75,7 @@ def run_t(t: int, rate: float) -> None:
 
     def collapse_norm():
         hc._hc_collapse_kernel[(t, 1)](
-            s2, pre, w, y, D, s2.stride(0), y.stride(0), EPS, N=N, NP=N, BLOCK_D=block_d, NORM=True,
+            s2, pre, w, y, D, s2.stride(0), y.stride(0), EPS, N=N, BLOCK_D=block_d, NORM=True,
             num_warps=warps, **flags)
 
     for name, f in (("hc_pre + rms_norm (unfused)", unfused), ("hc_pre(norm=) (fused)", fused),

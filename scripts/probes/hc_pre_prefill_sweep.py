@@ -57,7 +57,7 @@ def collapse_us(s: torch.Tensor, pre: torch.Tensor) -> float:
     s2 = s.view(t, N * D)
     x = torch.empty(t, D, dtype=s.dtype, device=DEV)
     return graph_us(lambda: hc._hc_collapse_kernel[(t, triton.cdiv(D, 1024))](
-        s2, pre, pre, x, D, s2.stride(0), x.stride(0), 0.0, N=N, NP=N, BLOCK_D=1024, NORM=False, num_warps=4,
+        s2, pre, pre, x, D, s2.stride(0), x.stride(0), 0.0, N=N, BLOCK_D=1024, NORM=False, num_warps=4,
         **pdl.flags(s2.device)))
 
 

@@ -169,7 +169,7 @@ def _hc_collapse(norm: bool) -> Case:
     types = {"s_ptr": "*bf16", "pre_ptr": "*fp32", "w_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32",
              "s_stride": "i32", "x_stride": "i32", "eps": "fp32"}
     return Case(hyper_connection._hc_collapse_kernel, types,
-                dict(N=4, NP=4, BLOCK_D=block_d, NORM=norm, PDL=True),
+                dict(N=4, BLOCK_D=block_d, NORM=norm, PDL=True),
                 {"s_ptr", "pre_ptr", "w_ptr", "x_ptr", "D", "s_stride", "x_stride"}, warps, 3,
                 options={"launch_pdl": True})
 

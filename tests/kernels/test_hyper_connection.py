@@ -176,80 +176,6 @@ def test_hc_post_matches_reference(t, n, d, dtype, device, poison_empty):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("t,n,d,dtype,cfg,iters", [
-    # T not a multiple of the token block; 3 splits of D; a short last split (48 of 64 columns);
-    # n=3 (a padding stream in the tile) with D=40 not a multiple of the D step; more D steps
-    # per program than one.
-    (70, 4, 96, F32, hc.PostConfig(16, 32, 3, 4), 20), (45, 4, 112, BF16, hc.PostConfig(32, 32, 2, 4), 3),
-    (37, 3, 40, BF16, hc.PostConfig(16, 16, None, 4), 3), (20, 4, 256, F32, hc.PostConfig(16, 64, 2, 4, 2), 3),
-    (40, 4, 128, BF16, hc.PostConfig(16, 32, 1, 4), 3)])
-@pytest.mark.parametrize("norm", [False, True])
-def test_hc_post_project_then_hc_pre_equals_the_unfused_pair(t, n, d, dtype, cfg, iters, norm, device,
-                                                             poison_empty):
-    """hc_post with the next connection's projection fused (partials), then hc_pre from the
-    partials, against hc_post then hc_pre. The new streams are bit for bit hc_post's. The
-    projection sums the same products in another order (per D range of all n streams, not
-    per K range), so post/comb differ by float32 ulps and x (collapsed with those weights,
-    then rounded / normalised) by at most about one ulp of the streams' dtype."""
-    gen = torch.Generator().manual_seed(t * 13 + d)
-    s = streams_of(t, n, d, dtype, gen, device)
-    block_out = (torch.randn(t, d, generator=gen) * 3).to(dtype).to(device)
-    post = (torch.rand(t, n, generator=gen) * 2).to(device)
-    comb = torch.rand(t, n, n, generator=gen).to(device)
-    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)                # the next connection's
-    nrm = ((torch.randn(d, generator=gen) + 1).to(device), 1e-5) if norm else None
-    new = hc.hc_post(block_out, s, post, comb)
-    fused, partials = hc.hc_post_project(block_out, s, post, comb, fn, config=cfg)
-    assert torch.equal(fused, new)
-    assert partials.shape[1] == t and not partials.isnan().any()                # every row written
-    want = hc.hc_pre(new, fn, base, scale, iters, 1e-6, 1e-6, norm=nrm)
-    got = hc.hc_pre(fused, fn, base, scale, iters, 1e-6, 1e-6, norm=nrm, partials=partials)
-    torch.testing.assert_close(got[1], want[1], **MIX_TOL)
-    torch.testing.assert_close(got[2], want[2], **MIX_TOL)
-    x_tol = TOL[F32] if dtype == F32 else {"rtol": 8e-3, "atol": 1e-5}     # bf16: one ulp (2^-7)
-    torch.testing.assert_close(got[0], want[0], **x_tol)
-    assert got[0].dtype == dtype and not got[0].isnan().any()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_hc_head_from_partials_equals_hc_head(dtype, device, poison_empty):
-    """The last hc_post projects for the head (n mixing rows, no post/comb)."""
-    gen = torch.Generator().manual_seed(5)
-    t, n, d = 33, 4, 64
-    s = streams_of(t, n, d, dtype, gen, device)
-    block_out = (torch.randn(t, d, generator=gen) * 3).to(dtype).to(device)
-    post = (torch.rand(t, n, generator=gen) * 2).to(device)
-    comb = torch.rand(t, n, n, generator=gen).to(device)
-    fn, base, scale = weights(n, d, n, gen, device)
-    new, partials = hc.hc_post_project(block_out, s, post, comb, fn, config=hc.PostConfig(16, 32, 2, 4))
-    assert partials.shape == (2, t, 16)
-    want = hc.hc_head(new, fn, base, scale, 1e-6, 1e-6)
-    got = hc.hc_head(new, fn, base, scale, 1e-6, 1e-6, partials=partials)
-    torch.testing.assert_close(got, want, **(TOL[F32] if dtype == F32 else {"rtol": 8e-3, "atol": 1e-5}))
-
-
-def test_hc_post_project_leaves_hc_pre_counters_alone_and_replays_equal(device):
-    """The fused pair uses no block counters (nothing to reset under a CUDA graph) and gives
-    the same result on a second launch."""
-    gen = torch.Generator().manual_seed(9)
-    t, n, d = 24, 4, 64
-    s = streams_of(t, n, d, torch.float32, gen, device)
-    block_out = torch.randn(t, d, generator=gen).to(device)
-    post, comb = torch.rand(t, n, generator=gen).to(device), torch.rand(t, n, n, generator=gen).to(device)
-    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
-    cfg = hc.PostConfig(16, 32, 2, 4)
-
-    def run():
-        new, partials = hc.hc_post_project(block_out, s, post, comb, fn, config=cfg)
-        return (new, partials) + hc.hc_pre(new, fn, base, scale, 3, 1e-6, 1e-6, partials=partials)
-
-    first, second = run(), run()
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
-    if s.device in hc._COUNTERS:
-        assert int(hc._COUNTERS[s.device].abs().sum()) == 0
-
-
 def test_hc_launchers_name_the_bad_argument(device):
     s = torch.randn(2, 4, 64, device=device)
     fn = torch.randn(24, 256, device=device)
@@ -272,16 +198,6 @@ def test_hc_launchers_name_the_bad_argument(device):
     with pytest.raises(ValueError, match="comb"):
         hc.hc_post(torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
                    torch.rand(2, 4, 3, device=device))
-    post_args = (torch.randn(2, 64, device=device), s, torch.rand(2, 4, device=device),
-                 torch.rand(2, 4, 4, device=device))
-    with pytest.raises(ValueError, match="next_fn must be float32"):
-        hc.hc_post_project(*post_args, fn[:, :128])
-    with pytest.raises(ValueError, match="block_t=8 must be a power of two >= 16"):
-        hc.hc_post_project(*post_args, fn, config=hc.PostConfig(8, 32, 1, 4))
-    head_partials = torch.zeros(1, 2, 16, device=device)                  # a head's, not a connection's
-    with pytest.raises(ValueError, match="partials must be"):
-        hc.hc_pre(s, fn, torch.randn(24, device=device), torch.randn(3, device=device), 3, 1e-6, 1e-6,
-                  partials=head_partials)
 
 
 def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
@@ -302,8 +218,7 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
     def run():
         x, post, comb = conn(s)
         normed = conn(s, norm=(norm_w, 1e-6))[0]
-        new, partials = conn.expand(block_out, s, post, comb, next_fn=head.hc_fn)
-        assert partials is None                                          # decode size / reference
+        new = conn.expand(block_out, s, post, comb)
         return x, normed, new, head(new)
 
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
@@ -318,8 +233,7 @@ def test_layers_give_the_same_streams_on_both_backends(monkeypatch, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t", [1, 64, 4096])
 def test_hc_gpu_sizes(t):
-    """V4-Flash widths: n=4, D=4096, bf16 streams; the fused norm bitwise as the norm kernel's;
-    at prefill the fused hc_post projection + hc_pre from partials as the unfused pair."""
+    """V4-Flash widths: n=4, D=4096, bf16 streams; the fused norm bitwise as the norm kernel's."""
     gen = torch.Generator().manual_seed(t)
     n, d = 4, 4096
     s = streams_of(t, n, d, torch.bfloat16, gen, "cuda")
@@ -340,12 +254,3 @@ def test_hc_gpu_sizes(t):
     torch.testing.assert_close(hc.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                reference.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                rtol=1.6e-2, atol=1e-2)
-    if t >= hc.FUSE_POST_MIN_T:                                          # prefill: the fused pair
-        new = hc.hc_post(block_out, s, ref[1], ref[2])
-        fused, partials = hc.hc_post_project(block_out, s, ref[1], ref[2], fn)
-        assert torch.equal(fused, new)
-        want = hc.hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6))
-        got = hc.hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6), partials=partials)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got[0], want[0], rtol=1.6e-2, atol=1e-2)
