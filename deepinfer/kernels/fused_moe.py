@@ -72,7 +72,6 @@ P = T*K (token, slot) pairs; pair p is token p // K, slot p % K.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -97,11 +96,6 @@ class MoEConfig:
     num_stages: int
     tma: bool = False         # weight tiles (and down's sorted act tiles) by host-side TMA descriptors
     sorted_act: bool = False  # act in sorted rows: down's operand rows are contiguous
-    # GEMM2 (down) only: one program per SM walking the tiles in one flattened loop, so the weight
-    # stream's pipeline runs on across tile boundaries; its own stages and group (None: as GEMM1's).
-    persistent2: bool = False
-    num_stages2: int | None = None
-    group_m2: int | None = None
 
 
 # [tile_n, tile_k] of the packed expert weights: the prefill config's TMA boxes (pick_config), so
@@ -177,10 +171,7 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
       shared memory). There the GEMMs are weight-bandwidth bound; H200 sweep
       (scripts/probes/fused_moe_prefill_sweep.py), gate_up + down at T=4096: 3,592 us (83% of
       the copy rate) against 3,846 us for the same tiles with pointer loads and 3 stages;
-      at T=2048 (48 pairs per expert) 3,431 us against 4,323 us for 32-row blocks. The down GEMM
-      runs persistent (one program per SM, its tile loop flattened so the weight pipeline does
-      not drain between tiles), 3 stages, ungrouped order (scripts/probes/fused_moe_persistent.py,
-      T=4096: 1,273 -> 1,129 us; the same for gate_up was slower, 2,255 -> 2,452+ us).
+      at T=2048 (48 pairs per expert) 3,431 us against 4,323 us for 32-row blocks.
     Tiles never exceed the (power-of-2 rounded) problem, so tiny test shapes stay tiny.
     """
     per_expert = num_tokens * top_k / max(num_experts, 1)
@@ -189,8 +180,7 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
     elif per_expert <= 32:
         cfg = MoEConfig(32, 64, 128, 64, 128, 4, num_warps=4, num_stages=4)
     else:
-        cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True,
-                        persistent2=True, num_stages2=3, group_m2=1)
+        cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True)
     h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
     cfg = dataclasses.replace(cfg, block_n1=min(cfg.block_n1, i), block_k1=min(cfg.block_k1, h),
                               block_n2=min(cfg.block_n2, h), block_k2=min(cfg.block_k2, i))
@@ -381,8 +371,7 @@ def _gate_up_kernel(
     PACKED: tl.constexpr = False, TILE_N: tl.constexpr = 1, TILE_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
-    num_pid_n = tl.cdiv(inter, BLOCK_N)
-    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
         _gate_up_tile(x, w, act_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                       num_pairs, hidden, inter, limit, stride_x, stride_we, stride_wn, stride_act,
@@ -462,22 +451,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, SORTED_ACT: tl.constexpr,
-    PACKED: tl.constexpr = False, TILE_N: tl.constexpr = 1, TILE_K: tl.constexpr = 1,
-    PERSISTENT: tl.constexpr = False, PDL: tl.constexpr = False,
+    PACKED: tl.constexpr = False, TILE_N: tl.constexpr = 1, TILE_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
-    num_pid_n = tl.cdiv(hidden, BLOCK_N)
-    if PERSISTENT:
-        # The tiles of the used M-blocks, one program per SM; the loop nest is flattened so the
-        # weight stream's pipeline runs on across tile boundaries.
-        used_m = tl.load(num_padded_ptr) // BLOCK_M
-        for tile in tl.range(tl.program_id(0), used_m * num_pid_n, tl.num_programs(0), flatten=True):
-            pid_m, pid_n = _tile(tile, used_m, num_pid_n, GROUP_M)
-            _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
-                       num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_PRECISION, TMA, SORTED_ACT, PACKED, TILE_N, TILE_K)
-        return
-    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M < tl.load(num_padded_ptr):                         # past the padded total: exit
         _down_tile(act, w, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, pid_m, pid_n,
                    num_pairs, hidden, inter, stride_act, stride_we, stride_wn, stride_out,
@@ -497,16 +474,6 @@ def _sum_slots_kernel(pairs_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: 
     for k in tl.static_range(TOP_K):
         acc += tl.load(pairs_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-def _down_grid(cfg: MoEConfig, tiles: int, device: torch.device) -> tuple[int]:
-    """One program per tile, or with ``cfg.persistent2`` one per SM (at most one per tile)."""
-    return (max(1, min(tiles, _num_sms(device))),) if cfg.persistent2 else (tiles,)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -597,19 +564,17 @@ def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Ten
     if packed:
         _check_packed(down_proj, h, i, DOWN_TILE, "down_proj")
     num_pid_m = block_expert.shape[0]
-    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages if cfg.num_stages2 is None else cfg.num_stages2,
-                              group_m=cfg.group_m if cfg.group_m2 is None else cfg.group_m2)
     tma, stages = _weight_loads(cfg, packed, (cfg.block_n2, cfg.block_k2), DOWN_TILE, h, act.element_size())
     a = _rows_operand(act, [cfg.block_m, cfg.block_k2], tma and cfg.sorted_act)
     w = _weight_operand(down_proj, [cfg.block_n2, cfg.block_k2], tma, "down_proj")
-    _down_kernel[_down_grid(cfg, num_pid_m * triton.cdiv(h, cfg.block_n2), act.device)](
+    _down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
         a, w, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
         pairs, h, i, num_pid_m,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2,
         GROUP_M=cfg.group_m, EVEN_K=i % cfg.block_k2 == 0, DOT_PRECISION=_dot_precision(act.dtype),
         TMA=tma, SORTED_ACT=cfg.sorted_act, PACKED=packed, TILE_N=DOWN_TILE[0], TILE_K=DOWN_TILE[1],
-        PERSISTENT=cfg.persistent2, num_warps=cfg.num_warps, num_stages=stages, **pdl.flags(act.device))
+        num_warps=cfg.num_warps, num_stages=stages, **pdl.flags(act.device))
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

@@ -21,7 +21,6 @@ The Triton here should be the device's (3.6 on the H200 image): with a newer one
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import re
@@ -159,10 +158,8 @@ def _moe_down(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
     return Case(fused_moe._down_kernel, types,
                 dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
                      EVEN_K=True, DOT_PRECISION="tf32", TMA=cfg.tma, SORTED_ACT=cfg.sorted_act,
-                     PACKED=packed, TILE_N=fused_moe.DOWN_TILE[0], TILE_K=fused_moe.DOWN_TILE[1],
-                     PERSISTENT=cfg.persistent2, PDL=True),
-                divisible, cfg.num_warps, cfg.num_stages if cfg.num_stages2 is None else cfg.num_stages2,
-                options={"launch_pdl": True})
+                     PACKED=packed, TILE_N=fused_moe.DOWN_TILE[0], TILE_K=fused_moe.DOWN_TILE[1], PDL=True),
+                divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
 def _hc_collapse(norm: bool) -> Case:
@@ -223,10 +220,6 @@ def _v4_moe(t: int) -> fused_moe.MoEConfig:
     return fused_moe.pick_config(t, 6, 256, 4096, 2048)
 
 
-def _v4_one_program_a_tile() -> fused_moe.MoEConfig:
-    return dataclasses.replace(_v4_moe(4096), persistent2=False, num_stages2=None, group_m2=None)
-
-
 CASES: dict[str, Callable[[], Case]] = {
     "topk_prefill_N1024_w2": lambda: _topk(1024, 2),
     "indexer_prefill_per_token_N64_w4_s3": lambda: _indexer(1, 64, 4, 3),
@@ -244,7 +237,6 @@ CASES: dict[str, Callable[[], Case]] = {
     "sparse_decode_H16_N16_split": lambda: _sparse(True, 16, 2, True, block_h=16, warps=4, scan=16),
     "moe_gate_up_prefill_T4096": lambda: _moe_gate_up(_v4_moe(4096)),
     "moe_gate_up_prefill_T4096_packed": lambda: _moe_gate_up(_v4_moe(4096), packed=True),
-    "moe_down_prefill_T4096_packed_one_program_a_tile": lambda: _moe_down(_v4_one_program_a_tile(), packed=True),
     "moe_gate_up_medium_T1024": lambda: _moe_gate_up(_v4_moe(1024)),
     "moe_gate_up_medium_T1024_packed": lambda: _moe_gate_up(_v4_moe(1024), packed=True),
     "moe_gate_up_decode_T1": lambda: _moe_gate_up(_v4_moe(1)),

@@ -123,8 +123,7 @@ def test_fused_moe_tile_configs(config, device, poison_empty):
 
 
 VARIANTS = {"pointers": {"tma": False, "sorted_act": False}, "tma": {"tma": True},
-            "sorted_act": {"sorted_act": True}, "tma+sorted_act": {"tma": True, "sorted_act": True},
-            "persistent": {"tma": True, "sorted_act": True, "persistent2": True, "num_stages2": 3, "group_m2": 1}}
+            "sorted_act": {"sorted_act": True}, "tma+sorted_act": {"tma": True, "sorted_act": True}}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -257,9 +256,6 @@ PACKED_CONFIGS = {
                                        sorted_act=True)),
     # pick_config's prefill choice (T*K/E = 36 pairs per expert: TMA, sorted act)
     "picked_prefill": (64, 72, None),
-    # down: one program per SM walking the tiles (4 programs off CUDA), its own stages and group
-    "persistent": (128, 9, MoEConfig(16, 64, 64, 128, 64, 2, num_warps=4, num_stages=2, tma=True,
-                                     sorted_act=True, persistent2=True, num_stages2=1, group_m2=1)),
 }
 
 
@@ -370,7 +366,7 @@ def test_fused_moe_gpu_v4_sizes(t, v4_experts_gpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("variant", ["pointers", "tma", "tma+sorted_act", "persistent"])
+@pytest.mark.parametrize("variant", ["pointers", "tma", "tma+sorted_act"])
 def test_fused_moe_gpu_prefill_variants(variant, v4_experts_gpu):
     """The prefill operand options at T=4096 on V4-Flash widths: against the reference, and
     bitwise equal run to run (the sorted runs land in a different order each time)."""
