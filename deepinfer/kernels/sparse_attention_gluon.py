@@ -48,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -57,6 +58,8 @@ HEADS, HEAD_DIM = 64, 512
 # with the same 254 registers: the scan runs before the accumulator is live). 8192 covers the
 # HCA entries of a 1M-token context; wider rows take the Triton kernel, which loops its scan.
 MAX_SLOTS = 8192
+# Tile loop: 0 the original, 1 per-column softmax sums, 2 those and PV(i) overlapping tile i + 1's wait.
+_PIPELINE = 0
 
 
 class QueryRope(NamedTuple):
@@ -172,6 +175,76 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache_ptr, slots_ptr, toke
 
 
 @gluon.jit
+def _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache_ptr, slots_ptr, token, stride_slots_t,
+                   stride_cache_block, stride_cache_offset, qk_scale, first, last, n_tiles,
+                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
+                   O_LAYOUT: gl.constexpr, GATHER: gl.constexpr, OVERLAP: gl.constexpr, DEFER: gl.constexpr):
+    """As :func:`_attend_tiles`, with the softmax denominator kept per score column (``l_acc``
+    [64, BLOCK_N], summed across the warpgroups once at the end instead of every tile). With
+    OVERLAP, tile i's PV product is left running while tile i + 1's keys are awaited and its
+    QK product is queued behind it; tile i + 2's gather starts once tile i's PV product is done."""
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    if OVERLAP:
+        # Carried across iterations as wgmma accumulators still in flight: QK(i) and PV(i - 1).
+        s_tok = warpgroup_mma_init(zero_s)
+        acc = warpgroup_mma_init(acc)
+        if n_tiles > 0:
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    for i in range(n_tiles):
+        buf = i % 2
+        kv = kv_smem.index(buf)
+        if OVERLAP:
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # PV(i - 1); QK(i) may run on
+            gl.thread_barrier()                        # every warp is done with tile i - 1's buffer and P
+            if i + 1 < n_tiles:
+                _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block,
+                              stride_cache_offset, first + (i + 1) * BLOCK_N, last, kv_smem.index(1 - buf),
+                              BLOCK_SIZE, BLOCK_N, GATHER)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        else:
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            if i + 1 < n_tiles:
+                _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block,
+                              stride_cache_offset, first + (i + 1) * BLOCK_N, last, kv_smem.index(1 - buf),
+                              BLOCK_SIZE, BLOCK_N, GATHER)
+            s = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        j = first + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        slot = gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
+        s = gl.where((slot >= 0)[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))       # the sinks seed m: finite
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        if DEFER:
+            l_acc = l_acc * alpha[:, None] + p
+        else:
+            l_acc = l_acc * alpha + gl.sum(p, axis=1)
+        m = m_new
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+        if OVERLAP:
+            s_tok = warpgroup_mma_init(zero_s)
+            if i + 1 < n_tiles:
+                async_copy.wait_group(0)
+                fence_async_shared()
+                gl.thread_barrier()
+                s_tok = warpgroup_mma(q_smem, kv_smem.index(1 - buf).permute((1, 0)), zero_s, use_acc=False,
+                                      is_async=True)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return m, l_acc, acc
+
+
+@gluon.jit
 def _sparse_prefill_kernel(
     q_ptr, sinks_ptr, out_ptr, cache0_ptr, slots0_ptr, cache1_ptr, slots1_ptr,
     pos_ptr, inv_freq_ptr, rope_scaling, eps,
@@ -180,6 +253,7 @@ def _sparse_prefill_kernel(
     stride_slots1_t, stride_cache1_block, stride_cache1_offset,
     BLOCK_SIZE0: gl.constexpr, BLOCK_SIZE1: gl.constexpr, TWO_SOURCES: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_SCAN: gl.constexpr, ROPE: gl.constexpr, ROPE_HALF: gl.constexpr,
+    PIPELINE: gl.constexpr = 0,
 ):
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
@@ -217,20 +291,42 @@ def _sparse_prefill_kernel(
         _normalise_query(q_smem, pos, inv_freq_ptr, rope_scaling, eps, ROPE_HALF, GATHER, ROPE_PAIRS, SCAN)
 
     m = gl.load(sinks_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))) * 1.4426950408889634
-    l = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
     acc = gl.zeros([64, 512], gl.float32, O_LAYOUT)
-    m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache0_ptr, slots0_ptr, token,
-                              stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
-                              first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
+    if PIPELINE == 0:
+        l = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache0_ptr, slots0_ptr, token,
+                                  stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
+                                  first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
+    else:
+        # The sink's term (1 at m = the sink) rides in column 0 of the per-column sums.
+        if PIPELINE == 3:
+            l_acc = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
+        else:
+            s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+            l_acc = gl.where(s_cols[None, :] == 0, 1.0, 0.0) + gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+        m, l_acc, acc = _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache0_ptr, slots0_ptr, token,
+                                       stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
+                                       first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER,
+                                       PIPELINE >= 2, PIPELINE != 3)
     if TWO_SOURCES:
         first, last, n_tiles = _slot_range(slots1_ptr, token, stride_slots1_t, k1, BLOCK_N, BLOCK_SCAN, SCAN)
         gl.thread_barrier()                            # every warp is done with source 0's buffers
         if n_tiles > 0:
             _issue_gather(cache1_ptr, slots1_ptr, token, stride_slots1_t, stride_cache1_block,
                           stride_cache1_offset, first, last, kv_smem.index(0), BLOCK_SIZE1, BLOCK_N, GATHER)
-        m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache1_ptr, slots1_ptr, token,
-                                  stride_slots1_t, stride_cache1_block, stride_cache1_offset, qk_scale,
-                                  first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
+        if PIPELINE == 0:
+            m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache1_ptr, slots1_ptr, token,
+                                      stride_slots1_t, stride_cache1_block, stride_cache1_offset, qk_scale,
+                                      first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
+        else:
+            m, l_acc, acc = _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache1_ptr, slots1_ptr,
+                                           token, stride_slots1_t, stride_cache1_block, stride_cache1_offset,
+                                           qk_scale, first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT,
+                                           O_LAYOUT, GATHER, PIPELINE >= 2, PIPELINE != 3)
+    if PIPELINE == 3:
+        l = l_acc
+    elif PIPELINE != 0:
+        l = gl.sum(l_acc, axis=1)
     async_copy.wait_group(0)                           # q's copy, if no tile waited for it
     out = acc / gl.convert_layout(l, gl.SliceLayout(1, O_LAYOUT))[:, None]
     oh = gl.arange(0, 64, layout=gl.SliceLayout(1, O_LAYOUT))
@@ -289,5 +385,6 @@ def sparse_attention_prefill(q: torch.Tensor, sources: list[tuple[torch.Tensor, 
         s0.shape[1], s1.shape[1], scale * _LOG2E, q.stride(0), out.stride(0),
         s0.stride(0), c0.stride(0), c0.stride(1), s1.stride(0), c1.stride(0), c1.stride(1),
         BLOCK_SIZE0=c0.shape[1], BLOCK_SIZE1=c1.shape[1], TWO_SOURCES=len(sources) == 2,
-        BLOCK_N=block_n, BLOCK_SCAN=scan, ROPE=rope is not None, ROPE_HALF=half, num_warps=8)
+        BLOCK_N=block_n, BLOCK_SCAN=scan, ROPE=rope is not None, ROPE_HALF=half, PIPELINE=_PIPELINE,
+        num_warps=8)
     return out

@@ -1,0 +1,96 @@
+"""Where the Gluon prefill sparse-attention kernel's time goes, and whether its tile loop gains
+from overlapping (issue 5). T=4096, 64 heads x 512, window 128 + top-512 and window only, the
+query's norm + rope inside the kernel (the model's path).
+
+Tile loops (``sparse_attention_gluon._PIPELINE``), each checked against the reference:
+  0  the default: gather(i + 1) | QK(i), wait | softmax (row max and sum across the two
+     warpgroups) | PV(i), wait;
+  1  the softmax denominator kept per score column and summed once at the end;
+  2  1, and PV(i) left running while tile i + 1's keys are awaited and QK(i + 1) queued;
+  3  2 without 1.
+Ablations of loop 0 (timing only, wrong outputs): without the PV product, without the QK
+product, without the key gathers, without the epilogue's divide (``l`` = 1), and the kernel
+without the query prologue (rope=None, norm + rope not done at all).
+
+    PYTHONPATH=. python3 scripts/probes/gluon_attention_pipeline.py
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import tempfile
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, "scripts")
+import gpu_kernel_check as g  # noqa: E402
+
+from deepinfer.kernels import reference  # noqa: E402
+from deepinfer.kernels import sparse_attention_gluon as sag  # noqa: E402
+
+DEV, BF16 = "cuda", torch.bfloat16
+T, H, D, BS = 4096, 64, 512, 16
+SRC = open(sag.__file__).read()
+
+ABLATIONS = {
+    "no PV": ("        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)\n"
+              "        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))\n"
+              "    return m, l, acc\n", "    return m, l, acc\n"),
+    "no QK": ("        s = warpgroup_mma(q_smem, kv.permute((1, 0)),\n"
+              "                          gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)\n"
+              "        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))\n",
+              "        s = gl.full([64, BLOCK_N], 0.5, gl.float32, S_LAYOUT)\n"),
+    "no gather": ("    async_copy.async_copy_global_to_shared(kv_buf, cache_ptr + row[:, None] + dims[None, :], "
+                  "mask=valid[:, None])\n", ""),
+}
+
+
+def load_variant(name: str, src: str):
+    path = os.path.join(tempfile.mkdtemp(), f"_gv_{abs(hash(name))}.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    positions = torch.arange(T, device=DEV)
+    seq_of = torch.zeros(T, dtype=torch.long, device=DEV)
+    blocks = -(-T // BS)
+    win, top, _ = g.v4_slots(positions, seq_of, 128, 4, 512, BS, blocks)
+    wc, ec = g.v4_caches(blocks, BS, [D, D])
+    q = torch.randn(T, H, D, device=DEV, dtype=BF16)
+    sinks = torch.randn(H, device=DEV)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEV) / 64))
+    rope = sag.QueryRope(positions, inv_freq, 1.0, 1e-6)
+    scale = D ** -0.5
+    mods = {"loop 0": (sag, 0), "loop 1": (sag, 1), "loop 2": (sag, 2), "loop 3": (sag, 3)}
+    for name, (old, new) in ABLATIONS.items():
+        assert old in SRC, name
+        mods[name] = (load_variant(name, SRC.replace(old, new)), 0)
+    for case, sources in (("window + top-512", [(wc, win), (ec, top)]), ("window", [(wc, win)])):
+        keys = sum(int((s >= 0).sum()) for _, s in sources)
+        qn = reference.q_norm_rope(q, positions, inv_freq, 1.0, 1e-6)
+        want = reference.sparse_attention(qn, sources, sinks, scale).float()
+        results = {}
+        for rnd in range(2):                      # two alternated rounds: clocks drift under load
+            for tag, (mod, loop) in list(mods.items()) + [("no prologue", (sag, 0))]:
+                mod._PIPELINE = loop
+                r = None if tag == "no prologue" else rope
+                fn = (lambda mod=mod, r=r: mod.sparse_attention_prefill(q, sources, sinks, scale, rope=r))
+                err = (fn().float() - want).abs().max().item()
+                ms = do_bench(fn, warmup=5, rep=40, return_mode="median")
+                results.setdefault(tag, []).append((ms, err))
+        for tag, runs in results.items():
+            ms = min(r[0] for r in runs)
+            print(f"{case:17s} {tag:12s} {ms * 1e3:8.1f} us (rounds {' / '.join(f'{r[0] * 1e3:.1f}' for r in runs)})"
+                  f" {4 * H * D * keys / ms / 1e9:6.1f} TFLOP/s max err {runs[0][1]:.3g}", flush=True)
+    sag._PIPELINE = 0
+
+
+if __name__ == "__main__":
+    main()
