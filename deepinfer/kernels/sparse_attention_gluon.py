@@ -48,7 +48,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -58,8 +57,6 @@ HEADS, HEAD_DIM = 64, 512
 # with the same 254 registers: the scan runs before the accumulator is live). 8192 covers the
 # HCA entries of a 1M-token context; wider rows take the Triton kernel, which loops its scan.
 MAX_SLOTS = 8192
-# Tile loop: 0 the original, 1 per-column softmax sums, 2 those and PV(i) overlapping tile i + 1's wait.
-_PIPELINE = 0
 
 
 class QueryRope(NamedTuple):
@@ -122,12 +119,16 @@ def _slot_range(slots_ptr, token, stride_slots_t, k, BLOCK_N: gl.constexpr, BLOC
 
 
 @gluon.jit
-def _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block, stride_cache_offset,
-                  n0, last, kv_buf, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                  GATHER: gl.constexpr):
-    """cp.async of the keys of slots n0 .. n0 + BLOCK_N - 1 (those <= last and >= 0) into kv_buf."""
+def _gather_slots(slots_ptr, token, stride_slots_t, n0, last, BLOCK_N: gl.constexpr, GATHER: gl.constexpr):
+    """Slots n0 .. n0 + BLOCK_N - 1 of the token's row (-1 past ``last``), in the gather's row layout."""
     j = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER))
-    slot = gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
+    return gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
+
+
+@gluon.jit
+def _copy_rows(cache_ptr, slot, stride_cache_block, stride_cache_offset, kv_buf, BLOCK_SIZE: gl.constexpr,
+               GATHER: gl.constexpr):
+    """cp.async of the keys of ``slot`` (those >= 0) into kv_buf."""
     valid = slot >= 0
     slot = gl.where(valid, slot, 0)
     row = (slot // BLOCK_SIZE).to(gl.int64) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
@@ -137,25 +138,42 @@ def _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_bloc
 
 
 @gluon.jit
-def _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache_ptr, slots_ptr, token, stride_slots_t,
+def _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block, stride_cache_offset,
+                  n0, last, kv_buf, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  GATHER: gl.constexpr):
+    """cp.async of the keys of slots n0 .. n0 + BLOCK_N - 1 (those <= last and >= 0) into kv_buf."""
+    slot = _gather_slots(slots_ptr, token, stride_slots_t, n0, last, BLOCK_N, GATHER)
+    _copy_rows(cache_ptr, slot, stride_cache_block, stride_cache_offset, kv_buf, BLOCK_SIZE, GATHER)
+
+
+@gluon.jit
+def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache_ptr, slots_ptr, token, stride_slots_t,
                   stride_cache_block, stride_cache_offset, qk_scale, first, last, n_tiles,
                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
                   O_LAYOUT: gl.constexpr, GATHER: gl.constexpr):
-    """Online softmax over the source's tiles; tile 0's gather was issued by the caller."""
+    """Online softmax over the source's tiles; tile 0's gather was issued by the caller.
+
+    The softmax denominator is kept per score column (``l_acc`` [64, BLOCK_N]) and summed
+    across the warpgroups once, by the caller, instead of every tile; the slot ids of tile
+    i + 1's gather are loaded during tile i, so the gather issues without waiting on a load.
+    (H200, T=4096, window + top-512 with the query prologue: 1,046 -> 1,004 us;
+    ``scripts/probes/gluon_attention_pipeline.py``.)"""
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + BLOCK_N, last, BLOCK_N, GATHER)
     for i in range(n_tiles):
         buf = i % 2
+        kv = kv_smem.index(buf)
         # Tile i has landed (each thread waits for its own copies; the barrier makes
         # everyone's visible, and means every warp is done with tile i - 1's buffer and P).
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
         if i + 1 < n_tiles:
-            _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block,
-                          stride_cache_offset, first + (i + 1) * BLOCK_N, last, kv_smem.index(1 - buf),
-                          BLOCK_SIZE, BLOCK_N, GATHER)
-        kv = kv_smem.index(buf)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)),
-                          gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+            _copy_rows(cache_ptr, nxt, stride_cache_block, stride_cache_offset, kv_smem.index(1 - buf),
+                       BLOCK_SIZE, GATHER)
+            nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + (i + 2) * BLOCK_N, last,
+                                BLOCK_N, GATHER)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         j = first + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         slot = gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
@@ -163,7 +181,7 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache_ptr, slots_ptr, toke
         m_new = gl.maximum(m, gl.max(s, axis=1))       # the sinks seed m: finite
         alpha = gl.exp2(m - m_new)
         p = gl.exp2(s - m_new[:, None])
-        l = l * alpha + gl.sum(p, axis=1)
+        l_acc = l_acc * alpha[:, None] + p
         m = m_new
         p_smem.store(p.to(gl.bfloat16))
         fence_async_shared()
@@ -171,76 +189,6 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache_ptr, slots_ptr, toke
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return m, l, acc
-
-
-@gluon.jit
-def _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache_ptr, slots_ptr, token, stride_slots_t,
-                   stride_cache_block, stride_cache_offset, qk_scale, first, last, n_tiles,
-                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
-                   O_LAYOUT: gl.constexpr, GATHER: gl.constexpr, OVERLAP: gl.constexpr, DEFER: gl.constexpr):
-    """As :func:`_attend_tiles`, with the softmax denominator kept per score column (``l_acc``
-    [64, BLOCK_N], summed across the warpgroups once at the end instead of every tile). With
-    OVERLAP, tile i's PV product is left running while tile i + 1's keys are awaited and its
-    QK product is queued behind it; tile i + 2's gather starts once tile i's PV product is done."""
-    zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
-    if OVERLAP:
-        # Carried across iterations as wgmma accumulators still in flight: QK(i) and PV(i - 1).
-        s_tok = warpgroup_mma_init(zero_s)
-        acc = warpgroup_mma_init(acc)
-        if n_tiles > 0:
-            async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            s_tok = warpgroup_mma(q_smem, kv_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    for i in range(n_tiles):
-        buf = i % 2
-        kv = kv_smem.index(buf)
-        if OVERLAP:
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # PV(i - 1); QK(i) may run on
-            gl.thread_barrier()                        # every warp is done with tile i - 1's buffer and P
-            if i + 1 < n_tiles:
-                _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block,
-                              stride_cache_offset, first + (i + 1) * BLOCK_N, last, kv_smem.index(1 - buf),
-                              BLOCK_SIZE, BLOCK_N, GATHER)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        else:
-            async_copy.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()
-            if i + 1 < n_tiles:
-                _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block,
-                              stride_cache_offset, first + (i + 1) * BLOCK_N, last, kv_smem.index(1 - buf),
-                              BLOCK_SIZE, BLOCK_N, GATHER)
-            s = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-        j = first + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        slot = gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
-        s = gl.where((slot >= 0)[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))       # the sinks seed m: finite
-        alpha = gl.exp2(m - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        if DEFER:
-            l_acc = l_acc * alpha[:, None] + p
-        else:
-            l_acc = l_acc * alpha + gl.sum(p, axis=1)
-        m = m_new
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        gl.thread_barrier()
-        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-        if OVERLAP:
-            s_tok = warpgroup_mma_init(zero_s)
-            if i + 1 < n_tiles:
-                async_copy.wait_group(0)
-                fence_async_shared()
-                gl.thread_barrier()
-                s_tok = warpgroup_mma(q_smem, kv_smem.index(1 - buf).permute((1, 0)), zero_s, use_acc=False,
-                                      is_async=True)
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     return m, l_acc, acc
 
 
@@ -253,7 +201,6 @@ def _sparse_prefill_kernel(
     stride_slots1_t, stride_cache1_block, stride_cache1_offset,
     BLOCK_SIZE0: gl.constexpr, BLOCK_SIZE1: gl.constexpr, TWO_SOURCES: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_SCAN: gl.constexpr, ROPE: gl.constexpr, ROPE_HALF: gl.constexpr,
-    PIPELINE: gl.constexpr = 0,
 ):
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                        instr_shape=[16, BLOCK_N // 2, 16])
@@ -292,41 +239,22 @@ def _sparse_prefill_kernel(
 
     m = gl.load(sinks_ptr + gl.arange(0, 64, layout=gl.SliceLayout(1, S_LAYOUT))) * 1.4426950408889634
     acc = gl.zeros([64, 512], gl.float32, O_LAYOUT)
-    if PIPELINE == 0:
-        l = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-        m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache0_ptr, slots0_ptr, token,
+    # Per-column softmax sums; the sink's term (1 at m = the sink) rides in column 0.
+    s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    l_acc = gl.where(s_cols[None, :] == 0, 1.0, 0.0) + gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    m, l_acc, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache0_ptr, slots0_ptr, token,
                                   stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
                                   first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
-    else:
-        # The sink's term (1 at m = the sink) rides in column 0 of the per-column sums.
-        if PIPELINE == 3:
-            l_acc = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-        else:
-            s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-            l_acc = gl.where(s_cols[None, :] == 0, 1.0, 0.0) + gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
-        m, l_acc, acc = _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache0_ptr, slots0_ptr, token,
-                                       stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
-                                       first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER,
-                                       PIPELINE >= 2, PIPELINE != 3)
     if TWO_SOURCES:
         first, last, n_tiles = _slot_range(slots1_ptr, token, stride_slots1_t, k1, BLOCK_N, BLOCK_SCAN, SCAN)
         gl.thread_barrier()                            # every warp is done with source 0's buffers
         if n_tiles > 0:
             _issue_gather(cache1_ptr, slots1_ptr, token, stride_slots1_t, stride_cache1_block,
                           stride_cache1_offset, first, last, kv_smem.index(0), BLOCK_SIZE1, BLOCK_N, GATHER)
-        if PIPELINE == 0:
-            m, l, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l, acc, cache1_ptr, slots1_ptr, token,
+        m, l_acc, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache1_ptr, slots1_ptr, token,
                                       stride_slots1_t, stride_cache1_block, stride_cache1_offset, qk_scale,
                                       first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
-        else:
-            m, l_acc, acc = _attend_tiles2(q_smem, kv_smem, p_smem, m, l_acc, acc, cache1_ptr, slots1_ptr,
-                                           token, stride_slots1_t, stride_cache1_block, stride_cache1_offset,
-                                           qk_scale, first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT,
-                                           O_LAYOUT, GATHER, PIPELINE >= 2, PIPELINE != 3)
-    if PIPELINE == 3:
-        l = l_acc
-    elif PIPELINE != 0:
-        l = gl.sum(l_acc, axis=1)
+    l = gl.sum(l_acc, axis=1)
     async_copy.wait_group(0)                           # q's copy, if no tile waited for it
     out = acc / gl.convert_layout(l, gl.SliceLayout(1, O_LAYOUT))[:, None]
     oh = gl.arange(0, 64, layout=gl.SliceLayout(1, O_LAYOUT))
@@ -385,6 +313,5 @@ def sparse_attention_prefill(q: torch.Tensor, sources: list[tuple[torch.Tensor, 
         s0.shape[1], s1.shape[1], scale * _LOG2E, q.stride(0), out.stride(0),
         s0.stride(0), c0.stride(0), c0.stride(1), s1.stride(0), c1.stride(0), c1.stride(1),
         BLOCK_SIZE0=c0.shape[1], BLOCK_SIZE1=c1.shape[1], TWO_SOURCES=len(sources) == 2,
-        BLOCK_N=block_n, BLOCK_SCAN=scan, ROPE=rope is not None, ROPE_HALF=half, PIPELINE=_PIPELINE,
-        num_warps=8)
+        BLOCK_N=block_n, BLOCK_SCAN=scan, ROPE=rope is not None, ROPE_HALF=half, num_warps=8)
     return out

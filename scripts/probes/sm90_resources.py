@@ -135,14 +135,14 @@ def _moe_gate_up(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
                 divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
-def _gluon_sparse(two_sources: bool, rope: bool, pipeline: int = 0) -> Case:
+def _gluon_sparse(two_sources: bool, rope: bool) -> Case:
     kernel = sparse_attention_gluon._sparse_prefill_kernel
     types = {n: t for n, t in _SPARSE_TYPES.items() if n in kernel.arg_names}
     types.update({"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "rope_scaling": "fp32", "eps": "fp32",
                   "slots0_ptr": "*i64", "slots1_ptr": "*i64"})
     divisible = {n for n in types if n.endswith("_ptr") or n.startswith("stride") or n in ("k0", "k1")}
     return Case(kernel, types, dict(BLOCK_SIZE0=16, BLOCK_SIZE1=16, TWO_SOURCES=two_sources, BLOCK_N=64,
-                                    BLOCK_SCAN=512, ROPE=rope, ROPE_HALF=32, PIPELINE=pipeline), divisible, 8, 1)
+                                    BLOCK_SCAN=512, ROPE=rope, ROPE_HALF=32), divisible, 8, 1)
 
 
 def _moe_down(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
@@ -231,11 +231,6 @@ CASES: dict[str, Callable[[], Case]] = {
     "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
     "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
     "gluon_sparse_prefill_window_rope": lambda: _gluon_sparse(False, True),
-    "gluon_sparse_prefill_window_top512_rope_p1": lambda: _gluon_sparse(True, True, 1),
-    "gluon_sparse_prefill_window_top512_rope_p2": lambda: _gluon_sparse(True, True, 2),
-    "gluon_sparse_prefill_window_rope_p2": lambda: _gluon_sparse(False, True, 2),
-    "gluon_sparse_prefill_window_top512_rope_p3": lambda: _gluon_sparse(True, True, 3),
-    "gluon_sparse_prefill_window_rope_p3": lambda: _gluon_sparse(False, True, 3),
     "sparse_prefill_window_top512_N64_s2": lambda: _sparse(True, 64, 2, False),
     "sparse_prefill_window_N64_s2": lambda: _sparse(False, 64, 2, False, scan=128),
     "sparse_prefill_window_top512_N32_s3": lambda: _sparse(True, 32, 3, False),

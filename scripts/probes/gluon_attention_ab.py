@@ -1,18 +1,24 @@
-"""Where the Gluon prefill sparse-attention kernel's time goes, and whether its tile loop gains
-from overlapping (issue 5). T=4096, 64 heads x 512, window 128 + top-512 and window only, the
-query's norm + rope inside the kernel (the model's path).
+"""The Gluon prefill sparse-attention kernel against older copies of its file, and where its time
+goes (issue 5). T=4096, 64 heads x 512, window 128 + top-512 and window only, the query's norm +
+rope inside the kernel (the model's path); each variant checked against the reference, two
+alternated rounds, the faster kept.
 
-Tile loops (``sparse_attention_gluon._PIPELINE``), each checked against the reference:
-  0  the default: gather(i + 1) | QK(i), wait | softmax (row max and sum across the two
-     warpgroups) | PV(i), wait;
-  1  the softmax denominator kept per score column and summed once at the end;
-  2  1, and PV(i) left running while tile i + 1's keys are awaited and QK(i + 1) queued;
-  3  2 without 1.
-Ablations of loop 0 (timing only, wrong outputs): without the PV product, without the QK
-product, without the key gathers, without the epilogue's divide (``l`` = 1), and the kernel
-without the query prologue (rope=None, norm + rope not done at all).
+    git show REV:deepinfer/kernels/sparse_attention_gluon.py > /tmp/old_gluon.py
+    PYTHONPATH=. python3 scripts/probes/gluon_attention_ab.py [/tmp/old_gluon.py ...] [--ablations]
 
-    PYTHONPATH=. python3 scripts/probes/gluon_attention_pipeline.py
+With --ablations, the current kernel also without the PV product, without the QK product,
+without the key gathers, and without the query prologue (rope=None: the norm + rope not done at
+all); timing only, their outputs are wrong.
+
+Tile loops measured with it (H200, 2026-12-04, window + top-512 / window, us; 4cdb3b8 and its
+successor held them side by side behind a constexpr):
+  the loop before: 1,046 / 470; softmax sums kept per column and reduced once: 1,016 / 464;
+  that plus each gather's slot ids loaded a tile ahead: 1,004 / 463 (kept); that plus each
+  tile's mask loaded before its QK: 1,039 / 461; PV(i) left running while tile i + 1's keys
+  were awaited and QK(i + 1) queued behind it: 1,132 / 490 (tile i + 1's gather could then
+  start only once PV(i - 1) was done, and its latency showed).
+Ablations of the loop before (us, window + top-512 / window): all 1,038 / 472; no PV 887 /
+434; no QK 797 / 407; no gathers 936 / 449; no query prologue 975 / 402.
 """
 from __future__ import annotations
 
@@ -37,9 +43,8 @@ SRC = open(sag.__file__).read()
 ABLATIONS = {
     "no PV": ("        acc = warpgroup_mma(p_smem, kv, acc, is_async=True)\n"
               "        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))\n"
-              "    return m, l, acc\n", "    return m, l, acc\n"),
-    "no QK": ("        s = warpgroup_mma(q_smem, kv.permute((1, 0)),\n"
-              "                          gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)\n"
+              "    return m, l_acc, acc\n", "    return m, l_acc, acc\n"),
+    "no QK": ("        s = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)\n"
               "        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))\n",
               "        s = gl.full([64, BLOCK_N], 0.5, gl.float32, S_LAYOUT)\n"),
     "no gather": ("    async_copy.async_copy_global_to_shared(kv_buf, cache_ptr + row[:, None] + dims[None, :], "
@@ -68,18 +73,20 @@ def main() -> None:
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEV) / 64))
     rope = sag.QueryRope(positions, inv_freq, 1.0, 1e-6)
     scale = D ** -0.5
-    mods = {"loop 0": (sag, 0), "loop 1": (sag, 1), "loop 2": (sag, 2), "loop 3": (sag, 3)}
-    for name, (old, new) in ABLATIONS.items():
+    ablations = "--ablations" in sys.argv
+    mods = {"current": sag}
+    for path in (a for a in sys.argv[1:] if not a.startswith("--")):
+        mods[os.path.basename(path)] = load_variant(path, open(path).read())
+    for name, (old, new) in ABLATIONS.items() if ablations else ():
         assert old in SRC, name
-        mods[name] = (load_variant(name, SRC.replace(old, new)), 0)
+        mods[name] = load_variant(name, SRC.replace(old, new))
     for case, sources in (("window + top-512", [(wc, win), (ec, top)]), ("window", [(wc, win)])):
         keys = sum(int((s >= 0).sum()) for _, s in sources)
         qn = reference.q_norm_rope(q, positions, inv_freq, 1.0, 1e-6)
         want = reference.sparse_attention(qn, sources, sinks, scale).float()
         results = {}
         for rnd in range(2):                      # two alternated rounds: clocks drift under load
-            for tag, (mod, loop) in list(mods.items()) + [("no prologue", (sag, 0))]:
-                mod._PIPELINE = loop
+            for tag, mod in list(mods.items()) + ([("no prologue", sag)] if ablations else []):
                 r = None if tag == "no prologue" else rope
                 fn = (lambda mod=mod, r=r: mod.sparse_attention_prefill(q, sources, sinks, scale, rope=r))
                 err = (fn().float() - want).abs().max().item()
@@ -89,7 +96,6 @@ def main() -> None:
             ms = min(r[0] for r in runs)
             print(f"{case:17s} {tag:12s} {ms * 1e3:8.1f} us (rounds {' / '.join(f'{r[0] * 1e3:.1f}' for r in runs)})"
                   f" {4 * H * D * keys / ms / 1e9:6.1f} TFLOP/s max err {runs[0][1]:.3g}", flush=True)
-    sag._PIPELINE = 0
 
 
 if __name__ == "__main__":
