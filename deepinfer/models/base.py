@@ -14,7 +14,7 @@ router or mixing weights).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,14 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> hidden states [T, H] (final norm applied)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward")
+
+    def forward_rows(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                     select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The hidden states of the rows the caller needs: ``select(forward(...))``, where
+        ``select`` takes the rows (the first dimension) it wants from a per-token tensor. A
+        model whose last per-token layers cost time overrides it to run them on those rows
+        only (a prefill samples from one row of thousands, or none at all mid-prompt)."""
+        return select(self(input_ids, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""

@@ -222,19 +222,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             handle.start, handle.prev_end = torch.cuda.Event(enable_timing=True), self._prev_end
             handle.start.record()
-        with record_function("deepinfer.forward"):
-            hidden = self._forward(input_ids, ctx)                        # [T, H]
-
         # Rows whose logits are needed: prompt-logprob rows, then one row per sampled sequence.
         rows: list[int] = []
         for seq, start in zip(plan.seqs, ctx.query_start_loc):
             rows.extend(range(start, start + seq.prompt_logprob_rows))
             if seq.sample:
                 rows.append(start + len(seq.token_ids) - 1)
+        with record_function("deepinfer.forward"):
+            hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
         self._last_sampled = None
         if rows:
             with record_function("deepinfer.sample"):
-                logits = self.model.compute_logits(self._select(hidden, rows))          # [N, V]
+                logits = self.model.compute_logits(hidden)                      # [N, V]
                 self._launch_sampling(plan, logits, handle)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
@@ -334,7 +333,9 @@ class ModelRunner:
         return to_device(values, torch.long, self.device)
 
     def _select(self, t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """``t[rows]``: a view when the rows are consecutive (a decode step's), else a gather."""
+        """``t[rows]``: a view when the rows are consecutive (a decode step's) or none, else a gather."""
+        if not rows:
+            return t[:0]
         first = _run_start(rows)
         if first is not None:
             return t[first:first + len(rows)]
@@ -387,9 +388,10 @@ class ModelRunner:
                              token_seq=to_device(inputs.token_seq, torch.int32, self.device))
         return to_device(inputs.input_ids, torch.long, self.device), ctx
 
-    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [T, H]: a decode graph's replay when ``_prepare`` gave its static
-        buffers, the eager forward otherwise."""
+    def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
+        """Hidden states [N, H] of ``rows``: a decode graph's replay when ``_prepare`` gave its
+        static buffers, the eager forward otherwise (where the model may run its last per-token
+        layers on those rows only: :meth:`CausalLM.forward_rows`)."""
         if self.decode_graphs is not None and self.decode_graphs.holds(input_ids):
-            return self.decode_graphs.run(input_ids, ctx)
-        return self.model(input_ids, ctx)
+            return self._select(self.decode_graphs.run(input_ids, ctx), rows)
+        return self.model.forward_rows(input_ids, ctx, lambda t: self._select(t, rows))

@@ -132,6 +132,24 @@ def test_prefill_matches_hf_with_hf_names(hf_style):
     assert len(ours.mtp) == 0
 
 
+def test_forward_rows_runs_the_head_on_the_selected_rows(hf_style):
+    """The runner's path: the head mixing and final norm on the sampled rows only give those
+    rows' logits from the full forward (and HF's), and on no rows an empty result."""
+    ref, ours, _ = hf_style
+    seqs = prompts(SEQ_LENS, HF_STYLE["vocab_size"])
+    ctx = ForwardContext.no_cache([len(s) for s in seqs], CPU)
+    ids = torch.cat(seqs)
+    rows = torch.tensor([len(seqs[0]) - 1, sum(SEQ_LENS) - 1, 0])
+    with torch.no_grad():
+        full = ours(ids, ctx)
+        picked = ours.forward_rows(ids, ctx, lambda t: t.index_select(0, rows))
+        none = ours.forward_rows(ids, ctx, lambda t: t[:0])
+    assert picked.shape == (3, full.shape[1]) and none.shape == (0, full.shape[1])
+    torch.testing.assert_close(picked, full[rows], rtol=1e-5, atol=1e-5)
+    last = hf_logits(ref, seqs[-1])[-1]
+    assert rel_err(ours.compute_logits(picked[1:2])[0], last) <= RTOL
+
+
 def test_hf_style_sensitive_to_sparse_selection(hf_style):
     """The test above would notice a wrong top-k: keeping every entry changes the logits."""
     ref, ours, config = hf_style
