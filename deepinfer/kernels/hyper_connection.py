@@ -91,7 +91,7 @@ def _hc_pre_kernel(
     FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BF16_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, COPIES: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     split = tl.program_id(0)
@@ -109,7 +109,11 @@ def _hc_pre_kernel(
     for k0 in range(0, cols_per_split, BLOCK_K):
         ks = k_begin + k0 + kk                                        # [BK]
         kmask = ks < K
-        x = tl.load(s_ptr + toks[:, None] * s_stride + ks[None, :],
+        if COPIES:                                                    # n copies of one [T, D] row
+            cs = tl.multiple_of((k_begin + k0) % D, BLOCK_K) + kk     # BLOCK_K divides D
+        else:
+            cs = ks
+        x = tl.load(s_ptr + toks[:, None] * s_stride + cs[None, :],
                     mask=tmask[:, None] & kmask[None, :], other=0.0)  # [BT, BK] streams' dtype
         xf = x.to(tl.float32)
         w_ptrs = fn_ptr + cols[None, :] * K + ks[:, None]             # [BK, NCOL]
@@ -193,7 +197,8 @@ def _hc_pre_kernel(
                     xo = tl.zeros([BLOCK_D], tl.float32)
                     for jj in tl.static_range(N):
                         pj = tl.sum(tl.where(j == jj, pt, 0.0), axis=0)
-                        sv = tl.load(s_ptr + tok * s_stride + jj * D + ds, mask=dmask, other=0.0)
+                        sv = tl.load(s_ptr + tok * s_stride + (0 if COPIES else jj * D) + ds, mask=dmask,
+                                     other=0.0)
                         xo += pj * sv.to(tl.float32)
                     tl.store(x_ptr + tok * x_stride + ds, xo.to(x_ptr.dtype.element_ty), mask=dmask)
         else:
@@ -204,6 +209,7 @@ def _hc_pre_kernel(
 def _hc_collapse_kernel(
     s_ptr, pre_ptr, w_ptr, x_ptr, D, s_stride, x_stride, eps,
     N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
+    COPIES: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -211,7 +217,7 @@ def _hc_collapse_kernel(
     dmask = ds < D
     xo = tl.zeros([BLOCK_D], tl.float32)
     for j in tl.static_range(N):                                      # stream order, as the reference
-        sv = tl.load(s_ptr + t * s_stride + j * D + ds, mask=dmask, other=0.0)
+        sv = tl.load(s_ptr + t * s_stride + (0 if COPIES else j * D) + ds, mask=dmask, other=0.0)
         xo += tl.load(pre_ptr + t * N + j) * sv.to(tl.float32)
     xo = xo.to(x_ptr.dtype.element_ty)                                # the block input, as unfused
     if NORM:
@@ -228,6 +234,7 @@ def _hc_post_kernel(
     o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr,
     D, o_stride, s_stride, out_stride,
     N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    COPIES: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -240,7 +247,7 @@ def _hc_post_kernel(
     acc = post[:, None] * bo[None, :]                                 # [NP(k), BD]
     for j in tl.static_range(N):
         cj = tl.load(comb_ptr + (t * N + j) * N + k, mask=kmask, other=0.0)     # comb[t, j, :]
-        sj = tl.load(s_ptr + t * s_stride + j * D + ds, mask=dmask, other=0.0).to(tl.float32)
+        sj = tl.load(s_ptr + t * s_stride + (0 if COPIES else j * D) + ds, mask=dmask, other=0.0).to(tl.float32)
         acc += cj[:, None] * sj[None, :]
     tl.store(out_ptr + t * out_stride + k[:, None] * D + ds[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=kmask[:, None] & dmask[None, :])
@@ -307,21 +314,27 @@ def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _streams_2d(streams: torch.Tensor, who: str) -> torch.Tensor:
-    """[T, n, D] -> [T, n*D] view with unit column stride (copied only when it cannot be)."""
+def _streams_2d(streams: torch.Tensor, who: str, block_k: int = 1) -> tuple[torch.Tensor, bool]:
+    """[T, n, D] -> ([T, n*D] view with unit column stride, False), copied only when it cannot
+    be; or, for n copies of one row (an ``expand`` of [T, 1, D]: stream stride 0, as the first
+    layer's streams are), ([T, D] view, True), which the kernels read n times instead of n
+    materialised copies (``block_k`` must divide D for the projection's K tiles)."""
     if streams.dim() != 3:
         raise ValueError(f"{who}: streams must be [T, n, D], got shape {tuple(streams.shape)}")
     t, n, d = streams.shape
+    if streams.stride(1) == 0 and streams.stride(2) == 1 and d % block_k == 0 and n > 1:
+        return streams.as_strided((t, d), (streams.stride(0), 1)), True
     if streams.stride(2) != 1 or streams.stride(1) != d:
         streams = streams.contiguous()
-    return streams.as_strided((t, n * d), (streams.stride(0), 1))
+    return streams.as_strided((t, n * d), (streams.stride(0), 1)), False
 
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
          config: HCConfig | None, who: str, norm: tuple[torch.Tensor, float] | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    s2 = _streams_2d(streams, who)
+    if streams.dim() != 3:
+        raise ValueError(f"{who}: streams must be [T, n, D], got shape {tuple(streams.shape)}")
     t, n, d = streams.shape
     nmix = (2 + n) * n if full else n
     dev = streams.device
@@ -351,6 +364,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     cfg = config or pick_config(t, dev, streams.dtype)
     if num_splits is not None:
         cfg = cfg._replace(num_splits=num_splits)
+    s2, copies = _streams_2d(streams, who, cfg.block_k)
     k_total = n * d
     block_t, block_k = cfg.block_t, cfg.block_k
     n_tb = triton.cdiv(t, block_t)
@@ -382,7 +396,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         BF16_SPLIT=cfg.bf16_split, BF16_DOT=dev.type == "cuda",
         BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_S=block_s,
         BLOCK_D=min(triton.next_power_of_2(d), 4096), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.flags(s2.device))
+        COPIES=copies, **pdl.flags(s2.device))
     if not collapse:
         # Collapse tile: 1024 columns per program (4 warps, 8 per thread), one token per row of
         # the grid; with the norm the whole row, as the norm kernel tiles it.
@@ -393,7 +407,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
             (block_d, warps), (w_arg, eps_arg) = row_config(d), norm
         _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
             s2, pre, w_arg, x, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
-            NORM=norm is not None, num_warps=warps, **pdl.flags(s2.device))
+            NORM=norm is not None, COPIES=copies, num_warps=warps, **pdl.flags(s2.device))
     return x, post, comb
 
 
@@ -421,7 +435,7 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
             comb: torch.Tensor) -> torch.Tensor:
     """block_out [T, D]; streams [T, n, D]; post [T, n] float32; comb [T, n, n] float32 ->
     new streams [T, n, D] in the streams' dtype."""
-    s2 = _streams_2d(streams, "hc_post")
+    s2, copies = _streams_2d(streams, "hc_post")
     t, n, d = streams.shape
     if block_out.shape != (t, d) or block_out.stride(-1) != 1:
         raise ValueError(f"hc_post: block_out must be [{t}, {d}] with unit column stride, got shape "
@@ -442,5 +456,6 @@ def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
     block_d = min(triton.next_power_of_2(d), 256 if t < 64 else 1024)
     _hc_post_kernel[(t, triton.cdiv(d, block_d))](
         block_out, s2, post, comb, out, d, block_out.stride(0), s2.stride(0), out.stride(0),
-        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=4, **pdl.flags(block_out.device))
+        N=n, NP=triton.next_power_of_2(n), BLOCK_D=block_d, COPIES=copies, num_warps=4,
+        **pdl.flags(block_out.device))
     return out

@@ -265,10 +265,10 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids: [T] -> pre-head streams [T, n, Hd]
-        # The n streams start as n copies of the embedding: one gather writes them all (an
-        # embedding then a copy into n streams wrote and re-read [T, Hd] once more: 72 us at
-        # T=4096 on the H200 for the copy alone).
-        streams = self.embed_tokens(input_ids[:, None].expand(-1, self.hc_mult))          # [T, n, Hd]
+        # The n streams start as n copies of the embedding, left as a view (stream stride 0):
+        # the first connection's kernels read the one row n times, bit for bit what they read
+        # from n written copies, and its hc_post writes the first materialised streams.
+        streams = self.embed_tokens(input_ids)[:, None, :].expand(-1, self.hc_mult, -1)     # [T, n, Hd]
         ropes = self.rotary_emb.by_type()
         for layer in self.layers:
             streams = layer(streams, input_ids, ctx, ropes)

@@ -174,6 +174,21 @@ def _hc_collapse(norm: bool) -> Case:
                 options={"launch_pdl": True})
 
 
+def _hc_pre(block_t: int, block_k: int, warps: int, stages: int, copies: bool = False) -> Case:
+    # V4-Flash prefill: bf16 streams [T, 4 * 4096], fn float32 [24, 16384] split into bf16 parts.
+    types = {"s_ptr": "*bf16", "fn_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32",
+             "part_ptr": "*fp32", "count_ptr": "*i32", "x_ptr": "*bf16", "pre_ptr": "*fp32",
+             "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32", "D": "i32", "s_stride": "i32",
+             "x_stride": "i32", "cols_per_split": "i32", "n_splits": "i32", "sinkhorn_iters": "i32",
+             "hc_eps": "fp32", "norm_eps": "fp32"}
+    divisible = {n for n in types if n.endswith("_ptr")} | {"T", "D", "s_stride", "x_stride", "cols_per_split"}
+    return Case(hyper_connection._hc_pre_kernel, types,
+                dict(N=4, NP=4, NMIX=24, NCOL=32, FULL=True, COLLAPSE=False, PRECISION="tf32x3", USE_DOT=True,
+                     BF16_SPLIT=True, BF16_DOT=True, BLOCK_T=block_t, BLOCK_K=block_k,
+                     BLOCK_S=max(1, min(8, 8192 // (block_t * 32))), BLOCK_D=4096, PDL=True, COPIES=copies),
+                divisible, warps, stages, options={"launch_pdl": True})
+
+
 def _rms_norm_row() -> Case:
     # The unfused norm the collapse's NORM path must match (same reduction layout).
     block, warps = rms_norm.row_config(4096)
@@ -248,6 +263,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "moe_down_decode_T1": lambda: _moe_down(_v4_moe(1)),
     "moe_down_decode_T1_packed": lambda: _moe_down(_v4_moe(1), packed=True),
     "hc_collapse_D4096": lambda: _hc_collapse(False),
+    "hc_pre_T256_K64_w8_s3": lambda: _hc_pre(256, 64, 8, 3),
+    "hc_pre_T128_K64_w8_s3": lambda: _hc_pre(128, 64, 8, 3),
+    "hc_pre_T256_K64_w8_s3_copies": lambda: _hc_pre(256, 64, 8, 3, True),
     "hc_collapse_norm_D4096": lambda: _hc_collapse(True),
     "hc_rms_norm_D4096": _rms_norm_row,
 }

@@ -176,6 +176,33 @@ def test_hc_post_matches_reference(t, n, d, dtype, device, poison_empty):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("t,d,dtype", [(1, 256, F32), (6, 64, F32), (40, 64, BF16), (300, 128, F32),
+                                       (300, 128, BF16)])
+def test_stream_copies_read_as_one_row(t, d, dtype, device, poison_empty):
+    """The first layer's streams are n copies of the embedding (an ``expand``: stream stride 0):
+    the kernels read the one row n times, and give bit for bit what they give on the n copies
+    materialised. T=1: the one-launch collapse; T=300: the large-T K tiles (and, in bf16, the
+    three-part split of fn); with and without the block's norm."""
+    n = 4
+    gen = torch.Generator().manual_seed(t + d)
+    row = (torch.randn(t, 1, d, generator=gen) * 2).to(dtype).to(device)
+    copies, full = row.expand(-1, n, -1), row.expand(-1, n, -1).contiguous()
+    assert copies.stride(1) == 0 and hc._streams_2d(copies, "test", 64)[1]
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    norm = (torch.rand(d, generator=gen).to(device) + 0.5, 1e-6)
+    for nm in (None, norm):
+        got = hc.hc_pre(copies, fn, base, scale, 20, 1e-6, 1e-6, norm=nm)
+        want = hc.hc_pre(full, fn, base, scale, 20, 1e-6, 1e-6, norm=nm)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        rx = reference.hc_pre(full, fn, base, scale, 20, 1e-6, 1e-6, nm)[0]
+        torch.testing.assert_close(got[0], rx, **TOL[dtype])
+    post = (torch.rand(t, n, generator=gen) * 2).to(device)
+    comb = torch.rand(t, n, n, generator=gen).to(device)
+    block_out = (torch.randn(t, d, generator=gen) * 3).to(dtype).to(device)
+    assert torch.equal(hc.hc_post(block_out, copies, post, comb), hc.hc_post(block_out, full, post, comb))
+
+
 def test_hc_launchers_name_the_bad_argument(device):
     s = torch.randn(2, 4, 64, device=device)
     fn = torch.randn(24, 256, device=device)
