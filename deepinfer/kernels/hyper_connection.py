@@ -91,7 +91,7 @@ def _hc_pre_kernel(
     FULL: tl.constexpr, COLLAPSE: tl.constexpr, PRECISION: tl.constexpr, USE_DOT: tl.constexpr,
     BF16_SPLIT: tl.constexpr, BF16_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False, COPIES: tl.constexpr = False,
+    COPIES: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     split = tl.program_id(0)
@@ -208,8 +208,8 @@ def _hc_pre_kernel(
 @triton.jit
 def _hc_collapse_kernel(
     s_ptr, pre_ptr, w_ptr, x_ptr, D, s_stride, x_stride, eps,
-    N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
-    COPIES: tl.constexpr = False,
+    N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, COPIES: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -233,8 +233,8 @@ def _hc_collapse_kernel(
 def _hc_post_kernel(
     o_ptr, s_ptr, post_ptr, comb_ptr, out_ptr,
     D, o_stride, s_stride, out_stride,
-    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
-    COPIES: tl.constexpr = False,
+    N: tl.constexpr, NP: tl.constexpr, BLOCK_D: tl.constexpr, COPIES: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
