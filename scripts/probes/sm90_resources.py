@@ -162,14 +162,14 @@ def _moe_down(cfg: fused_moe.MoEConfig, packed: bool = False) -> Case:
                 divisible, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
-def _hc_collapse(norm: bool) -> Case:
+def _hc_collapse(norm: bool, copies: bool = False) -> Case:
     # V4-Flash: bf16 streams [T, 4, 4096]; with the norm one program per token holds the whole
     # row at rms_norm's tile (row_config), without it 1024-column tiles of 4 warps.
     block_d, warps = rms_norm.row_config(4096) if norm else (1024, 4)
     types = {"s_ptr": "*bf16", "pre_ptr": "*fp32", "w_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32",
              "s_stride": "i32", "x_stride": "i32", "eps": "fp32"}
     return Case(hyper_connection._hc_collapse_kernel, types,
-                dict(N=4, BLOCK_D=block_d, NORM=norm, PDL=True),
+                dict(N=4, BLOCK_D=block_d, NORM=norm, COPIES=copies, PDL=True),
                 {"s_ptr", "pre_ptr", "w_ptr", "x_ptr", "D", "s_stride", "x_stride"}, warps, 3,
                 options={"launch_pdl": True})
 
@@ -187,6 +187,16 @@ def _hc_pre(block_t: int, block_k: int, warps: int, stages: int, copies: bool = 
                      BF16_SPLIT=True, BF16_DOT=True, BLOCK_T=block_t, BLOCK_K=block_k,
                      BLOCK_S=max(1, min(8, 8192 // (block_t * 32))), BLOCK_D=4096, PDL=True, COPIES=copies),
                 divisible, warps, stages, options={"launch_pdl": True})
+
+
+def _hc_post(copies: bool) -> Case:
+    # V4-Flash prefill: block output [T, 4096], bf16 streams [T, 4, 4096] (or one row read 4
+    # times), 1024-column tiles of 4 warps.
+    types = {"o_ptr": "*bf16", "s_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16",
+             "D": "i32", "o_stride": "i32", "s_stride": "i32", "out_stride": "i32"}
+    return Case(hyper_connection._hc_post_kernel, types, dict(N=4, NP=4, BLOCK_D=1024, COPIES=copies, PDL=True),
+                {"o_ptr", "s_ptr", "post_ptr", "comb_ptr", "out_ptr", "D", "o_stride", "s_stride", "out_stride"},
+                4, 3, options={"launch_pdl": True})
 
 
 def _rms_norm_row() -> Case:
@@ -266,6 +276,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "hc_pre_T256_K64_w8_s3": lambda: _hc_pre(256, 64, 8, 3),
     "hc_pre_T128_K64_w8_s3": lambda: _hc_pre(128, 64, 8, 3),
     "hc_pre_T256_K64_w8_s3_copies": lambda: _hc_pre(256, 64, 8, 3, True),
+    "hc_collapse_norm_D4096_copies": lambda: _hc_collapse(True, True),
+    "hc_post_D4096": lambda: _hc_post(False),
+    "hc_post_D4096_copies": lambda: _hc_post(True),
     "hc_collapse_norm_D4096": lambda: _hc_collapse(True),
     "hc_rms_norm_D4096": _rms_norm_row,
 }
