@@ -122,7 +122,7 @@ def _slot_range(slots_ptr, token, stride_slots_t, k, BLOCK_N: gl.constexpr, BLOC
 def _gather_slots(slots_ptr, token, stride_slots_t, n0, last, BLOCK_N: gl.constexpr, GATHER: gl.constexpr):
     """Slots n0 .. n0 + BLOCK_N - 1 of the token's row (-1 past ``last``), in the gather's row layout."""
     j = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, GATHER))
-    return gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1).to(gl.int64)
+    return gl.load(slots_ptr + token * stride_slots_t + j, mask=j <= last, other=-1)
 
 
 @gluon.jit
@@ -147,26 +147,21 @@ def _issue_gather(cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_bloc
 
 
 @gluon.jit
-def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, nxt, buf0,
-                  cache_ptr, slots_ptr, token, stride_slots_t, stride_cache_block, stride_cache_offset,
-                  first, last, n_tiles,
-                  cache_n_ptr, slots_n_ptr, stride_slots_n_t, stride_cache_n_block, stride_cache_n_offset,
-                  first_n, last_n, n_tiles_n, qk_scale,
-                  BLOCK_SIZE: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_N: gl.constexpr,
-                  S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, GATHER: gl.constexpr, HAS_NEXT: gl.constexpr):
-    """Online softmax over the source's tiles; tile 0's gather is already in flight, into
-    buffer ``buf0``.
+def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache_ptr, slots_ptr, token, stride_slots_t,
+                  stride_cache_block, stride_cache_offset, qk_scale, first, last, n_tiles,
+                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, S_LAYOUT: gl.constexpr,
+                  O_LAYOUT: gl.constexpr, GATHER: gl.constexpr):
+    """Online softmax over the source's tiles; tile 0's gather was issued by the caller.
 
     The softmax denominator is kept per score column (``l_acc`` [64, BLOCK_N]) and summed
-    across the warpgroups once, by the caller, instead of every tile. The slot ids of the next
-    gather are loaded one tile ahead (``nxt``: tile 1's on entry), so a gather issues without
-    waiting on a load; with HAS_NEXT the pipeline runs on into the next source (``*_n``): its
-    tile 0 is gathered during this source's last tile, and the returned ``nxt`` holds its
-    tile 1's slot ids. (H200, T=4096, window + top-512 with the query prologue: the per-column
-    sums and the ids a tile ahead 1,046 -> 1,004 us; ``scripts/probes/gluon_attention_ab.py``.)"""
+    across the warpgroups once, by the caller, instead of every tile; the slot ids of tile
+    i + 1's gather are loaded during tile i, so the gather issues without waiting on a load.
+    (H200, T=4096, window + top-512 with the query prologue: 1,046 -> 1,004 us;
+    ``scripts/probes/gluon_attention_pipeline.py``.)"""
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
+    nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + BLOCK_N, last, BLOCK_N, GATHER)
     for i in range(n_tiles):
-        buf = (i + buf0) % 2
+        buf = i % 2
         kv = kv_smem.index(buf)
         # Tile i has landed (each thread waits for its own copies; the barrier makes
         # everyone's visible, and means every warp is done with tile i - 1's buffer and P).
@@ -176,17 +171,8 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, nxt, buf0,
         if i + 1 < n_tiles:
             _copy_rows(cache_ptr, nxt, stride_cache_block, stride_cache_offset, kv_smem.index(1 - buf),
                        BLOCK_SIZE, GATHER)
-            if i + 2 < n_tiles:
-                nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + (i + 2) * BLOCK_N, last,
-                                    BLOCK_N, GATHER)
-            elif HAS_NEXT:
-                nxt = _gather_slots(slots_n_ptr, token, stride_slots_n_t, first_n, last_n, BLOCK_N, GATHER)
-        elif HAS_NEXT:
-            if n_tiles_n > 0:
-                _copy_rows(cache_n_ptr, nxt, stride_cache_n_block, stride_cache_n_offset, kv_smem.index(1 - buf),
-                           BLOCK_SIZE_N, GATHER)
-                nxt = _gather_slots(slots_n_ptr, token, stride_slots_n_t, first_n + BLOCK_N, last_n,
-                                    BLOCK_N, GATHER)
+            nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + (i + 2) * BLOCK_N, last,
+                                BLOCK_N, GATHER)
         s = warpgroup_mma(q_smem, kv.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         j = first + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -203,7 +189,7 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, nxt, buf0,
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
         acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return m, l_acc, acc, nxt
+    return m, l_acc, acc
 
 
 @gluon.jit
@@ -238,21 +224,12 @@ def _sparse_prefill_kernel(
     dims = gl.arange(0, 512, layout=gl.SliceLayout(0, GATHER))
     async_copy.async_copy_global_to_shared(q_smem, q_ptr + token * stride_q_t + heads[:, None] * 512 + dims[None, :])
     async_copy.commit_group()
-    first0, last0, n0 = _slot_range(slots0_ptr, token, stride_slots0_t, k0, BLOCK_N, BLOCK_SCAN, SCAN)
-    if TWO_SOURCES:
-        first1, last1, n1 = _slot_range(slots1_ptr, token, stride_slots1_t, k1, BLOCK_N, BLOCK_SCAN, SCAN)
-    else:
-        first1, last1, n1 = first0, last0, n0 * 0
-    if n0 > 0:
+    first, last, n_tiles = _slot_range(slots0_ptr, token, stride_slots0_t, k0, BLOCK_N, BLOCK_SCAN, SCAN)
+    if n_tiles > 0:
         _issue_gather(cache0_ptr, slots0_ptr, token, stride_slots0_t, stride_cache0_block,
-                      stride_cache0_offset, first0, last0, kv_smem.index(0), BLOCK_SIZE0, BLOCK_N, GATHER)
-    # The slot ids of the second gather: source 0's tile 1, or source 1's tile 0.
-    if n0 > 1:
-        nxt = _gather_slots(slots0_ptr, token, stride_slots0_t, first0 + BLOCK_N, last0, BLOCK_N, GATHER)
-    else:
-        nxt = _gather_slots(slots1_ptr, token, stride_slots1_t, first1, last1, BLOCK_N, GATHER)
+                      stride_cache0_offset, first, last, kv_smem.index(0), BLOCK_SIZE0, BLOCK_N, GATHER)
     if ROPE:
-        if n0 > 0:
+        if n_tiles > 0:
             async_copy.wait_group(1)
         else:
             async_copy.wait_group(0)
@@ -265,25 +242,18 @@ def _sparse_prefill_kernel(
     # Per-column softmax sums; the sink's term (1 at m = the sink) rides in column 0.
     s_cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
     l_acc = gl.where(s_cols[None, :] == 0, 1.0, 0.0) + gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
-    m, l_acc, acc, nxt = _attend_tiles(
-        q_smem, kv_smem, p_smem, m, l_acc, acc, nxt, 0,
-        cache0_ptr, slots0_ptr, token, stride_slots0_t, stride_cache0_block, stride_cache0_offset, first0, last0, n0,
-        cache1_ptr, slots1_ptr, stride_slots1_t, stride_cache1_block, stride_cache1_offset, first1, last1, n1,
-        qk_scale, BLOCK_SIZE0, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER, TWO_SOURCES)
+    m, l_acc, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache0_ptr, slots0_ptr, token,
+                                  stride_slots0_t, stride_cache0_block, stride_cache0_offset, qk_scale,
+                                  first, last, n_tiles, BLOCK_SIZE0, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
     if TWO_SOURCES:
-        # Source 1's tile 0 was gathered during source 0's last tile, into the other buffer;
-        # with no source-0 tiles it starts here.
-        if n0 == 0:
-            if n1 > 0:
-                _issue_gather(cache1_ptr, slots1_ptr, token, stride_slots1_t, stride_cache1_block,
-                              stride_cache1_offset, first1, last1, kv_smem.index(0), BLOCK_SIZE1, BLOCK_N, GATHER)
-                nxt = _gather_slots(slots1_ptr, token, stride_slots1_t, first1 + BLOCK_N, last1, BLOCK_N, GATHER)
-        m, l_acc, acc, nxt = _attend_tiles(
-            q_smem, kv_smem, p_smem, m, l_acc, acc, nxt, n0 % 2,
-            cache1_ptr, slots1_ptr, token, stride_slots1_t, stride_cache1_block, stride_cache1_offset,
-            first1, last1, n1,
-            cache1_ptr, slots1_ptr, stride_slots1_t, stride_cache1_block, stride_cache1_offset, first1, last1, 0,
-            qk_scale, BLOCK_SIZE1, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER, False)
+        first, last, n_tiles = _slot_range(slots1_ptr, token, stride_slots1_t, k1, BLOCK_N, BLOCK_SCAN, SCAN)
+        gl.thread_barrier()                            # every warp is done with source 0's buffers
+        if n_tiles > 0:
+            _issue_gather(cache1_ptr, slots1_ptr, token, stride_slots1_t, stride_cache1_block,
+                          stride_cache1_offset, first, last, kv_smem.index(0), BLOCK_SIZE1, BLOCK_N, GATHER)
+        m, l_acc, acc = _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache1_ptr, slots1_ptr, token,
+                                      stride_slots1_t, stride_cache1_block, stride_cache1_offset, qk_scale,
+                                      first, last, n_tiles, BLOCK_SIZE1, BLOCK_N, S_LAYOUT, O_LAYOUT, GATHER)
     l = gl.sum(l_acc, axis=1)
     async_copy.wait_group(0)                           # q's copy, if no tile waited for it
     out = acc / gl.convert_layout(l, gl.SliceLayout(1, O_LAYOUT))[:, None]
