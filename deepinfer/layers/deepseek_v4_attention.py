@@ -68,6 +68,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -77,6 +78,7 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
+from deepinfer.runner.transfer import to_device
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -180,24 +182,32 @@ class _StepCaches:
         return self.bound[id(slot)]
 
 
-def _completing_rows(ctx: ForwardContext, ratio: int) -> torch.Tensor | None:
-    """Rows [M] of the tokens that complete a window of ``ratio`` tokens (``(p+1) % ratio
-    == 0``), in order; None in a decode_only context, which pools every row instead.
+def _completing(ctx: ForwardContext, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sequence row [M] int32, position [M] int64) of the tokens that complete a window of
+    ``ratio`` tokens (``(p+1) % ratio == 0``), in token order; None in a decode_only
+    context, which pools every row instead.
 
-    M comes from the host lists (sequence b completes ``end // r - start // r`` windows),
-    the rows from the device positions, so this never waits for the device.
+    Built on the host from the context's lists (sequence b's new tokens sit at positions
+    ``seq_lens[b] - n_b .. seq_lens[b] - 1``) and copied without a host sync, once per forward
+    and ratio: the layers of a forward share it. (Computed on the device from the positions it
+    took a cumsum, a scatter and two gathers per pool, a dozen small launches per layer.)
     """
     if ctx.decode_only:
         return None
-    q = ctx.query_start_loc
-    m = sum(end // ratio - (end - q[b + 1] + q[b]) // ratio for b, end in enumerate(ctx.seq_lens))
-    done = (ctx.positions + 1) % ratio == 0                                       # [T]
-    rank = torch.cumsum(done, dim=0) - 1                                          # [T]
-    # Tokens completing no window all land on the spare last element.
-    rows = torch.zeros(m + 1, dtype=torch.long, device=done.device)
-    rows.scatter_(0, torch.where(done, rank, m),
-                  torch.arange(done.shape[0], device=done.device))
-    return rows[:m]
+    key = ("completing", ratio)
+    hit = ctx.memo.get(key)
+    if hit is None:
+        q = ctx.query_start_loc
+        seqs, positions = [], []
+        for b, end in enumerate(ctx.seq_lens):
+            start = end - (q[b + 1] - q[b])
+            pos = np.arange((start + ratio) // ratio * ratio - 1, end, ratio, dtype=np.int64)
+            positions.append(pos)
+            seqs.append(np.full(pos.shape[0], b, dtype=np.int32))
+        device = ctx.positions.device
+        hit = ctx.memo[key] = (to_device(np.concatenate(seqs or [np.zeros(0, np.int32)]), torch.int32, device),
+                               to_device(np.concatenate(positions or [np.zeros(0, np.int64)]), torch.int64, device))
+    return hit
 
 
 class GatedPool(nn.Module):
@@ -230,19 +240,20 @@ class GatedPool(nn.Module):
         return [self.kv_proj, self.gate_proj]
 
     def update(self, kv: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext, caches: _StepCaches,
-               rope: InterleavedRope, rows: torch.Tensor | None) -> None:
+               rope: InterleavedRope, completing: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Stores every new token's pooling states (kv, raw gate) in the state cache, then
-        pools the entry each token of ``rows`` [M] completes and stores it at its entry slot.
+        pools the entry each ``completing`` token completes (its sequence row and position,
+        [M] each: :func:`_completing`) and stores it at its entry slot.
 
-        kv, gate: [T, C], ``kv_proj(x)`` and ``gate_proj(x)`` (any row stride). ``rows`` None
-        passes every token (graph-safe decode); tokens that complete no window write nothing.
+        kv, gate: [T, C], ``kv_proj(x)`` and ``gate_proj(x)`` (any row stride). ``completing``
+        None passes every token (graph-safe decode); tokens that complete no window write nothing.
         """
         r = self.ratio
         state, entries = caches.bind(self.state_cache), caches.bind(self.entry_cache)
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None], gate[:, None])
         seq, pos = ctx.token_seq, ctx.positions                                    # [T]
-        if rows is not None:
-            seq, pos = seq[rows], pos[rows]                                         # [M]
+        if completing is not None:
+            seq, pos = completing                                                   # [M]
         backend.compress_entries_(state.cache, state.meta.block_table, entries.cache, entries.meta.block_table,
                                   seq, pos, self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
                                   rope.inv_freq, rope.scaling, r, self.overlap)
@@ -317,16 +328,16 @@ class Compressor(GatedPool):
         projected: the block input's projections in :meth:`projections` order, each [T, N_i].
         """
         r = self.ratio
-        rows = _completing_rows(ctx, r)
+        completing = _completing(ctx, r)
         kv, gate = projected[:2]
-        self.update(kv, gate, ctx, caches, rope, rows)
+        self.update(kv, gate, ctx, caches, rope, completing)
         entries = caches.bind(self.entry_cache)
         n_max = max(1, -(-ctx.max_seq_len // r))
         slots = entries.slots(ctx, n_max, r, sliding=False)                           # [T, Nmax]
         if self.indexer is None:
             return entries.cache, slots
         index_kv, index_gate, index_weights = projected[2:]
-        self.indexer.update(index_kv, index_gate, ctx, caches, rope, rows)
+        self.indexer.update(index_kv, index_gate, ctx, caches, rope, completing)
         keys = caches.bind(self.indexer.entry_cache)
         if keys.meta is not entries.meta:
             raise RuntimeError("the indexer's keys and the compressed entries must share one KV-cache "
