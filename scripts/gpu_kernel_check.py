@@ -254,6 +254,21 @@ def v4_slots(positions: torch.Tensor, seq_of: torch.Tensor, window: int, ratio: 
 SPARSE_CONFIGS = [(16, 32, 4), (32, 32, 4), (32, 64, 8), (64, 32, 8), (64, 64, 8)]
 
 
+
+def v4_prefill_attention_case(t: int = 4096, bs: int = 16) -> dict:
+    """One 4096-token prompt's DeepSeek-V4 prefill attention inputs at V4-Flash widths (64
+    heads x 512, window 128, ratio-4 entries, top-512): the window and top-k slots with their
+    caches, q, sinks, the rope's positions and inv_freq, and the softmax scale."""
+    positions = torch.arange(t, device=DEV)
+    blocks = -(-t // bs)
+    win, top, _ = v4_slots(positions, torch.zeros(t, dtype=torch.long, device=DEV), 128, 4, 512, bs, blocks)
+    wc, ec = v4_caches(blocks, bs, [512, 512])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEV) / 64))
+    return dict(positions=positions, win=win, top=top, wc=wc, ec=ec,
+                q=torch.randn(t, 64, 512, device=DEV, dtype=BF16), sinks=torch.randn(64, device=DEV),
+                inv_freq=inv_freq, scale=512 ** -0.5)
+
+
 def sparse_attention_case(t: int, decode: bool, context: int = 8192, h: int = 64, d: int = 512,
                           bs: int = 16) -> None:
     """V4-Flash CSA layer: window 128 + top-512 of the ratio-4 entries. Decode: t sequences of

@@ -27,7 +27,6 @@ import os
 import sys
 import tempfile
 
-import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, "scripts")
@@ -36,7 +35,6 @@ import gpu_kernel_check as g  # noqa: E402
 from deepinfer.kernels import reference  # noqa: E402
 from deepinfer.kernels import sparse_attention_gluon as sag  # noqa: E402
 
-DEV, BF16 = "cuda", torch.bfloat16
 T, H, D, BS = 4096, 64, 512, 16
 SRC = open(sag.__file__).read()
 
@@ -63,16 +61,10 @@ def load_variant(name: str, src: str):
 
 
 def main() -> None:
-    positions = torch.arange(T, device=DEV)
-    seq_of = torch.zeros(T, dtype=torch.long, device=DEV)
-    blocks = -(-T // BS)
-    win, top, _ = g.v4_slots(positions, seq_of, 128, 4, 512, BS, blocks)
-    wc, ec = g.v4_caches(blocks, BS, [D, D])
-    q = torch.randn(T, H, D, device=DEV, dtype=BF16)
-    sinks = torch.randn(H, device=DEV)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=DEV) / 64))
+    case = g.v4_prefill_attention_case(T, BS)
+    positions, win, top, wc, ec = case["positions"], case["win"], case["top"], case["wc"], case["ec"]
+    q, sinks, inv_freq, scale = case["q"], case["sinks"], case["inv_freq"], case["scale"]
     rope = sag.QueryRope(positions, inv_freq, 1.0, 1e-6)
-    scale = D ** -0.5
     ablations = "--ablations" in sys.argv
     mods = {"current": sag}
     for path in (a for a in sys.argv[1:] if not a.startswith("--")):
