@@ -25,16 +25,16 @@ logits are not supported (the reference takes the first NaN as the argmax; the
 kernel's token and logprob are then unspecified). Float32 throughout; bfloat16
 and float16 logits are widened on load.
 
-S is chosen from the shapes and the SM count only (about two programs per SM),
-the scratch comes from the caching allocator and nothing is read back: the two
+S is one program per tile of the row (about 64 at DeepSeek's vocabulary), whatever
+the number of rows: a row's token and logprob then do not depend on what shares its
+launch (batch invariance; the partials are combined in a fixed order). A single row
+still spreads over about half the SMs, and more rows only add programs. The scratch comes from the caching allocator and nothing is read back: the two
 launches are CUDA-graph safe and never synchronise with the host. Rows may have
 any stride (a slice of a wider logits buffer is read in place); columns past
 ``vocab_size`` (padding) are never read.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -109,13 +109,6 @@ def _combine_kernel(
     tl.store(logprob_ptr + row, logprob)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """SMs of a CUDA device; the CPU interpreter counts as one."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
 
 def greedy_sample(logits: torch.Tensor, vocab_size: int, block: int = 2048,
                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,10 +138,10 @@ def greedy_sample(logits: torch.Tensor, vocab_size: int, block: int = 2048,
     if n == 0:
         return tokens, logprobs
     # Tile config: BLOCK columns per iteration, 8 per thread (two 16-byte float32 loads);
-    # S programs per row so that N * S is about two per SM (a decode batch alone would
-    # leave most SMs idle), each walking a whole number of tiles, none empty.
+    # by default one tile per program, S from the vocabulary alone (never from N: batch
+    # invariance); ``splits`` gives each program a whole number of tiles, none empty.
     tiles = triton.cdiv(vocab_size, block)
-    want = splits if splits is not None else triton.cdiv(2 * _sm_count(logits.device), n)
+    want = splits if splits is not None else tiles
     chunk = triton.cdiv(triton.cdiv(vocab_size, min(want, tiles)), block) * block
     s = triton.cdiv(vocab_size, chunk)
     part = torch.empty(n, s, 2, dtype=torch.float32, device=logits.device)       # [N, S, (max, z)]

@@ -21,11 +21,12 @@ from a generator keyed by (seed, stream_index, output position), so its token
 does not depend on which other rows share the batch; unseeded rows draw theirs
 from the sampler's own generator in one call.
 
-A batch of plain greedy rows only (no processor applies, no top logprobs: the common
-decode case) takes a fast path: one pass over the raw logits (``backend.greedy_sample``,
-the split-V kernel of kernels/greedy.py on CUDA) gives each row's argmax and its logprob,
-with no float32 copy, no processed clone and no gathers. Same tokens as the general path;
-the logprobs agree up to float32 rounding (the kernel sums in another order).
+Plain greedy rows (no processor applies, no top logprobs: the common decode case) take a
+fast path: one pass over the raw logits (``backend.greedy_sample``, the split-V kernel of
+kernels/greedy.py on CUDA) gives each row's argmax and its logprob, with no float32 copy, no
+processed clone and no gathers. They take it in a mixed batch too (the other rows go the
+general way), so a row's result never depends on its neighbours: the general path gives the
+same tokens, but its logprobs differ in float32 rounding (the kernel sums in another order).
 
 Host syncs: ``Sampler.sample`` leaves its result on the device (``SampleTensors``)
 and builds its small index/parameter tensors through runner/transfer.py, so
@@ -222,9 +223,30 @@ class Sampler:
         (params, output lengths) is read before this returns, so the caller may change
         them afterwards."""
         self._check(logits, rows, token_bitmask)
-        if all(_plain_greedy(r) for r in rows):
+        plain = [i for i, r in enumerate(rows) if _plain_greedy(r)]
+        if len(plain) == len(rows):
             tokens, sampled = backend.greedy_sample(logits, self.vocab_size)   # [N] int64, [N] float32
             return SampleTensors(tokens, sampled, [], [])
+        if not plain:
+            return self._sample_general(logits, rows, token_bitmask)
+        # A mix: the plain greedy rows still take the greedy pass, so that a row's logprob does
+        # not depend on what shares its batch (the two passes sum in different orders).
+        plain_set = set(plain)
+        other = [i for i in range(len(rows)) if i not in plain_set]
+        p_idx, o_idx = self._long(plain, logits), self._long(other, logits)
+        g_tokens, g_sampled = backend.greedy_sample(logits[p_idx], self.vocab_size)
+        sub = self._sample_general(logits[o_idx], [rows[i] for i in other],
+                                   None if token_bitmask is None else token_bitmask[o_idx])
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)        # [N]
+        sampled = torch.empty(len(rows), dtype=torch.float32, device=logits.device)    # [N]
+        tokens[p_idx], tokens[o_idx] = g_tokens, sub.token_ids
+        sampled[p_idx], sampled[o_idx] = g_sampled, sub.sampled_logprobs
+        return SampleTensors(tokens, sampled, [other[j] for j in sub.logprob_rows], sub.logprob_nums,
+                             sub.ranks, sub.top_logprobs, sub.top_ids)
+
+    def _sample_general(self, logits: torch.Tensor, rows: list[SamplingRow],
+                        token_bitmask: torch.Tensor | None) -> SampleTensors:
+        """Processors, filters and the draw for rows [N] (``sample``'s shapes)."""
         raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
         lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
         tokens = self._sample(self._process(raw, rows, token_bitmask), rows)  # [N] int64

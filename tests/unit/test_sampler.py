@@ -106,9 +106,10 @@ def test_plain_greedy_batch_takes_the_fast_path(device, greedy_calls):
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(logprobs=2), dict(logit_bias={7: 0.5}),
                                 dict(min_tokens=1), dict(repetition_penalty=1.2),
                                 dict(frequency_penalty=0.5), dict(presence_penalty=-0.5), "grammar"])
-def test_any_row_that_needs_more_takes_the_general_path(kw, greedy_calls):
-    """One row beyond plain greedy sends the batch down the general path; the plain greedy rows
-    get the same tokens and logprobs as on the fast path."""
+def test_rows_that_need_more_go_the_general_way_beside_plain_greedy_rows(kw, greedy_calls):
+    """A row beyond plain greedy takes the general path; the plain greedy rows beside it still
+    take the greedy pass, so their tokens and logprobs are bit for bit those they get alone,
+    wherever they sit in the batch."""
     v = 40
     logits = rand_logits(4, v, seed=5)
     s = Sampler(v, {EOS}, seed=3)
@@ -119,11 +120,23 @@ def test_any_row_that_needs_more_takes_the_general_path(kw, greedy_calls):
     other = row(**{"temperature": 0.0, **({} if grammar else kw)})
     other.grammar = grammar
     bitmask = torch.full((4, (v + 31) // 32), -1, dtype=torch.int32) if grammar else None
-    out = s(logits, plain + [other], bitmask)
-    assert len(greedy_calls) == 1
-    assert out.token_ids[:3] == fast.token_ids
-    assert out.sampled_logprobs[:3] == pytest.approx(fast.sampled_logprobs, abs=1e-5)
-    assert 0 <= out.token_ids[3] < v
+    if grammar:
+        bitmask[1, 0] = 0                   # the other row (position 1 below) may not take tokens 0..31
+    order = [0, 3, 1, 2]                    # the other row second
+    out = s(logits[order], [plain[0], other, plain[1], plain[2]], bitmask)
+    assert len(greedy_calls) == 2 and greedy_calls[1][0].shape[0] == 3
+    assert [out.token_ids[i] for i in (0, 2, 3)] == fast.token_ids
+    assert [out.sampled_logprobs[i] for i in (0, 2, 3)] == fast.sampled_logprobs
+    assert 0 <= out.token_ids[1] < v
+    alone = s(logits[3:], [other], None if bitmask is None else bitmask[1:2])
+    if kw != dict(temperature=0.7):         # deterministic: the same as alone
+        assert out.token_ids[1] == alone.token_ids[0]
+        assert out.sampled_logprobs[1] == alone.sampled_logprobs[0]
+    if grammar:
+        assert out.token_ids[1] >= 32
+    assert [d is not None for d in out.logprobs] == [False, kw == dict(logprobs=2), False, False]
+    if kw == dict(logprobs=2):
+        assert out.logprobs[1] == alone.logprobs[0]
 
 
 def test_shape_and_device_errors():

@@ -1,0 +1,68 @@
+#!/bin/bash
+# Everything issue 5 still needs from an H200, in two device calls of under ten minutes each.
+# Run from the repository root; logs land in $OUT (six files at most: the device returns eight).
+#
+#   bash scripts/probes/issue5_gpu_run.sh check    # GPU tests, A/B probes, bench prefill (~8 min)
+#   bash scripts/probes/issue5_gpu_run.sh decode   # bench decode at B=1, 16, 64 (~6 min)
+#
+# `check` first runs the GPU tests of the changes made since the last timed run (an untimed
+# change that fails them is reverted, not tuned), then times them against their alternatives
+# in one process, then takes the prefill figure. A candidate Gluon attention kernel can travel
+# as .whl/candidate_gluon.py (carry [".whl"]), e.g. the source-continuation gather pipeline:
+#   mkdir -p .whl && git show 7c52ce4:deepinfer/kernels/sparse_attention_gluon.py > .whl/candidate_gluon.py
+# It is checked against the reference and timed against the tree's kernel; nothing is swapped.
+set -u
+export PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/issue5}
+mkdir -p "$OUT"
+phase=${1:-check}
+start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+step() { echo; echo "=== [$(elapsed) s] $*"; }
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
+    > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+
+case "$phase" in
+check)
+    step "GPU tests (log: tests.log)"
+    # Every test of these files, the CPU-marked ones too (they take the CUDA device when there is one).
+    timeout 270 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/gpu \
+        tests/kernels/test_sparse_attention_gluon.py tests/kernels/test_hyper_connection.py \
+        tests/kernels/test_compressor.py tests/kernels/test_greedy.py tests/unit/test_sampler.py \
+        > "$OUT/tests.log" 2>&1
+    echo "pytest exit $?"; tail -15 "$OUT/tests.log"
+
+    step "A/B probes (log: probes.log)"
+    {
+        echo "--- first connection: written stream copies vs the stride-0 view"
+        timeout 90 python3 scripts/probes/stream_copies_ab.py
+        echo "--- Gluon attention: tree vs candidate"
+        if [ -f .whl/candidate_gluon.py ]; then
+            timeout 150 python3 scripts/probes/gluon_attention_ab.py .whl/candidate_gluon.py
+        else
+            echo "no .whl/candidate_gluon.py carried: tree kernel alone"
+            timeout 90 python3 scripts/probes/gluon_attention_ab.py
+        fi
+    } > "$OUT/probes.log" 2>&1
+    tail -30 "$OUT/probes.log"
+
+    step "bench prefill (json: prefill.json)"
+    timeout 200 python3 -m deepinfer.entrypoints.cli bench prefill --config deepseek-v4-flash \
+        --prompt-len 4096 --no-hf --iters 10 --output-json "$OUT/prefill.json" 2>&1 | tail -12
+    ;;
+decode)
+    for b in 1 16 64; do
+        step "bench decode B=$b (json: decode_b$b.json)"
+        timeout 170 python3 -m deepinfer.entrypoints.cli bench decode --config deepseek-v4-flash \
+            --context-len 1024 --steps 32 --batch-size "$b" --no-hf \
+            --output-json "$OUT/decode_b$b.json" 2>&1 | tail -10
+    done
+    ;;
+*)
+    echo "unknown phase '$phase': check or decode" >&2
+    exit 2
+    ;;
+esac
+step "done"
