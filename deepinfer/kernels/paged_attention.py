@@ -36,7 +36,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 
-from deepinfer.runner.transfer import to_device
+from deepinfer.transfer import to_device
 
 _LOG2E = math.log2(math.e)
 

@@ -78,7 +78,7 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
-from deepinfer.runner.transfer import to_device
+from deepinfer.transfer import to_device
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

@@ -7,7 +7,7 @@ memory, returning a StepHandle; ``finish(handle)`` waits for it (a CUDA event)
 and builds the StepResult. Between the two the host may plan and launch the next
 step, whose placeholder tokens are gathered on the device from this step's
 sampled ids. The launch path must not wait for the device: host lists go to the
-device through runner/transfer.py. On the CPU the split stays (finish only
+device through deepinfer/transfer.py. On the CPU the split stays (finish only
 converts to Python values).
 
 What belongs here: the device state (KV-cache memory, per-request sampling
@@ -37,7 +37,7 @@ from deepinfer.runner.sampler import (
     SamplingRow,
     prompt_logprobs,
 )
-from deepinfer.runner.transfer import to_device
+from deepinfer.transfer import to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
 from deepinfer.scheduler.plan import (

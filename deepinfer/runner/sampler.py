@@ -29,7 +29,7 @@ general way), so a row's result never depends on its neighbours: the general pat
 same tokens, but its logprobs differ in float32 rounding (the kernel sums in another order).
 
 Host syncs: ``Sampler.sample`` leaves its result on the device (``SampleTensors``)
-and builds its small index/parameter tensors through runner/transfer.py, so
+and builds its small index/parameter tensors through deepinfer/transfer.py, so
 launching a step does not wait for the device (overlapped scheduling); the one
 exception is top-k, whose ``topk`` width comes from the device (``k.max()``).
 
@@ -47,7 +47,7 @@ import torch
 
 from deepinfer.kernels import backend
 from deepinfer.outputs import Logprob
-from deepinfer.runner.transfer import copy_to_host, to_device
+from deepinfer.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured.bitmask import apply_token_bitmask
 
