@@ -81,7 +81,10 @@ def test_prefill(tiny_config, tmp_path, capsys):
     positive(e, "ms", "input_tok_s", "input_tok_s_per_gpu")
     assert e["input_tok_s"] == pytest.approx(2 * 48 / (e["ms"] * 1e-3))
     positive(f, "flops", "bytes", "floor_ms")
-    positive(r, "engine_over_floor", "matmul_peak_share", "steady_matmul_peak_share")
+    positive(r, "engine_over_floor", "matmul_peak_share", "steady_matmul_peak_share", "steady_matmul_after_share")
+    positive(r["measured"], "matmul_tflop_s_after")
+    assert r["steady_matmul_after_share"] == pytest.approx(
+        r["steady_matmul_peak_share"] * r["measured"]["matmul_tflop_s"] / r["measured"]["matmul_tflop_s_after"])
     # Steady: (1 warm-up + 2 timed + 1 behind the window) x 2 prompts queued at once, 2
     # prompts a step. The window opens when the warm-up step lands, after the first timed
     # step was launched behind it, and closes when the last timed step lands, after the step
@@ -92,7 +95,7 @@ def test_prefill(tiny_config, tmp_path, capsys):
     assert st["steps"] == st["overlapped_steps"] == 2
     positive(r["hf"], "ms", "input_tok_s")
     out = capsys.readouterr().out
-    assert "input tok/s/GPU" in out and "engine, steady" in out and "steady" in out
+    assert "input tok/s/GPU" in out and "engine, steady" in out and "right after the steady window" in out
 
 
 def test_prefill_chunked_over_steps(tiny_config, tmp_path):
