@@ -1,8 +1,8 @@
 #!/bin/bash
 # Everything issue 5 still needs from an H200, in two device calls of under ten minutes each.
-# Run from the repository root; logs land in $OUT (six files at most: the device returns eight).
+# Run from the repository root; logs land in $OUT (five files a phase: the device returns eight).
 #
-#   bash scripts/probes/issue5_gpu_run.sh check    # GPU tests, A/B probes, bench prefill (~8 min)
+#   bash scripts/probes/issue5_gpu_run.sh check    # GPU tests, A/B probes, bench prefill, profile (<10 min)
 #   bash scripts/probes/issue5_gpu_run.sh decode   # bench decode at B=1, 16, 64 (~6 min)
 #
 # `check` first runs the GPU tests of the changes made since the last timed run (an untimed
@@ -22,6 +22,7 @@ step() { echo; echo "=== [$(elapsed) s] $*"; }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv \
     > "$OUT/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
 case "$phase" in
@@ -51,6 +52,14 @@ check)
     step "bench prefill (json: prefill.json)"
     timeout 200 python3 -m deepinfer.entrypoints.cli bench prefill --config deepseek-v4-flash \
         --prompt-len 4096 --no-hf --iters 10 --output-json "$OUT/prefill.json" 2>&1 | tail -12
+    if [ "$(elapsed)" -lt 400 ]; then
+        # With PDL on, the profiler charges each kernel with part of the previous one's run.
+        step "profile of one prefill round, PDL off (prefill_profile.txt)"
+        DEEPINFER_PDL=0 timeout $((560 - $(elapsed))) python3 -m deepinfer.entrypoints.cli bench prefill \
+            --config deepseek-v4-flash --prompt-len 4096 --no-hf --iters 3 \
+            --profile "$OUT/prefill_profile.txt" 2>&1 | tail -3
+        head -45 "$OUT/prefill_profile.txt" | cut -c1-110
+    fi
     ;;
 decode)
     for b in 1 16 64; do
