@@ -3,7 +3,7 @@
 # Run from the repository root; logs land in $OUT (five files a phase: the device returns eight).
 #
 #   bash scripts/probes/issue5_gpu_run.sh check    # GPU tests, A/B probes, bench prefill, profile (<10 min)
-#   bash scripts/probes/issue5_gpu_run.sh decode   # bench decode at B=1, 16, 64 (~6 min)
+#   bash scripts/probes/issue5_gpu_run.sh decode   # bench decode at B=1, 16, 64; prefill of 2 prompts a step
 #
 # `check` first runs the GPU tests of the changes made since the last timed run (an untimed
 # change that fails them is reverted, not tuned), then times them against their alternatives
@@ -68,6 +68,14 @@ decode)
             --context-len 1024 --steps 32 --batch-size "$b" --no-hf \
             --output-json "$OUT/decode_b$b.json" 2>&1 | tail -10
     done
+    if [ "$(elapsed)" -lt 420 ]; then
+        # Not the issue's figure (one 4,096-token prompt): two prompts a step, 8,192 tokens, so
+        # each routed expert's weights serve ~192 rows instead of ~96. Reported beside it only.
+        step "bench prefill, two 4,096-token prompts a step (prefill_b2.json; informative)"
+        timeout $((570 - $(elapsed))) python3 -m deepinfer.entrypoints.cli bench prefill \
+            --config deepseek-v4-flash --prompt-len 4096 --batch-size 2 --max-num-batched-tokens 8192 \
+            --no-hf --iters 6 --output-json "$OUT/prefill_b2.json" 2>&1 | tail -8
+    fi
     ;;
 *)
     echo "unknown phase '$phase': check or decode" >&2
