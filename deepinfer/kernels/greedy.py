@@ -28,10 +28,11 @@ and float16 logits are widened on load.
 S is one program per tile of the row (about 64 at DeepSeek's vocabulary), whatever
 the number of rows: a row's token and logprob then do not depend on what shares its
 launch (batch invariance; the partials are combined in a fixed order). A single row
-still spreads over about half the SMs, and more rows only add programs. The scratch comes from the caching allocator and nothing is read back: the two
-launches are CUDA-graph safe and never synchronise with the host. Rows may have
-any stride (a slice of a wider logits buffer is read in place); columns past
-``vocab_size`` (padding) are never read.
+still spreads over about half the SMs, and more rows only add programs. The scratch
+comes from the caching allocator and nothing is read back: the two launches are
+CUDA-graph safe and never synchronise with the host. Rows may have any stride (a
+slice of a wider logits buffer is read in place); columns past ``vocab_size``
+(padding) are never read.
 """
 
 from __future__ import annotations
@@ -109,7 +110,6 @@ def _combine_kernel(
     tl.store(logprob_ptr + row, logprob)
 
 
-
 def greedy_sample(logits: torch.Tensor, vocab_size: int, block: int = 2048,
                   splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """argmax over the first ``vocab_size`` columns and its logprob, per row.
@@ -141,8 +141,7 @@ def greedy_sample(logits: torch.Tensor, vocab_size: int, block: int = 2048,
     # by default one tile per program, S from the vocabulary alone (never from N: batch
     # invariance); ``splits`` gives each program a whole number of tiles, none empty.
     tiles = triton.cdiv(vocab_size, block)
-    want = splits if splits is not None else tiles
-    chunk = triton.cdiv(triton.cdiv(vocab_size, min(want, tiles)), block) * block
+    chunk = block * (1 if splits is None else triton.cdiv(tiles, min(splits, tiles)))    # columns a program
     s = triton.cdiv(vocab_size, chunk)
     part = torch.empty(n, s, 2, dtype=torch.float32, device=logits.device)       # [N, S, (max, z)]
     index = torch.empty(n, s, dtype=torch.int32, device=logits.device)           # [N, S]

@@ -156,8 +156,9 @@ def _attend_tiles(q_smem, kv_smem, p_smem, m, l_acc, acc, cache_ptr, slots_ptr, 
     The softmax denominator is kept per score column (``l_acc`` [64, BLOCK_N]) and summed
     across the warpgroups once, by the caller, instead of every tile; the slot ids of tile
     i + 1's gather are loaded during tile i, so the gather issues without waiting on a load.
-    (H200, T=4096, window + top-512 with the query prologue: 1,046 -> 1,004 us;
-    ``scripts/probes/gluon_attention_pipeline.py``.)"""
+    (H200, T=4096, window + top-512 with the query prologue: 1,046 -> 1,004 us, the loops
+    side by side behind a constexpr; ``scripts/probes/gluon_attention_ab.py`` now compares
+    the kernel with older copies of this file.)"""
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, S_LAYOUT)
     nxt = _gather_slots(slots_ptr, token, stride_slots_t, first + BLOCK_N, last, BLOCK_N, GATHER)
     for i in range(n_tiles):
