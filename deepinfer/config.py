@@ -53,11 +53,15 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
+    # What the KV cache stores (vLLM's name): "auto" the model's own format (DeepSeek-V4.1:
+    # the release's rounded records), or unrounded values in "bfloat16" / "float32" where
+    # the model offers them (``CausalLM.kv_cache_dtypes``).
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str | torch.dtype, max_model_len: int | None,
                   device: torch.device, **options: Any) -> "ModelConfig":
-        """``options``: ``load_format``, ``skip_tokenizer_init``."""
+        """``options``: ``load_format``, ``skip_tokenizer_init``, ``kv_cache_dtype``."""
         p = Path(path)
         cfg_file = p / "config.json"
         if not cfg_file.is_file():

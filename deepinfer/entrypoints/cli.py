@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None,
                    help="decode batch sizes to capture in CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "min(max-num-seqs, 256))")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's own KV format; DeepSeek-V4.1: the release's rounded records), "
+                        "or unrounded bfloat16 / float32 where the model offers them")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -43,7 +46,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
-                enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
+                enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

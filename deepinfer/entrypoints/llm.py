@@ -42,13 +42,14 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         enforce_eager: bool = False,
                         cuda_graph_sizes: Sequence[int] | None = None,
                         hf_config: dict[str, Any] | None = None, load_format: str = "auto",
-                        skip_tokenizer_init: bool = False) -> EngineConfig:
+                        skip_tokenizer_init: bool = False, kv_cache_dtype: str = "auto") -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
     ``model=None`` is the tiny model embedded in the package. ``hf_config`` gives the
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
     for random weights and ``skip_tokenizer_init=True`` for token-id prompts)."""
     dev = resolve_device(device)
-    options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init)
+    options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
+                   kv_cache_dtype=kv_cache_dtype)
     if hf_config is not None:
         model_cfg = ModelConfig.from_hf_config(hf_config, model or "<in-memory config>", dtype,
                                                max_model_len, dev, **options)

@@ -366,3 +366,17 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
         from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_ as kernel
         return kernel(x, positions, inv_freq, scaling, inverse)
     return reference.interleaved_rope(x, positions, inv_freq, scaling, inverse)
+
+
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]) float32 (see
+    :func:`reference.hc_mix`). The reference on every device: DeepSeek-V4.1's lagged
+    connections collapse with the previous sublayer's pre, which the fused V4 kernel does not take."""
+    return reference.hc_mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """[T, n, D], [T, n] -> [T, D] (see :func:`reference.hc_collapse`)."""
+    return reference.hc_collapse(streams, pre)

@@ -436,18 +436,14 @@ def _hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
 
-def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-           norm: tuple[torch.Tensor, float] | None = None
+def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The "pre" half of a hyper-connection: the block input and the two output mixings.
+    """A hyper-connection's three mixings from the streams.
 
     streams: [T, n, D]; fn: [(2+n)*n, n*D] float32 (rows: n pre, n post, n*n comb);
-    base: [(2+n)*n]; scale: [3] (pre, post, comb) -> (block input [T, D] in the
-    streams' dtype, post [T, n] float32, comb [T, n, n] float32 doubly stochastic).
-    ``norm`` (weight [D] float32, eps): the block's input RMSNorm (DeepSeek-V4's, no
-    rounding before the weight), applied to the block input before it is returned; the
-    plain composition ``rms_norm(x, weight, eps, round_first=False)``, which the kernel fuses.
+    base: [(2+n)*n]; scale: [3] (pre, post, comb) -> (pre [T, n], post [T, n],
+    comb [T, n, n] doubly stochastic), all float32.
     """
     n = streams.shape[1]
     mixes = _hc_mixes(streams, fn, norm_eps)                                     # [T, (2+n)*n]
@@ -462,6 +458,27 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_j pre_j * streams_j`` in float32, cast to the streams' dtype: [T, n, D], [T, n] -> [T, D]."""
+    return _hc_collapse(streams, pre)
+
+
+def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+           norm: tuple[torch.Tensor, float] | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "pre" half of a hyper-connection: the block input and the two output mixings.
+
+    streams: [T, n, D]; fn, base, scale as :func:`hc_mix` -> (block input [T, D] in the
+    streams' dtype, post [T, n] float32, comb [T, n, n] float32 doubly stochastic).
+    ``norm`` (weight [D] float32, eps): the block's input RMSNorm (DeepSeek-V4's, no
+    rounding before the weight), applied to the block input before it is returned; the
+    plain composition ``rms_norm(x, weight, eps, round_first=False)``, which the kernel fuses.
+    """
+    pre, post, comb = hc_mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     x = _hc_collapse(streams, pre)                                               # [T, D]
     if norm is not None:
         x = rms_norm(x, norm[0], norm[1], round_first=False)
@@ -488,6 +505,28 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """
     pre = torch.sigmoid(_hc_mixes(streams, fn, norm_eps) * scale + base) + hc_eps   # [T, n]
     return _hc_collapse(streams, pre)
+
+
+# -- DeepSeek-V4.1 Engram gate ----------------------------------------------------------------------
+
+def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Engram's gated add: ``s_k + sigmoid(ssqrt(dot_k)) * value`` for each stream k, where
+    ``dot_k = sum(s_k * weight_k * key_k) / (rms(s_k) * rms(key_k) * sqrt(D))`` (each rms over
+    D values of one stream) and ``ssqrt(x) = sign(x) * sqrt(max(|x|, 1e-6))``, all in float32,
+    the result rounded to the streams' dtype once.
+
+    streams: [T, n, D]; kv: [T, (n+1)*D] (n keys stream-major, then the shared value);
+    weight: [n, D] float32 (``q_weight * k_weight``) -> [T, n, D].
+    """
+    n, d = streams.shape[1:]
+    key, value = kv.split([n * d, d], dim=-1)
+    key = key.float().unflatten(-1, (n, d))                                      # [T, n, D]
+    h = streams.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)   # [T, n]
+    dot = (h * weight * key).sum(-1) * rstd * d ** -0.5
+    # copysign keeps the sign of -0.0, so dot = -0.0 gives sigmoid(-1e-3).
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))   # [T, n]
+    return (h + gate[..., None] * value.float()[:, None, :]).to(streams.dtype)
 
 
 # -- sampling filters (min-p, top-k, top-p) ----------------------------------------------------------
@@ -697,3 +736,49 @@ def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor
     if cache is not None:
         store_kv(cache, slot_mapping, out[:, None])
     return out
+
+
+# -- DeepSeek-V4.1 compressed KV: pair pooling and candidate blocks ----------------------------------
+
+def pool_window(state_cache: torch.Tensor, state_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                ratio: int) -> torch.Tensor:
+    """DeepSeek-V4.1's ratio-r compressor pooling (no position bias, no overlap): for each row at
+    position p, ``sum_s softmax_s(gate_s) * kv_s`` per channel over the states of positions
+    ``p-r+1 .. p`` (slots before position 0 weigh 0), in float32.
+
+    state_cache: [NB, bs, 2, 1, D] (kv, raw gate per token); state_table: [B, nb]; seq, pos: [M]
+    -> [M, D] float32. Only rows with ``(p+1) % r == 0`` complete a window; the caller decides
+    which rows it stores.
+    """
+    seq, pos = seq.long(), pos.long()
+    window = pos[:, None] - torch.arange(ratio - 1, -1, -1, device=pos.device)   # [M, r] p-r+1 .. p
+    bs = state_cache.shape[1]
+    slots = _table_slots(state_table, bs, seq, window)                          # [M, r]
+    safe = slots.clamp(min=0)
+    states = state_cache[torch.div(safe, bs, rounding_mode="floor"), safe % bs, :, 0].float()  # [M, r, 2, D]
+    valid = (slots >= 0)[..., None]
+    kv = torch.where(valid, states[:, :, 0], 0)
+    gate = torch.where(valid, states[:, :, 1], float("-inf"))
+    return (kv * gate.softmax(dim=1)).sum(dim=1)
+
+
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
+    """DeepSeek-V4.1's candidate blocks: each row's keys in runs of ``block``, a run scored by
+    its best key, the run holding the newest visible key always kept, and the ``num_blocks``
+    best runs with a visible key allowed.
+
+    scores: [T, N] float32 index scores (-inf for invisible keys); visible: [T] visible key
+    count (keys ``0 .. visible-1``) -> [T, N] bool candidate mask.
+    """
+    t, n = scores.shape
+    pad = (-n) % block
+    padded = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+    block_scores = padded.view(t, -1, block).amax(dim=-1)                       # [T, NB]
+    nb = block_scores.shape[1]
+    newest = torch.where(visible > 0, (visible - 1) // block, -1)               # [T]
+    block_scores = torch.where(torch.arange(nb, device=scores.device)[None, :] == newest[:, None],
+                               float("inf"), block_scores)
+    best, chosen = block_scores.topk(min(num_blocks, nb), dim=-1)
+    keep = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, chosen, best > float("-inf"))
+    return keep.repeat_interleave(block, dim=1)[:, :n]

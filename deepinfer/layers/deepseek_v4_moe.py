@@ -29,8 +29,10 @@ class DeepseekV4Router(nn.Module):
     """Top-K by biased score (``hash_vocab_size`` None) or by ``tid2eid[token]`` (hash layers)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, scoring_func: str,
-                 routed_scaling_factor: float, hash_vocab_size: int | None) -> None:
+                 routed_scaling_factor: float, hash_vocab_size: int | None, gate_temp: float = 1.0) -> None:
         super().__init__()
+        if gate_temp <= 0:
+            raise ValueError(f"gate_temp={gate_temp} must be > 0")
         if scoring_func not in _SCORE_FUNCS:
             raise NotImplementedError(f"scoring_func={scoring_func!r} is not supported for DeepSeek-V4; "
                                       f"supported: {', '.join(_SCORE_FUNCS)}")
@@ -39,6 +41,8 @@ class DeepseekV4Router(nn.Module):
         self.top_k = top_k
         self.scoring_func = scoring_func
         self.routed_scaling_factor = routed_scaling_factor
+        # DeepSeek-V4.1's router temperature divides the logits (1 everywhere in the release).
+        self.gate_temp = gate_temp
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
         self.is_hash = hash_vocab_size is not None
         if self.is_hash:
@@ -49,6 +53,8 @@ class DeepseekV4Router(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H], input_ids: [T] -> weights [T, K] float32, expert ids [T, K] int64
         logits = backend.router_logits(x, self.weight)                            # [T, E] float32
+        if self.gate_temp != 1.0:
+            logits = logits / self.gate_temp
         if self.is_hash:
             return backend.hash_route(logits, self.tid2eid, input_ids, self.scoring_func,
                                       self.routed_scaling_factor)
@@ -107,10 +113,10 @@ class DeepseekV4SharedExpert(nn.Module):
 class DeepseekV4MoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  scoring_func: str, routed_scaling_factor: float, swiglu_limit: float,
-                 hash_vocab_size: int | None) -> None:
+                 hash_vocab_size: int | None, gate_temp: float = 1.0) -> None:
         super().__init__()
         self.gate = DeepseekV4Router(hidden_size, num_experts, top_k, scoring_func,
-                                     routed_scaling_factor, hash_vocab_size)
+                                     routed_scaling_factor, hash_vocab_size, gate_temp)
         self.experts = DeepseekV4Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
         self.shared_experts = DeepseekV4SharedExpert(hidden_size, intermediate_size, swiglu_limit)
 

@@ -58,6 +58,10 @@ class CausalLM(nn.Module):
     # host and sizes its work from T, B and ctx.max_seq_len only (forward_context.py).
     supports_cuda_graphs: bool = False
 
+    # The ``kv_cache_dtype`` values the model's constructor takes (keyword ``kv_cache_dtype``);
+    # empty: the model takes none and only "auto" (the compute dtype) is served.
+    kv_cache_dtypes: tuple[str, ...] = ()
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -92,6 +96,11 @@ class CausalLM(nn.Module):
         return head
 
     # -- weights -----------------------------------------------------------------
+    def load_assets(self, path: str) -> None:
+        """Called by ``models.loader.load_model`` before the weights load, with the checkpoint
+        directory: a model that needs more than tensors (e.g. DeepSeek-V4.1's engram token
+        map, built from tokenizer.json) reads it here. The default reads nothing."""
+
     def after_load(self) -> None:
         """Called once by ``models.loader.load_model`` after the weights are in place
         (loaded or dummy), before the first forward: a model may re-lay out its weights

@@ -85,8 +85,15 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     fill them with random values from ``seed``), run its ``after_load`` hook (weight
     re-layout such as fused projections), and put it in eval mode."""
     model_cls = get_model_class(model_config.architecture)
+    kv_dtype = model_config.kv_cache_dtype
+    if kv_dtype != "auto" and kv_dtype not in model_cls.kv_cache_dtypes:
+        supported = ", ".join(model_cls.kv_cache_dtypes or ("auto",))
+        raise ValueError(f"kv_cache_dtype={kv_dtype!r} is not supported for {model_config.architecture}; "
+                         f"supported: {supported}")
+    options = {"kv_cache_dtype": kv_dtype} if model_cls.kv_cache_dtypes else {}
     with torch.device(device), _default_dtype(model_config.dtype):
-        model = model_cls(model_config.hf_config, model_config.dtype)
+        model = model_cls(model_config.hf_config, model_config.dtype, **options)
+    model.load_assets(model_config.path)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:

@@ -13,6 +13,7 @@ _MODELS: dict[str, str] = {
     "Qwen3MoeForCausalLM": "deepinfer.models.qwen3_moe:Qwen3MoeForCausalLM",
     "DeepseekV3ForCausalLM": "deepinfer.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV4ForCausalLM": "deepinfer.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "DeepseekV41ForCausalLM": "deepinfer.models.deepseek_v41:DeepseekV41ForCausalLM",
 }
 
 
