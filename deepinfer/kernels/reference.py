@@ -490,6 +490,28 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     return _hc_collapse(streams, pre)
 
 
+# -- DeepSeek-V4.1 Engram gate ----------------------------------------------------------------------
+
+def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Engram's gated add: ``s_k + sigmoid(ssqrt(dot_k)) * value`` for each stream k, where
+    ``dot_k = sum(s_k * weight_k * key_k) / (rms(s_k) * rms(key_k) * sqrt(D))`` (each rms over
+    D values of one stream) and ``ssqrt(x) = sign(x) * sqrt(max(|x|, 1e-6))``, all in float32,
+    the result rounded to the streams' dtype once.
+
+    streams: [T, n, D]; kv: [T, (n+1)*D] (n keys stream-major, then the shared value);
+    weight: [n, D] float32 (``q_weight * k_weight``) -> [T, n, D].
+    """
+    n, d = streams.shape[1:]
+    key, value = kv.split([n * d, d], dim=-1)
+    key = key.float().unflatten(-1, (n, d))                                      # [T, n, D]
+    h = streams.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)   # [T, n]
+    dot = (h * weight * key).sum(-1) * rstd * d ** -0.5
+    # copysign keeps the sign of -0.0, so dot = -0.0 gives sigmoid(-1e-3).
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))   # [T, n]
+    return (h + gate[..., None] * value.float()[:, None, :]).to(streams.dtype)
+
+
 # -- sampling filters (min-p, top-k, top-p) ----------------------------------------------------------
 # Rows of temperature-scaled logits; a filtered-out token gets -inf. Order: min_p, top_k, top_p.
 
