@@ -23,12 +23,14 @@ column ``(order-2)*H + head``), E table row width (head_dim), R table rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
 from deepinfer.kernels import reference
@@ -60,10 +62,8 @@ def _is_prime(n: int) -> bool:
     return True
 
 
-def _normalizer():
+def _normalizer() -> normalizers.Normalizer:
     """The tokenizers normaliser that decides which tokens collapse to one compressed id."""
-    from tokenizers import Regex, normalizers
-
     # A token that is exactly whitespace would strip to "" and merge with other empty keys;
     # a private-use sentinel carries the single space through Strip().
     sentinel = "\ue000"
@@ -88,11 +88,9 @@ def build_token_map(tokenizer_json: str | Path) -> np.ndarray:
     The hash multipliers derive from the number of distinct ids, so the caller should check it
     against ``engram_compressed_vocab_size``.
     """
-    from tokenizers import Tokenizer
-
     tokenizer = Tokenizer.from_file(str(tokenizer_json))
     normalizer = _normalizer()
-    ids: dict[str, int] = {}
+    compressed: dict[str, int] = {}   # normalised key -> compressed id
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     token_map = np.empty(size, dtype=np.int32)
     for token_id in range(size):
@@ -101,7 +99,7 @@ def build_token_map(tokenizer_json: str | Path) -> np.ndarray:
             key = tokenizer.id_to_token(token_id)
         else:
             key = normalizer.normalize_str(text) or text
-        token_map[token_id] = ids.setdefault(key, len(ids))
+        token_map[token_id] = compressed.setdefault(key, len(compressed))
     return token_map
 
 
@@ -142,8 +140,8 @@ class EngramLayout:
         return tuple(int(n) for n in self.primes.sum(axis=1))
 
     @classmethod
-    def from_config(cls, layer_ids, vocab_base: int, n_heads: int, max_ngram: int,
-                    compressed_vocab_size: int, num_embeddings=None) -> EngramLayout:
+    def from_config(cls, layer_ids: Sequence[int], vocab_base: int, n_heads: int, max_ngram: int,
+                    compressed_vocab_size: int, num_embeddings: Sequence[int] | None = None) -> EngramLayout:
         """The layout of ``engram_layer_ids`` from the other ``engram_*`` config values.
 
         Primes: for each layer, then each order, ``n_heads`` times the smallest prime above the

@@ -2,6 +2,8 @@
 
 - FP8: ``float8_e4m3fn`` weights with one scale per ``block x block`` tile
   (``[ceil(out/block), ceil(in/block)]``, e8m0 or float32), ``w = q * s``.
+- Engram tables (DeepSeek-V4.1): ``float8_e4m3fn`` rows with one e8m0 scale per
+  ``group`` values of a row (``[rows, cols/group]``), ``w = q * s``.
 - FP4: ``e2m1`` values packed two per byte along the input dimension (low
   nibble first; stored as ``int8``, ``uint8`` or ``float4_e2m1fn_x2``) with one
   e8m0 scale per ``group`` inputs (``[out, in/group]``), ``w = q * s``.
@@ -48,6 +50,17 @@ def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = 12
     s = scale_to_float(scale)
     s = s.repeat_interleave(block, dim=-2)[..., :rows, :].repeat_interleave(block, dim=-1)[..., :cols]
     return weight.to(torch.float32) * s
+
+
+def dequant_engram_table(weight: torch.Tensor, scale: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """FP8 Engram table [rows, cols] with one scale per ``group`` values of a row
+    ([rows, cols/group], e8m0 or raw exponent bytes) -> float32 [rows, cols]."""
+    rows, cols = weight.shape
+    if cols % group or tuple(scale.shape) != (rows, cols // group):
+        raise ValueError(f"Engram table of shape {tuple(weight.shape)} with groups of {group} needs "
+                         f"a scale of shape {(rows, cols // group)}, got {tuple(scale.shape)}")
+    values = weight.to(torch.float32).view(rows, cols // group, group)
+    return (values * scale_to_float(scale)[..., None]).view(rows, cols)
 
 
 def unpack_fp4_e2m1(packed: torch.Tensor) -> torch.Tensor:
