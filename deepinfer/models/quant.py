@@ -30,6 +30,7 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+ENGRAM_TABLE_SUFFIX = ".engram.embed.weight"
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,10 @@ def dequantize_weight(name: str, weight: torch.Tensor, scale: torch.Tensor,
                       fp8_block: int = 128, fp4_group: int = 32) -> torch.Tensor:
     """Checkpoint weight ``name`` dequantised with its scale, by the weight's storage dtype."""
     try:
+        if weight.dtype in FP8_DTYPES and name.endswith(ENGRAM_TABLE_SUFFIX):
+            # Engram tables scale each row's groups of 32, not 2-D blocks (and a small
+            # table's grid shape would not tell the two apart).
+            return dequant_engram_table(weight, scale)
         if weight.dtype in FP8_DTYPES:
             return dequant_fp8_block(weight, scale, fp8_block)
         if weight.dtype in FP4_DTYPES:

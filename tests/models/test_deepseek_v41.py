@@ -80,7 +80,9 @@ def test_logits_match_the_official_reference(model, expected):
 
 
 def test_greedy_matches_the_official_reference(model, expected):
-    for i, ids in enumerate(prompts(expected)):
+    # Repeated full forwards, as the reference made them (the engine's cached decode is
+    # checked on every prompt in tests/engine/test_deepseek_v41_engine.py).
+    for i, ids in list(enumerate(prompts(expected)))[:3]:
         seq = list(ids)
         for _ in range(expected["greedy_noquant"].shape[1]):
             seq.append(int(full_logits(model, seq)[-1].argmax()))
