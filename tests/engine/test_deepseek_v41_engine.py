@@ -1,0 +1,76 @@
+"""DeepSeek-V4.1 through the whole engine on the tiny engram checkpoint of
+tests/data/v41_reference: greedy tokens and prompt logprobs equal what DeepSeek's official
+V4.1 reference produced (its unrounded variant, ``kv_cache_dtype="float32"`` here), through
+batching, chunked prefill, small pages, prefix-cache hits, preemption and ``n`` > 1, and
+every block returns to the pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from deepinfer import LLM, SamplingParams
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "v41_reference"
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict[str, np.ndarray]:
+    return dict(np.load(DATA / "expected.npz"))
+
+
+def prompts(expected: dict[str, np.ndarray]) -> list[list[int]]:
+    ids, off = expected["prompt_ids"], expected["prompt_offsets"]
+    return [ids[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+
+
+def make_llm(**settings) -> LLM:
+    return LLM(model=str(DATA / "checkpoint"), device="cpu", dtype="float32", kv_cache_dtype="float32",
+               **settings)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    # Chunks of 16 tokens, pages of 4 (the window is 8), and a pool small enough to preempt.
+    {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 4},
+], ids=["default", "chunked-preempting"])
+def test_greedy_matches_the_official_reference(expected, settings):
+    llm = make_llm(**settings)
+    ps = prompts(expected)
+    first = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert first == expected["greedy_noquant"].tolist()
+    second = llm.generate(ps, GREEDY, use_tqdm=False)             # prefix-cache hits
+    assert [o.outputs[0].token_ids for o in second] == first
+    if "num_kv_blocks" in settings:
+        # Hits are whole pages of every group: with pages of 4, the ratio-2 group's
+        # pages span 32 tokens or fewer, shorter than these prompts.
+        assert any(o.num_cached_tokens > 0 for o in second)
+        assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+def test_prompt_logprobs_match_the_official_reference(expected):
+    llm = make_llm(max_num_batched_tokens=24)
+    off = expected["prompt_offsets"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    for i, out in enumerate(llm.generate(prompts(expected), params, use_tqdm=False)):
+        logits = expected["logits_noquant"][off[i]:off[i + 1]].astype(np.float64)
+        ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        ids = out.prompt_token_ids
+        for p in range(1, len(ids)):
+            assert out.prompt_logprobs[p][ids[p]].logprob == pytest.approx(ref[p - 1, ids[p]], abs=1e-4)
+
+
+def test_siblings_fork_from_the_prompt(expected):
+    llm = make_llm()
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True)
+    out = llm.generate(prompts(expected)[:2], params, use_tqdm=False)
+    for i, o in enumerate(out):
+        assert [c.token_ids for c in o.outputs] == [expected["greedy_noquant"][i, :12].tolist()] * 3
