@@ -782,3 +782,201 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int
     keep = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, chosen, best > float("-inf"))
     return keep.repeat_interleave(block, dim=1)[:, :n]
+
+
+# -- DeepSeek-V4.1 KV-cache formats -------------------------------------------------------------------
+# The rounding mlx-lm 0.32.2 applies to V4.1's caches (mlx_lm/models/deepseek_v41.py: _fake_quant_fp8,
+# _fake_quant_fp4), bit for bit, and the packed records that hold exactly the rounded values. A row
+# [..., C] splits into blocks of contiguous channels with one scale each. Everything runs in float32 and
+# the result is cast to the input's dtype; rounded values fit bfloat16 exactly, so a bfloat16 row gives
+# ``round(x.float()).bfloat16()`` with no second rounding (float16 can overflow or lose subnormals).
+# NaN and infinite inputs are outside the contract. Where mlx-lm applies them (whole rows, the RoPE
+# channels included, after RoPE):
+#   window KV rows [512]           MXFP8  E4M3, a power-of-two scale per 32   512 + 16 = 528 B a row
+#   compressed entries [512]       NVFP4  E2M1, an E4M3 scale per 16          256 + 32 = 288 B a row
+#   indexer keys [128] and queries MXFP4  E2M1, a power-of-two scale per 32    64 +  4 =  68 B a key
+#     (each 128-channel head)
+# Power-of-two scales are stored as E8M0 bytes (biased exponent e + 127, scale 2 ** (byte - 127)); E2M1
+# codes are 4 bits, sign in bit 3 and the magnitude's index into _E2M1_VALUES in bits 0-2, packed two a
+# byte, the even channel in the low nibble.
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # magnitude of the E2M1 codes 0..7
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., C] -> float32 [..., C/block, block]; C must be a multiple of ``block``."""
+    if x.dim() == 0 or x.shape[-1] % block:
+        raise ValueError(f"the last dim must be a multiple of {block}, got shape {tuple(x.shape)}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _pow2_exponent(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """E8M0 byte (uint8, ``127 + e``) of the block scale ``2 ** e``, ``e = ceil(log2(amax / top))``.
+
+    As mlx-lm computes it: ``amax / top`` divided in float32, its log2 rounded to float32, then the
+    ceiling. The float32 rounding matters: a quotient a few ulps above ``2 ** k`` has a log2 that
+    rounds to exactly k (none for -4 <= k <= 3, one ulp at k = 4, about |k| / 5 ulps beyond), so
+    the scale stays ``2 ** k`` and the block's largest value clips to ``top``. The log2 runs in
+    float64 and is rounded once to float32, i.e. correctly rounded; its ceiling equals that of
+    mlx's CPU log2 (glibc's log2f) on every positive normal float32 (checked exhaustively).
+    amax: float32 [..., 1], positive normal; e lies in [-126, 126] for the callers' floors.
+    """
+    exponent = torch.ceil(torch.log2((amax / top).double()).float())
+    return (exponent + 127).to(torch.uint8)
+
+
+def _e8m0_scale(exps: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 bytes in [1, 254] -> float32 ``2 ** (byte - 127)``, built from its bits (exact)."""
+    return (exps.to(torch.int32) << 23).view(torch.float32)
+
+
+def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+    """float32 q in [-6, 6] -> uint8 E2M1 codes (same shape), rounding to nearest, ties to even.
+
+    mlx-lm's thresholds: a tie rounds to the even code (in values: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
+    1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). mlx-lm multiplies by ``sign(q)``: a negative q that rounds to zero
+    gives -0 (sign bit set), while a zero q (+0 or -0) gives +0.
+    """
+    mag = q.abs()
+    index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for threshold in (0.25, 1.25, 2.5, 5.0):
+        index += mag > threshold
+    for threshold in (0.75, 1.75, 3.5):
+        index += mag >= threshold
+    return index | ((q < 0).to(torch.uint8) << 3)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes -> their float32 values (code 8 is -0)."""
+    mag = torch.tensor(_E2M1_VALUES, device=codes.device)[(codes & 7).long()]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 4-bit codes [..., C] -> uint8 [..., C/2], channel 2i in the low nibble of byte i."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C/2] -> uint8 4-bit codes [..., C] (inverse of :func:`_pack_nibbles`)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _encode_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E4M3 bytes [..., C/32, 32], E8M0 bytes [..., C/32, 1]), both uint8."""
+    blocks = _blocks(x, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)      # an all-zero block gets 2 ** -22
+    exps = _pow2_exponent(amax, 448.0)
+    q = (blocks / _e8m0_scale(exps)).clamp(-448.0, 448.0)
+    # torch's cast rounds to nearest even like mlx's to_fp8 (the same bytes for every float32 in [-448, 448]).
+    return q.to(torch.float8_e4m3fn).view(torch.uint8), exps
+
+
+def _decode_mxfp8(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """(E4M3 bytes [..., N, 32], E8M0 bytes [..., N, 1]) -> float32 [..., N, 32]."""
+    return codes.view(torch.float8_e4m3fn).float() * _e8m0_scale(exps)
+
+
+def _encode_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E2M1 codes [..., C/16, 16], E4M3 scale bytes [..., C/16, 1]), both uint8."""
+    blocks = _blocks(x, 16)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(6.0 * 2.0**-9)   # scale >= 2 ** -9
+    # mlx's E4M3 cast saturates to 448; the clamp does so whether or not torch's cast saturates.
+    scale_bytes = (amax / 6.0).clamp_max(448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    scale = scale_bytes.view(torch.float8_e4m3fn).float()
+    return _e2m1_codes((blocks / scale).clamp(-6.0, 6.0)), scale_bytes
+
+
+def _decode_nvfp4(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
+    """(E2M1 codes [..., N, 16], E4M3 scale bytes [..., N, 1]) -> float32 [..., N, 16]."""
+    return _e2m1_values(codes) * scale_bytes.view(torch.float8_e4m3fn).float()
+
+
+def _encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E2M1 codes [..., C/32, 32], E8M0 bytes [..., C/32, 1]), both uint8."""
+    blocks = _blocks(x, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(6.0 * 2.0**-126)   # scale >= 2 ** -126
+    exps = _pow2_exponent(amax, 6.0)
+    return _e2m1_codes((blocks / _e8m0_scale(exps)).clamp(-6.0, 6.0)), exps
+
+
+def _decode_mxfp4(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """(E2M1 codes [..., N, 32], E8M0 bytes [..., N, 1]) -> float32 [..., N, 32]."""
+    return _e2m1_values(codes) * _e8m0_scale(exps)
+
+
+def round_mxfp8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] (C % 32 == 0) rounded to MXFP8, as mlx-lm's ``_fake_quant_fp8`` -> x's shape and dtype.
+
+    Each block of 32 channels gets the scale ``2 ** ceil(log2(max(amax, 1e-4) / 448))`` (see
+    :func:`_pow2_exponent`); x / scale is clipped to [-448, 448], rounded to E4M3 to nearest, ties to
+    even (signed zeros kept), and multiplied back by the scale.
+    """
+    codes, exps = _encode_mxfp8(x)
+    return _decode_mxfp8(codes, exps).reshape(x.shape).to(x.dtype)
+
+
+def round_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] (C % 16 == 0) rounded to NVFP4, as mlx-lm's ``_fake_quant_fp4(x, block_size=16,
+    e4m3_scale=True)`` -> x's shape and dtype.
+
+    Each block of 16 channels gets the scale ``E4M3(max(amax, 6 * 2 ** -9) / 6)``: the quotient is
+    rounded to E4M3 to nearest even, saturating at 448, so the scale is not always above amax / 6 and
+    x / scale is clipped to [-6, 6] before rounding to E2M1 (:func:`_e2m1_codes`). No global scale.
+    Not idempotent for 9 * 2 ** -9 <= amax <= 10 * 2 ** -9: the subnormal scale rounds up to 2 ** -8,
+    amax rounds to 2 ** -6, whose own scale is 2 ** -9, so a second rounding clips it to 6 * 2 ** -9.
+    """
+    codes, scale_bytes = _encode_nvfp4(x)
+    return _decode_nvfp4(codes, scale_bytes).reshape(x.shape).to(x.dtype)
+
+
+def round_mxfp4(x: torch.Tensor) -> torch.Tensor:
+    """x [..., C] (C % 32 == 0) rounded to MXFP4, as mlx-lm's ``_fake_quant_fp4(x, block_size=32)``
+    -> x's shape and dtype.
+
+    Each block of 32 channels gets the scale ``2 ** ceil(log2(max(amax, 6 * 2 ** -126) / 6))`` (see
+    :func:`_pow2_exponent`); x / scale is clipped to [-6, 6] and rounded to E2M1 (:func:`_e2m1_codes`).
+    """
+    codes, exps = _encode_mxfp4(x)
+    return _decode_mxfp4(codes, exps).reshape(x.shape).to(x.dtype)
+
+
+def pack_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E4M3 bytes [..., C], E8M0 scale bytes [..., C/32]), uint8; unpacks to
+    :func:`round_mxfp8` (x) exactly. A 512-channel row takes 512 + 16 = 528 bytes."""
+    codes, exps = _encode_mxfp8(x)
+    return codes.reshape(x.shape), exps.reshape(*x.shape[:-1], -1)
+
+
+def unpack_mxfp8(codes: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(E4M3 bytes [..., C], E8M0 bytes [..., C/32]) from :func:`pack_mxfp8` -> [..., C] in ``dtype``."""
+    blocks = codes.reshape(*exps.shape, 32)
+    return _decode_mxfp8(blocks, exps[..., None]).reshape(codes.shape).to(dtype)
+
+
+def pack_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E2M1 codes two a byte [..., C/2], E4M3 scale bytes [..., C/16]), uint8; unpacks
+    to :func:`round_nvfp4` (x) exactly. A 512-channel row takes 256 + 32 = 288 bytes."""
+    codes, scale_bytes = _encode_nvfp4(x)
+    return _pack_nibbles(codes.reshape(x.shape)), scale_bytes.reshape(*x.shape[:-1], -1)
+
+
+def unpack_nvfp4(packed: torch.Tensor, scale_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(E2M1 bytes [..., C/2], E4M3 bytes [..., C/16]) from :func:`pack_nvfp4` -> [..., C] in ``dtype``."""
+    codes = _unpack_nibbles(packed)
+    blocks = codes.reshape(*scale_bytes.shape, 16)
+    return _decode_nvfp4(blocks, scale_bytes[..., None]).reshape(codes.shape).to(dtype)
+
+
+def pack_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., C] -> (E2M1 codes two a byte [..., C/2], E8M0 scale bytes [..., C/32]), uint8; unpacks
+    to :func:`round_mxfp4` (x) exactly. A 128-channel index key takes 64 + 4 = 68 bytes."""
+    codes, exps = _encode_mxfp4(x)
+    return _pack_nibbles(codes.reshape(x.shape)), exps.reshape(*x.shape[:-1], -1)
+
+
+def unpack_mxfp4(packed: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(E2M1 bytes [..., C/2], E8M0 bytes [..., C/32]) from :func:`pack_mxfp4` -> [..., C] in ``dtype``."""
+    codes = _unpack_nibbles(packed)
+    blocks = codes.reshape(*exps.shape, 32)
+    return _decode_mxfp4(blocks, exps[..., None]).reshape(codes.shape).to(dtype)
