@@ -36,9 +36,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 @pytest.mark.parametrize("settings", [
     {},
-    # Chunks of 16 tokens, pages of 4 (the window is 8), and a pool small enough to preempt.
+    # Chunks of 16 tokens and pages of 4 (the window is 8): prefix hits of whole pages.
+    {"max_num_batched_tokens": 16, "block_size": 4},
+    # A pool small enough to preempt.
     {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 4},
-], ids=["default", "chunked-preempting"])
+], ids=["default", "chunked", "preempting"])
 def test_greedy_matches_the_official_reference(expected, settings):
     llm = make_llm(**settings)
     ps = prompts(expected)
@@ -47,10 +49,11 @@ def test_greedy_matches_the_official_reference(expected, settings):
     second = llm.generate(ps, GREEDY, use_tqdm=False)             # prefix-cache hits
     assert [o.outputs[0].token_ids for o in second] == first
     if "num_kv_blocks" in settings:
-        # Hits are whole pages of every group: with pages of 4, the ratio-2 group's
-        # pages span 32 tokens or fewer, shorter than these prompts.
-        assert any(o.num_cached_tokens > 0 for o in second)
         assert llm.engine.scheduler.num_preemptions > 0
+    elif "block_size" in settings:
+        # Hits are whole pages of every group: with pages of 4, the ratio-2 and ratio-1
+        # groups' pages span 32 and 16 tokens, shorter than these prompts.
+        assert all(o.num_cached_tokens >= 32 for o in second if len(o.prompt_token_ids) > 40)
     kv = llm.engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks - 1
 
