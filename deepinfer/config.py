@@ -36,6 +36,31 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 LOAD_FORMATS = ("auto", "dummy")
 
+# Architectures whose release config.json nests the language model's fields under
+# ``text_config`` (next to a ``vision_config``), and the outer keys that still apply to
+# the text model: its identity, the checkpoint's quantisation and the special tokens.
+_TEXT_CONFIG_WRAPPERS = frozenset({"DeepseekV41ForCausalLM"})
+_WRAPPER_KEYS_KEPT = ("architectures", "model_type", "quantization_config", "bos_token_id",
+                      "eos_token_id", "pad_token_id", "dtype", "torch_dtype")
+
+
+def flatten_text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal release wrapper, else ``hf_config`` itself.
+
+    DeepSeek-V4.1's config.json keeps every language-model field in ``text_config``;
+    the models read them at the top level, as for every other checkpoint. So the
+    ``text_config`` keys become the top level, the outer keys in ``_WRAPPER_KEYS_KEPT``
+    are laid over them (the outer ``model_type`` replaces ``deepseek_v41_text``, as in
+    mlx-lm), and the rest of the wrapper (``vision_config``, ``image_token_id``) is
+    dropped: the engine serves text only. Idempotent; other architectures pass unchanged.
+    """
+    text = hf_config.get("text_config")
+    arch = (hf_config.get("architectures") or [None])[0]
+    if not isinstance(text, dict) or arch not in _TEXT_CONFIG_WRAPPERS:
+        return hf_config
+    outer = {k: hf_config[k] for k in _WRAPPER_KEYS_KEPT if k in hf_config}
+    return {**text, **outer}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -44,7 +69,8 @@ class ModelConfig:
     ``load_format="dummy"`` reads no weights: parameters are seeded random values
     (models/dummy.py), for benchmarks at real widths without a checkpoint; ``path``
     is then only a label. ``skip_tokenizer_init`` builds no tokenizer: prompts must
-    be token ids and outputs carry no text.
+    be token ids and outputs carry no text. ``hf_config`` is stored flat: a release
+    wrapper with a ``text_config`` (DeepSeek-V4.1) is flattened (``flatten_text_config``).
     """
 
     path: str
@@ -69,12 +95,15 @@ class ModelConfig:
     def from_hf_config(cls, hf_config: dict[str, Any], path: str, dtype: str | torch.dtype,
                        max_model_len: int | None, device: torch.device, **options: Any) -> "ModelConfig":
         """A config.json already in memory (``path`` names where it came from)."""
+        hf_config = flatten_text_config(hf_config)
         if max_model_len is None:
             max_model_len = int(hf_config.get("max_position_embeddings", 2048))
         return cls(path=path, hf_config=hf_config, dtype=resolve_dtype(dtype, device),
                    max_model_len=max_model_len, **options)
 
     def __post_init__(self) -> None:
+        # Also for a ModelConfig built directly rather than through from_hf_config.
+        object.__setattr__(self, "hf_config", flatten_text_config(self.hf_config))
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
         if not self.hf_config.get("architectures"):
