@@ -69,7 +69,8 @@ class ModelConfig:
     ``load_format="dummy"`` reads no weights: parameters are seeded random values
     (models/dummy.py), for benchmarks at real widths without a checkpoint; ``path``
     is then only a label. ``skip_tokenizer_init`` builds no tokenizer: prompts must
-    be token ids and outputs carry no text.
+    be token ids and outputs carry no text. ``hf_config`` is stored flat: a release
+    wrapper with a ``text_config`` (DeepSeek-V4.1) is flattened (``flatten_text_config``).
     """
 
     path: str
