@@ -39,7 +39,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     # Chunks of 16 tokens and pages of 4 (the window is 8): prefix hits of whole pages.
     {"max_num_batched_tokens": 16, "block_size": 4},
     # A pool small enough to preempt.
-    {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 40, "max_num_seqs": 4},
+    {"max_num_batched_tokens": 16, "block_size": 4, "num_kv_blocks": 20, "max_num_seqs": 8},
 ], ids=["default", "chunked", "preempting"])
 def test_greedy_matches_the_official_reference(expected, settings):
     llm = make_llm(**settings)

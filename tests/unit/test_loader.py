@@ -148,5 +148,5 @@ def test_unknown_architecture_lists_supported(llama, tmp_path):
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3MoeForCausalLM"):
         load_ours(path)
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-            "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM"} == set(supported_architectures())
+            "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"} == set(supported_architectures())
     assert get_model_class("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
