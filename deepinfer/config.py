@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from deepinfer import env
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -177,6 +179,12 @@ class SchedulerConfig:
     N+1 while the device runs step N, and post-process step N while it runs N+1.
     Outputs are the same either way (scheduler/scheduler.py says when it falls back
     to a synchronous step).
+    ``prefill_truncation_mode`` / ``prefill_keep_tokens``: bounded replay of prompts
+    (DeepSeek's "YOCO prefill truncation"; ``full``, ``exact`` or ``compact``, and how
+    many trailing prompt tokens the late layers keep). None takes
+    DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE / DEEPINFER_YOCO_PREFILL_KEEP_TOKENS (env.py),
+    resolved at construction. A mode other than ``full`` needs a model with bounded
+    replay (``CausalLM.replay_keep_tokens``), checked when the engine starts.
     """
 
     max_num_seqs: int = 64
@@ -184,12 +192,24 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     cuda_graph_sizes: tuple[int, ...] | None = None
     async_scheduling: bool = True
+    prefill_truncation_mode: str | None = None
+    prefill_keep_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.prefill_truncation_mode is None:
+            object.__setattr__(self, "prefill_truncation_mode", env.yoco_prefill_truncation_mode())
+        if self.prefill_truncation_mode not in env.PREFILL_TRUNCATION_MODES:
+            raise ValueError(f"prefill_truncation_mode={self.prefill_truncation_mode!r} is not valid; "
+                             f"choose one of {', '.join(env.PREFILL_TRUNCATION_MODES)}")
+        if self.prefill_keep_tokens is None:
+            object.__setattr__(self, "prefill_keep_tokens", env.yoco_prefill_keep_tokens())
+        keep = self.prefill_keep_tokens
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"prefill_keep_tokens={keep!r} must be an int >= 1")
         if self.cuda_graph_sizes is not None:
             sizes = tuple(self.cuda_graph_sizes)
             if not sizes:

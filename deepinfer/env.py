@@ -29,6 +29,17 @@ DEEPINFER_GLUON_ATTENTION  1 | 0  (default 1)
     Long 16-bit prefill chunks of DeepSeek-V4 sparse attention (64 heads x 512, T >= 2048) on
     Hopper take the Gluon kernel of ``kernels/sparse_attention_gluon.py``, which also applies the
     query's norm + rope and the output's inverse rope. ``0``: the Triton kernels everywhere.
+
+DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  full | exact | compact  (default full)
+    Bounded replay of a prompt (DeepSeek's "YOCO prefill truncation"): the layers after a
+    model's last KV-source layer run only on each prompt's last tokens. ``full``: every layer
+    sees every token. ``exact`` / ``compact``: the model's two truncated forms (models that
+    have none refuse them at start-up). The default of ``SchedulerConfig.prefill_truncation_mode``.
+
+DEEPINFER_YOCO_PREFILL_KEEP_TOKENS  int >= 1  (default 140)
+    How many trailing prompt tokens bounded replay keeps for the late layers (the model may
+    ask for more, see ``CausalLM.replay_keep_tokens``). The default of
+    ``SchedulerConfig.prefill_keep_tokens``.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ import os
 from typing import Literal, get_args
 
 KernelBackend = Literal["auto", "torch", "triton"]
+PrefillTruncationMode = Literal["full", "exact", "compact"]
+PREFILL_TRUNCATION_MODES: tuple[str, ...] = get_args(PrefillTruncationMode)
 
 
 def kernel_backend() -> KernelBackend:
@@ -68,3 +81,20 @@ def side_stream_enabled() -> bool:
 def gluon_attention_enabled() -> bool:
     """DEEPINFER_GLUON_ATTENTION (see the module docstring)."""
     return _switch("DEEPINFER_GLUON_ATTENTION")
+
+
+def yoco_prefill_truncation_mode() -> PrefillTruncationMode:
+    """DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE (see the module docstring)."""
+    value = os.environ.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "full").strip().lower()
+    if value not in PREFILL_TRUNCATION_MODES:
+        raise ValueError(f"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE={value!r} is not valid; choose one of "
+                         f"{', '.join(PREFILL_TRUNCATION_MODES)}")
+    return value  # type: ignore[return-value]
+
+
+def yoco_prefill_keep_tokens() -> int:
+    """DEEPINFER_YOCO_PREFILL_KEEP_TOKENS (see the module docstring)."""
+    value = os.environ.get("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "140").strip()
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={value!r} is not valid; choose an integer >= 1")
+    return int(value)

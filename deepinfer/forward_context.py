@@ -52,6 +52,11 @@ class ForwardContext:
     token_seq: torch.Tensor | None = None           # [T] int32, sequence row b of each token
     max_seq_len: int = 0                            # >= every seq_lens[b]; 0: max(seq_lens)
     decode_only: bool = False                       # every sequence has exactly one new token
+    # Bounded replay ("YOCO prefill truncation"): [B] host ints, the first position of each
+    # sequence that the model's late layers (after its last KV-source layer) compute; they
+    # skip the sequence's tokens before it. None: every layer computes every token (bounded
+    # replay off, or a ``decode_only`` context, which must not depend on host lists).
+    replay_starts: list[int] | None = None
     # Results that several layers of one forward share (e.g. a KV-cache group's slot tables),
     # keyed by their maker. A context serves one forward: build a new one for the next (or
     # clear this), else the next forward (or a CUDA-graph capture) reuses stale results.

@@ -50,6 +50,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0         # prompt tokens served by the prefix cache on first schedule
+    # Bounded replay: the first position the model's late layers compute (0: every position).
+    # Set by the scheduler when the request is queued and fixed for its life (scheduler.py).
+    replay_start: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None

@@ -106,13 +106,18 @@ class Engine:
         eos_ids = (config.model.config_eos_token_ids if self.tokenizer is None
                    else self.tokenizer.eos_token_ids)
         self.model = load_model(config.model, config.device, config.seed)
-        self.runner = ModelRunner(config, self.model, eos_ids)
+        # Bounded replay: the model checks the mode (a model without it refuses the truncated
+        # ones) and says how many trailing prompt tokens its late layers compute (None: all).
+        sched = config.scheduler
+        replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
+        self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
         specs = [layer.kv_spec for layer in self.model.kv_cache_layers()]
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)
         self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
+                                   replay_keep_tokens=replay_keep)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()

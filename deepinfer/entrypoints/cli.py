@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
+from deepinfer import env
 from deepinfer.bench import args as bench_args
 from deepinfer.sampling_params import SamplingParams
 
@@ -36,6 +37,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's own KV format; DeepSeek-V4.1: the release's rounded records), "
                         "or unrounded bfloat16 / float32 where the model offers them")
+    p.add_argument("--yoco-prefill-truncation-mode", choices=env.PREFILL_TRUNCATION_MODES,
+                   default=None,
+                   help="bounded replay of prompts: the layers after the last KV-source layer run on "
+                        "each prompt's last tokens only (DeepSeek-V4.1); default: "
+                        "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE, else full")
+    p.add_argument("--yoco-prefill-keep-tokens", type=int, default=None,
+                   help="trailing prompt tokens bounded replay keeps for the late layers; default: "
+                        "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, else 140")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -47,7 +56,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-                kv_cache_dtype=args.kv_cache_dtype)
+                kv_cache_dtype=args.kv_cache_dtype,
+                yoco_prefill_truncation_mode=args.yoco_prefill_truncation_mode,
+                yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -42,11 +42,15 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         enforce_eager: bool = False,
                         cuda_graph_sizes: Sequence[int] | None = None,
                         hf_config: dict[str, Any] | None = None, load_format: str = "auto",
-                        skip_tokenizer_init: bool = False, kv_cache_dtype: str = "auto") -> EngineConfig:
+                        skip_tokenizer_init: bool = False, kv_cache_dtype: str = "auto",
+                        yoco_prefill_truncation_mode: str | None = None,
+                        yoco_prefill_keep_tokens: int | None = None) -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
     ``model=None`` is the tiny model embedded in the package. ``hf_config`` gives the
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
-    for random weights and ``skip_tokenizer_init=True`` for token-id prompts)."""
+    for random weights and ``skip_tokenizer_init=True`` for token-id prompts).
+    ``yoco_prefill_*``: bounded replay of prompts (``SchedulerConfig.prefill_truncation_mode``
+    and ``prefill_keep_tokens``; None takes the DEEPINFER_YOCO_PREFILL_* variables)."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype)
@@ -65,7 +69,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill,
                                   cuda_graph_sizes=cuda_graph_sizes,
-                                  async_scheduling=async_scheduling),
+                                  async_scheduling=async_scheduling,
+                                  prefill_truncation_mode=yoco_prefill_truncation_mode,
+                                  prefill_keep_tokens=yoco_prefill_keep_tokens),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
                                 dp=data_parallel_size, cp=context_parallel_size),
         device=dev, seed=seed, enforce_eager=enforce_eager)

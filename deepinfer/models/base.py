@@ -79,6 +79,20 @@ class CausalLM(nn.Module):
         only (a prefill samples from one row of thousands, or none at all mid-prompt)."""
         return select(self(input_ids, ctx))
 
+    def replay_keep_tokens(self, mode: str, keep: int) -> int | None:
+        """Bounded replay ("YOCO prefill truncation"): how many trailing prompt tokens the
+        layers after the model's last KV-source layer must see under ``mode`` (``exact`` or
+        ``compact``) with ``keep`` asked for, or None when every layer sees every token
+        (``full``). The engine asks once at start-up; the scheduler then gives each request
+        a fixed ``replay_start`` (its first position those layers compute), which the
+        runner passes in ``ForwardContext.replay_starts``. A model with bounded replay
+        overrides this and validates ``keep``; the default has none and refuses the
+        truncated modes."""
+        if mode == "full":
+            return None
+        raise ValueError(f"prefill truncation mode {mode!r} needs a model with bounded replay "
+                         f"(DeepSeek-V4.1); {type(self).__name__} has none")
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32."""
         return self.lm_head(hidden).float()

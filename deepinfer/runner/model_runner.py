@@ -69,6 +69,7 @@ class _RunnerRequest:
     # Structured outputs: has accepted every token in output_token_ids. The state lives
     # as long as the request (preemption keeps it), so no token is ever accepted twice.
     matcher: GrammarMatcher | None = None
+    replay_start: int = 0      # bounded replay: first position the late layers compute
 
 
 @dataclass
@@ -87,9 +88,14 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: CausalLM, eos_token_ids: set[int]) -> None:
+    def __init__(self, config: EngineConfig, model: CausalLM, eos_token_ids: set[int],
+                 bounded_replay: bool = False) -> None:
+        """``bounded_replay``: the model truncates prompts for its late layers
+        (``CausalLM.replay_keep_tokens`` gave a count), so forwards other than
+        ``decode_only`` carry each sequence's ``replay_start`` in the context."""
         self.config = config
         self.model = model
+        self.bounded_replay = bounded_replay
         self.device = config.device
         self.dtype = config.model.dtype
         self.sampler = Sampler(vocab_size=config.model.vocab_size, eos_token_ids=eos_token_ids,
@@ -209,7 +215,8 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.req_id] = _RunnerRequest(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.stream_index,
-                self._new_matcher(new.grammar, new.output_token_ids) if new.grammar is not None else None)
+                self._new_matcher(new.grammar, new.output_token_ids) if new.grammar is not None else None,
+                new.replay_start)
         for src, dst in plan.block_copies:
             self.kv_buffer[dst].copy_(self.kv_buffer[src])
         handle = StepHandle()
@@ -380,12 +387,16 @@ class ModelRunner:
                 block_size=group.block_size,
                 block_table=to_device(padded, torch.int32, self.device),
                 slot_mapping=to_device(slots, torch.long, self.device)))
+        replay_starts = None
+        if self.bounded_replay and not inputs.decode_only:
+            replay_starts = [self.requests[seq.req_id].replay_start for seq in seqs]
         ctx = ForwardContext(positions=to_device(inputs.positions, torch.long, self.device),
                              query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
                              groups=groups, decode_only=inputs.decode_only,
                              query_start_loc_t=to_device(inputs.query_start_loc, torch.int32, self.device),
                              seq_lens_t=to_device(inputs.seq_lens, torch.int32, self.device),
-                             token_seq=to_device(inputs.token_seq, torch.int32, self.device))
+                             token_seq=to_device(inputs.token_seq, torch.int32, self.device),
+                             replay_starts=replay_starts)
         return to_device(inputs.input_ids, torch.long, self.device), ctx
 
     def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: list[int]) -> torch.Tensor:

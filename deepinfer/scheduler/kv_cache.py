@@ -381,13 +381,14 @@ class KVCacheManager:
                 hashes.append(hash_block(parent, gid, raw[lo:lo + tpb * 4]))
         return per_group
 
-    def find_prefix_hit(self, req_id: str, token_ids: Sequence[int]) -> int:
-        """Tokens of ``token_ids`` already in the cache. At least one token is always
-        left to compute, so the request gets logits to sample from."""
+    def find_prefix_hit(self, req_id: str, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
+        """Tokens of ``token_ids`` already in the cache, whole blocks of every group, at most
+        ``max_tokens`` when given. At least one token is always left to compute, so the
+        request gets logits to sample from."""
         if not self.enable_prefix_caching:
             return 0
         hashes = self.block_hashes(req_id, token_ids)
-        limit = len(token_ids) - 1
+        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
         while True:
             new = limit
             for gid, m in enumerate(self.managers):

@@ -33,6 +33,7 @@ class NewRequestData:
     params: SamplingParams
     stream_index: int
     grammar: CompiledGrammar | None = None   # structured outputs: the runner makes the matcher
+    replay_start: int = 0                    # Request.replay_start (bounded replay)
 
 
 @dataclass

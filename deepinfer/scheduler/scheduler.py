@@ -36,6 +36,12 @@ when ``schedule()`` runs:
   ``n > 1`` siblings (they take the parent's blocks as of step N), or when step N
   computes prompt logprobs (made into dicts on the host). min_tokens, seeds and
   logit_bias read only the output length or static data and need no fallback.
+
+Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
+``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
+last ``keep`` tokens. Each request gets a fixed ``replay_start`` (the first
+position they compute) when it is queued, sent to the runner with its new-request
+data, and its prefix-cache hits stop there (see ``_max_prefix_hit``).
 """
 
 from __future__ import annotations
@@ -59,11 +65,13 @@ from deepinfer.structured.base import CompiledGrammar
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int]) -> None:
+                 eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Bounded replay: the trailing prompt tokens the model's late layers compute; None: off.
+        self.replay_keep_tokens = replay_keep_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -99,14 +107,40 @@ class Scheduler:
         """Queue a user request's sequences; siblings of ``seqs[0]`` wait to be forked.
         ``grammar`` (structured outputs) constrains every one of them."""
         first, rest = seqs[0], seqs[1:]
+        # One value for all siblings (same prompt and parameters), fixed from here on:
+        # preemption and recompute replay the same positions, so outputs do not change.
+        replay_start = self._replay_start(first)
         for r in seqs:
             self.requests[r.request_id] = r
+            r.replay_start = replay_start
             if grammar is not None:
                 self._grammars[r.request_id] = grammar
         for r in rest:
             r.status = RequestStatus.FORK_PENDING
         first.fork_children = list(rest)
         self.waiting.append(first)
+
+    def _replay_start(self, req: Request) -> int:
+        """The first prompt position the model's late layers compute for ``req``. Prompt
+        logprobs need logits, hence every layer, at every prompt position: 0 then."""
+        if self.replay_keep_tokens is None or req.params.prompt_logprobs is not None:
+            return 0
+        return max(0, req.num_prompt_tokens - self.replay_keep_tokens)
+
+    def _max_prefix_hit(self, req: Request) -> int | None:
+        """The most tokens a prefix-cache hit may cover for ``req`` (None: no bound beyond
+        the cache's own rules).
+
+        With bounded replay on, a cached block holds the late layers' window rows only at
+        positions its writer computed them for, i.e. from the writer's replay_start on, and
+        that depends on the writer's prompt (a longer prompt sharing our prefix starts
+        later). The early layers' entries are in every cached block, and below our
+        replay_start we need nothing else; at and after it we need the late-layer rows too,
+        so we compute those positions ourselves. Hence the cap is our replay_start for every
+        request, and 0 (no hit) for a prompt not longer than ``keep``, which runs every layer
+        on every token. Blocks are still registered as usual: the early-layer part is what
+        others reuse."""
+        return None if self.replay_keep_tokens is None else req.replay_start
 
     @property
     def has_unfinished(self) -> bool:
@@ -168,7 +202,7 @@ class Scheduler:
             tokens = req.all_token_ids
             hit = 0
             if not req.wants_prompt_logprobs:
-                hit = self.kv.find_prefix_hit(req.request_id, tokens)
+                hit = self.kv.find_prefix_hit(req.request_id, tokens, self._max_prefix_hit(req))
             remaining = req.num_tokens - hit
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -246,7 +280,8 @@ class Scheduler:
                 new_requests.append(NewRequestData(
                     req_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
                     output_token_ids=list(r.output_token_ids), params=r.params,
-                    stream_index=r.index, grammar=self._grammars.get(r.request_id)))
+                    stream_index=r.index, grammar=self._grammars.get(r.request_id),
+                    replay_start=r.replay_start))
             self._in_flight.setdefault(r.request_id, []).append(start)
         req.num_computed_tokens = start + n
         if sample:

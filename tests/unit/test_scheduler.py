@@ -16,12 +16,13 @@ from deepinfer.scheduler.scheduler import Scheduler
 EOS = 1
 
 
-def make(num_blocks=64, bs=4, max_seqs=8, budget=32, window=None, chunked=True, caching=True):
+def make(num_blocks=64, bs=4, max_seqs=8, budget=32, window=None, chunked=True, caching=True,
+         replay_keep=None):
     spec = KVCacheSpec("sliding" if window else "full", 2, 8, torch.float32, sliding_window=window)
     kv = KVCacheManager(build_groups([spec], bs), num_blocks, caching)
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                           enable_chunked_prefill=chunked)
-    return Scheduler(cfg, kv, max_model_len=512, eos_token_ids=[EOS])
+    return Scheduler(cfg, kv, max_model_len=512, eos_token_ids=[EOS], replay_keep_tokens=replay_keep)
 
 
 def fake_token(tokens):
@@ -33,10 +34,12 @@ class FakeRunner:
 
     def __init__(self):
         self.seen = {}
+        self.replay_starts = {}   # req_id -> replay_start of every new-request data sent for it
 
     def execute(self, sched, plan):
         for new in plan.new_requests:
             self.seen[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
+            self.replay_starts.setdefault(new.req_id, []).append(new.replay_start)
         result = StepResult()
         for seq in plan.seqs:
             req = sched.requests[seq.req_id]
@@ -49,8 +52,8 @@ class FakeRunner:
         return result
 
 
-def seqs_for(rid, prompt, n=1, max_tokens=8, arrival=0):
-    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True)
+def seqs_for(rid, prompt, n=1, max_tokens=8, arrival=0, prompt_logprobs=None):
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     return [Request(request_id=rid if n == 1 else f"{rid}#{i}", parent_id=rid, index=i,
                     prompt_token_ids=list(prompt), params=params, arrival=arrival) for i in range(n)]
 
@@ -191,3 +194,81 @@ def test_sliding_window_bounded_under_scheduler(window):
     run_all(sched)
     a = sched.requests["a"]
     assert a.status == RequestStatus.FINISHED_LENGTH and a.num_output_tokens == 200
+
+
+# -- bounded replay (YOCO prefill truncation) ---------------------------------------------
+def test_replay_start_is_the_prompt_minus_keep():
+    sched = make(replay_keep=10)
+    sched.add(seqs_for("long", range(2, 32)))                          # 30 tokens
+    sched.add(seqs_for("short", range(2, 8), arrival=1))               # 6 < keep: every layer
+    sched.add(seqs_for("logprobs", range(2, 32), arrival=2, prompt_logprobs=1))
+    runner = FakeRunner()
+    run_all(sched, runner)
+    starts = {rid: sched.requests[rid].replay_start for rid in ("long", "short", "logprobs")}
+    assert starts == {"long": 20, "short": 0, "logprobs": 0}
+    assert runner.replay_starts == {rid: [v] for rid, v in starts.items()}
+
+    off = make()
+    off.add(seqs_for("long", range(2, 32)))
+    assert off.requests["long"].replay_start == 0
+
+
+def test_replay_start_survives_preemption_and_outputs_do_not_change():
+    prompts = {f"r{i}": list(range(2 + i, 30 + 3 * i)) for i in range(6)}
+    alone = {}
+    for rid, p in prompts.items():
+        s = make(replay_keep=7)
+        s.add(seqs_for(rid, p, max_tokens=20))
+        run_all(s)
+        alone.update(outputs(s, [rid]))
+    tight = make(num_blocks=24, budget=32, replay_keep=7)
+    for i, (rid, p) in enumerate(prompts.items()):
+        tight.add(seqs_for(rid, p, max_tokens=20, arrival=i))
+    hits = []          # (req_id, replay_start, hit) of every admission, resumes included
+    find = tight.kv.find_prefix_hit
+
+    def recording_find(req_id, tokens, max_tokens=None):
+        hit = find(req_id, tokens, max_tokens)
+        hits.append((req_id, tight.requests[req_id].replay_start, hit))
+        return hit
+
+    tight.kv.find_prefix_hit = recording_find
+    runner = FakeRunner()
+    run_all(tight, runner)
+    assert tight.num_preemptions > 0
+    assert outputs(tight, list(prompts)) == alone
+    for rid, p in prompts.items():
+        assert tight.requests[rid].replay_start == len(p) - 7
+        # The runner keeps its state across preemption: the value is sent once.
+        assert runner.replay_starts[rid] == [len(p) - 7]
+    resumed = [h for h in hits if tight.requests[h[0]].num_preemptions and h[2]]
+    assert resumed, "no preempted sequence resumed from the prefix cache"
+    assert all(hit <= start for _, start, hit in hits)
+
+
+def test_n_siblings_share_the_parents_replay_start():
+    sched = make(replay_keep=4)
+    sched.add(seqs_for("p", range(2, 13), n=3, max_tokens=5))           # 11 tokens
+    runner = FakeRunner()
+    run_all(sched, runner)
+    assert [sched.requests[f"p#{i}"].replay_start for i in range(3)] == [7, 7, 7]
+    assert runner.replay_starts == {f"p#{i}": [7] for i in range(3)}
+
+
+@pytest.mark.parametrize("keep,hit", [(None, 28), (8, 20), (9, 20), (12, 16), (29, 0), (40, 0)])
+def test_prefix_hit_stops_at_replay_start(keep, hit):
+    """A second identical 29-token prompt (block size 4): without truncation it hits 28
+    tokens; with it, at most its replay_start (29 - keep), floored to whole blocks, and
+    nothing at all for a prompt shorter than keep."""
+    sched = make(bs=4, replay_keep=keep)
+    prompt = list(range(2, 31))
+    sched.add(seqs_for("a", prompt))
+    run_all(sched)
+    sched.add(seqs_for("b", prompt, arrival=1))
+    plan = sched.schedule()
+    b = sched.requests["b"]
+    assert b.replay_start == (0 if keep is None else max(0, 29 - keep))
+    assert plan.seqs[0].start_pos == hit and b.num_cached_tokens == hit
+    sched.update(plan, FakeRunner().execute(sched, plan))
+    run_all(sched)
+    assert outputs(sched, ["a"])["a"] == outputs(sched, ["b"])["b"]
