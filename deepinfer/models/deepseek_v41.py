@@ -376,6 +376,14 @@ class DeepseekV41ForCausalLM(CausalLM):
         streams, pre = self.model(input_ids, ctx)
         return self.head(select(streams), select(pre))
 
+    def replay_keep_tokens(self, mode: str, keep: int) -> int | None:
+        """Bounded replay (the late layers on the last ``keep`` prompt tokens) is declared by
+        the engine's plumbing but not yet run by this model: only "full" is served."""
+        if mode == "full":
+            return None
+        raise NotImplementedError(f"prefill truncation mode {mode!r} (SWA bounded replay) is not built for "
+                                  "DeepSeek-V4.1 yet; run with DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=full")
+
     # -- assets and weights ----------------------------------------------------------
     def load_assets(self, path: str) -> None:
         """The engram token map, from the checkpoint's tokenizer.json (engram_v41.md §3.1)."""

@@ -118,7 +118,7 @@ def test_greedy_matches_mlx_chunked_with_prefix_hits(checkpoints, prompts, ref_g
 
 
 def test_greedy_matches_mlx_under_preemption(checkpoints, prompts, ref_greedy):
-    llm = make_llm(checkpoints["fp32"], max_num_batched_tokens=16, block_size=4, num_kv_blocks=40,
+    llm = make_llm(checkpoints["fp32"], max_num_batched_tokens=16, block_size=4, num_kv_blocks=24,
                    max_num_seqs=4)
     assert greedy_tokens(llm, prompts) == ref_greedy
     assert llm.engine.scheduler.num_preemptions > 0
