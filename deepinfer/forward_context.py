@@ -57,6 +57,9 @@ class ForwardContext:
     # skip the sequence's tokens before it. None: every layer computes every token (bounded
     # replay off, or a ``decode_only`` context, which must not depend on host lists).
     replay_starts: list[int] | None = None
+    # [T] int64, or None: window rows at positions below a token's floor are invisible to it
+    # (bounded replay: the late layers' windows start empty at the sequence's replay start).
+    window_floor: torch.Tensor | None = None
     # Results that several layers of one forward share (e.g. a KV-cache group's slot tables),
     # keyed by their maker. A context serves one forward: build a new one for the next (or
     # clear this), else the next forward (or a CUDA-graph capture) reuses stale results.

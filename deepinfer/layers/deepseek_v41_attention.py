@@ -268,7 +268,13 @@ class DeepseekV41Attention(nn.Module):
         if self.round:
             kv = reference.round_mxfp8(kv)
         backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
-        sources = [(window.cache, window.slots(ctx, self.sliding_window, 1, sliding=True))]  # [T, W]
+        window_slots = window.slots(ctx, self.sliding_window, 1, sliding=True)     # [T, W]
+        if ctx.window_floor is not None:
+            # Column i holds position p - W + 1 + i; rows before the floor were never computed.
+            first = pos - self.sliding_window + 1
+            cols = torch.arange(self.sliding_window, device=pos.device)
+            window_slots = window_slots.masked_fill(first[:, None] + cols[None, :] < ctx.window_floor[:, None], -1)
+        sources = [(window.cache, window_slots)]
         if role.ratio:
             if role.kv_source:
                 self._publish(x, ctx, caches, rope, shared)

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.forward_context import ForwardContext
+from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v41_attention import (DeepseekV41Attention, DeepseekV41AttentionConfig,
@@ -53,6 +53,7 @@ from deepinfer.layers.engram import Engram, EngramLayout, build_token_map, engra
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.quant import pair_scales
+from deepinfer.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -299,11 +300,77 @@ class DeepseekV41Model(nn.Module):
         streams = embeds[:, None, :].expand(-1, self.hc_mult, -1)                 # [T, n, Hd]
         ropes = {"main": self.rope_main, "compress": self.rope_compress}
         shared, pre_mix = V41Shared(), None
+        replay = _Replay.plan(ctx, cached) if self.late_start < len(self.layers) else None
         for layer in self.layers:
+            if replay is not None and layer.layer_idx == self.late_start:
+                if replay.empty:
+                    break                    # this chunk lies wholly before the replay starts
+                early = streams
+                ctx, caches = replay.ctx, _StepCaches(replay.ctx, True, streams)
+                replay.full_pre = pre_mix
+                streams, pre_mix, input_ids = replay.take(streams), replay.take(pre_mix), replay.take(input_ids)
+                hash_ids = replay.take(hash_ids)
+                shared = replay.shared(shared)
             k = self.engram_layout.layer_ids.index(layer.layer_idx) if layer.engram is not None else 0
             streams, pre_mix = layer(streams, pre_mix, input_ids, ctx, ropes, caches, shared,
                                      hash_ids[:, k] if layer.engram is not None else None)
+        if replay is not None and not replay.empty:
+            # Rows the late layers skipped keep the early layers' output: nothing samples them
+            # (the last prompt token is always replayed, prompt-logprob requests replay all).
+            streams = early.index_copy(0, replay.rows, streams)
+            pre_mix = replay.full_pre.index_copy(0, replay.rows, pre_mix)
         return streams, pre_mix
+
+    @property
+    def late_start(self) -> int:
+        """The first layer after the last KV source: the layers bounded replay truncates."""
+        sources = [layer.layer_idx for layer in self.layers if layer.self_attn.role.kv_source]
+        return sources[-1] + 1 if sources else 0
+
+
+@dataclass
+class _Replay:
+    """The tokens of one forward that the late layers compute under bounded replay: a
+    sequence's new tokens at positions >= its ``replay_start`` (ForwardContext.replay_starts),
+    as a sub-context whose windows start empty at the replay start."""
+
+    ctx: ForwardContext
+    rows: torch.Tensor                   # [T'] rows of the full batch
+    empty: bool
+    full_pre: torch.Tensor | None = None
+
+    @classmethod
+    def plan(cls, ctx: ForwardContext, cached: bool) -> "_Replay | None":
+        starts = ctx.replay_starts
+        if starts is None or not cached or not any(starts):
+            return None
+        q = ctx.query_start_loc
+        rows, qsl = [], [0]
+        for b, end in enumerate(ctx.seq_lens):
+            n = q[b + 1] - q[b]
+            skip = min(n, max(0, starts[b] - (end - n)))
+            rows.append(np.arange(q[b] + skip, q[b + 1]))
+            qsl.append(qsl[-1] + n - skip)
+        device = ctx.positions.device
+        idx = to_device(np.concatenate(rows).astype(np.int64), torch.int64, device)
+        floors = to_device(np.asarray(starts, dtype=np.int64), torch.int64, device)
+        token_seq = ctx.token_seq[idx]
+        sub = ForwardContext(
+            positions=ctx.positions[idx], query_start_loc=qsl, seq_lens=ctx.seq_lens,
+            groups=[GroupMetadata(g.block_size, g.block_table, g.slot_mapping[idx]) for g in ctx.groups],
+            query_start_loc_t=to_device(np.asarray(qsl, dtype=np.int32), torch.int32, device),
+            seq_lens_t=ctx.seq_lens_t, token_seq=token_seq, max_seq_len=ctx.max_seq_len,
+            window_floor=floors[token_seq.long()])
+        return cls(ctx=sub, rows=idx, empty=qsl[-1] == 0)
+
+    def take(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.index_select(0, self.rows)
+
+    def shared(self, shared: V41Shared) -> V41Shared:
+        """The early layers' publications restricted to the replayed rows (caches are shared)."""
+        return V41Shared(entries=shared.entries, keys=shared.keys,
+                         selection={i: self.take(s) for i, s in shared.selection.items()},
+                         candidates=self.take(shared.candidates))
 
 
 # DeepSeek's in-layer names -> ours, matched on whole dotted components, in order.
@@ -377,12 +444,27 @@ class DeepseekV41ForCausalLM(CausalLM):
         return self.head(select(streams), select(pre))
 
     def replay_keep_tokens(self, mode: str, keep: int) -> int | None:
-        """Bounded replay (the late layers on the last ``keep`` prompt tokens) is declared by
-        the engine's plumbing but not yet run by this model: only "full" is served."""
-        if mode == "full":
+        """SWA bounded replay: how many trailing prompt tokens the layers after the last KV
+        source compute. Those layers see other tokens only through their windows and the
+        sparse selection over the last source's entries (computed for every token), so
+        ``exact`` keeps ``num_late_layers * sliding_window`` tokens, their whole receptive
+        field (the output equals ``full``); ``compact`` keeps ``keep`` tokens, whose windows
+        start empty at the replay start (DeepSeek's fast prefill; approximate). None: every
+        layer computes every token."""
+        window = int(self.args.sliding_window)
+        num_late = len(self.model.layers) - self.model.late_start
+        if mode == "full" or num_late == 0:
             return None
-        raise NotImplementedError(f"prefill truncation mode {mode!r} (SWA bounded replay) is not built for "
-                                  "DeepSeek-V4.1 yet; run with DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=full")
+        if mode == "exact":
+            return num_late * window
+        if mode == "compact":
+            # A decode step reads its window's last W rows: they must lie after the replay start.
+            if keep < window:
+                raise ValueError(f"yoco_prefill_keep_tokens={keep} is shorter than the sliding window "
+                                 f"({window}): decode steps would read late-layer rows that were never "
+                                 f"computed; use at least {window}")
+            return keep
+        raise ValueError(f"prefill truncation mode {mode!r} is not one of full, exact, compact")
 
     # -- assets and weights ----------------------------------------------------------
     def load_assets(self, path: str) -> None:
