@@ -11,8 +11,8 @@ DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG,
-                   help="model shapes: a preset (deepseek-v4-flash) or a config.json / model directory; "
-                        "weights are random, no checkpoint is read")
+                   help="model shapes: a preset (deepseek-v4-flash, deepseek-v4.1-flash) or a config.json / "
+                        "model directory; weights are random, no checkpoint is read")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: 4 for the preset, the config's own otherwise)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
-from deepinfer.bench.floors import DeepseekV4Cost, measure_hbm_bandwidth, measure_matmul_tflops
-from deepinfer.bench.model_shapes import V4_ARCH, resolve_config
+from deepinfer.bench.floors import (DeepseekCost, DeepseekV4Cost, DeepseekV41Cost, measure_hbm_bandwidth,
+                                    measure_matmul_tflops)
+from deepinfer.bench.model_shapes import V4_ARCH, V41_ARCH, resolve_config
 from deepinfer.config import resolve_dtype
 from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import build_engine_config, resolve_device
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4Router
 from deepinfer.models.deepseek_v4 import DeepseekV4Args
+from deepinfer.models.deepseek_v41 import DeepseekV41Args
 from deepinfer.outputs import RequestOutput
 
 # Speculative tokens per step: the engine has no speculative decoding yet, so every decode
@@ -35,6 +37,18 @@ from deepinfer.outputs import RequestOutput
 NEXTN = 0
 # Context-parallel ranks: the benchmarks run on one device.
 CP = 1
+
+
+def model_cost(hf_config: dict[str, Any], weight_bytes: int, cache_bytes: int) -> DeepseekCost:
+    """The byte/FLOP accounting of ``hf_config``'s architecture (bench/floors.py)."""
+    arch = (hf_config.get("architectures") or ["<none>"])[0]
+    if arch == V4_ARCH:
+        return DeepseekV4Cost(DeepseekV4Args.from_hf(hf_config), weight_bytes, cache_bytes,
+                              bool(hf_config.get("tie_word_embeddings", False)))
+    if arch == V41_ARCH:
+        return DeepseekV41Cost(DeepseekV41Args.from_hf(hf_config), weight_bytes, cache_bytes)
+    raise NotImplementedError(f"bench prefill/decode/curve account bytes and FLOPs for {V4_ARCH} and "
+                              f"{V41_ARCH} only; the config is {arch}")
 
 
 @dataclass
@@ -45,26 +59,20 @@ class BenchModel:
     hf_config: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
-    cost: DeepseekV4Cost
+    cost: DeepseekCost
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchModel:
         label, hf_config = resolve_config(args.config, args.num_layers)
-        arch = (hf_config.get("architectures") or ["<none>"])[0]
-        if arch != V4_ARCH:
-            raise NotImplementedError(f"bench prefill/decode/curve account bytes and FLOPs for {V4_ARCH} "
-                                      f"only; --config {args.config!r} is {arch}")
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         elem = torch.empty((), dtype=dtype).element_size()
-        cost = DeepseekV4Cost(DeepseekV4Args.from_hf(hf_config), elem, elem,
-                              bool(hf_config.get("tie_word_embeddings", False)))
-        return cls(label, hf_config, device, dtype, cost)
+        return cls(label, hf_config, device, dtype, model_cost(hf_config, elem, elem))
 
     def describe(self) -> dict[str, Any]:
-        args = self.cost.args
-        return {"model": self.label, "num_layers": args.num_layers,
-                "layer_types": list(args.layer_types[: args.num_layers]),
+        # layer_types: V4's attention types; V4.1's roles (window, source, reindex, reuse).
+        return {"model": self.label, "num_layers": self.cost.num_layers,
+                "layer_types": self.cost.layer_kinds(),
                 "params": self.cost.num_params, "param_bytes": self.cost.param_bytes,
                 "device": device_name(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch": torch.__version__}
@@ -113,7 +121,7 @@ def check_finite(model: torch.nn.Module, device: torch.device, vocab_size: int, 
     naming the first decoder layer whose output is not finite, or the logits."""
     layers = [(n, m) for n, m in model.named_modules() if n.count(".") == 2 and n.startswith("model.layers.")]
     finite: list[tuple[str, torch.Tensor]] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: finite.append((n, torch.isfinite(out).all())))
+    hooks = [m.register_forward_hook(lambda _m, _i, out, n=n: finite.append((n, _all_finite(out))))
              for n, m in layers]
     try:
         g = torch.Generator().manual_seed(seed)
@@ -129,6 +137,12 @@ def check_finite(model: torch.nn.Module, device: torch.device, vocab_size: int, 
     if not bool(torch.isfinite(logits).all()):
         raise RuntimeError("random weights give non-finite logits; the dummy weight scales "
                            "(deepinfer/models/dummy.py) do not suit this config")
+
+
+def _all_finite(out: torch.Tensor | tuple) -> torch.Tensor:
+    """A layer's output is finite (a V4.1 layer returns its streams and its FFN's pre)."""
+    tensors = [t for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor)]
+    return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
 
 
 def free_memory(device: torch.device) -> None:

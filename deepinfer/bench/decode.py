@@ -179,8 +179,13 @@ def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], 
 def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Namespace,
            gen: torch.Generator) -> None:
     """The HF baseline at each point's batch and context (the engine must be freed first)."""
-    from deepinfer.bench.hf_baseline import HFBaseline
+    from deepinfer.bench.hf_baseline import HFBaseline, hf_skip_reason
 
+    skip = hf_skip_reason(model.hf_config)
+    if skip:
+        for point in points:
+            point["hf"] = {"skipped": skip}
+        return
     hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
     try:
         for point in points:

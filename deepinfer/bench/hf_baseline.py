@@ -58,6 +58,17 @@ def fit_context(batch: int, context: int, num_heads: int, free_bytes: int) -> in
     return longest // _CONTEXT_QUANTUM * _CONTEXT_QUANTUM
 
 
+def hf_skip_reason(hf_config: dict[str, Any]) -> str | None:
+    """Why HF transformers cannot run ``hf_config`` (its ``model_type`` is not one of
+    transformers' models, e.g. DeepSeek-V4.1), or None: the benchmark reports the baseline
+    as skipped rather than failing after the engine's figures are taken."""
+    transformers = import_transformers()
+    model_type = hf_config.get("model_type")
+    if model_type is not None and model_type not in transformers.CONFIG_MAPPING:
+        return f"transformers {transformers.__version__} has no {model_type!r} model"
+    return None
+
+
 class HFBaseline:
     """HF transformers' model for ``hf_config`` on ``device`` with our random weights."""
 

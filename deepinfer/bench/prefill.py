@@ -159,13 +159,17 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
 
     result["hf"] = None
     if not args.no_hf:
-        from deepinfer.bench.hf_baseline import HFBaseline
+        from deepinfer.bench.hf_baseline import HFBaseline, hf_skip_reason
 
-        hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
-        try:
-            result["hf"] = hf.prefill(args.batch_size, args.prompt_len, args.hf_iters, gen)
-        finally:
-            hf.close()
+        skip = hf_skip_reason(model.hf_config)
+        if skip:
+            result["hf"] = {"skipped": skip}
+        else:
+            hf = HFBaseline(model.hf_config, model.dtype, model.device, args.seed)
+            try:
+                result["hf"] = hf.prefill(args.batch_size, args.prompt_len, args.hf_iters, gen)
+            finally:
+                hf.close()
     report(result)
     write_json(args.output_json, result)
     return result

@@ -136,7 +136,7 @@ def test_bad_arguments_fail_clearly(tiny_config, tmp_path, capsys):
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
                                                     "num_hidden_layers": 2}))
     assert main(["bench", "prefill", "--config", str(llama), "--device", "cpu"]) == 2
-    assert "DeepseekV4ForCausalLM only" in capsys.readouterr().err
+    assert "DeepseekV41ForCausalLM only" in capsys.readouterr().err
     assert main(["bench", "curve", "--config", tiny_config, "--batch-sizes", "1,x", "--device", "cpu"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "decode", "--config", tiny_config, "--steps", "0", "--device", "cpu"]) == 2
