@@ -413,6 +413,10 @@ _VISION_SUFFIXES = (".gate.bias_vl",)
 
 class DeepseekV41ForCausalLM(CausalLM):
     kv_cache_dtypes = KV_CACHE_DTYPES
+    # A decode_only forward takes no host data and never syncs: ratio-2 sources pool every row
+    # (storing at slot -1 where no pair completes), selections and candidate blocks are
+    # fixed-shape tensor ops over ceil(max_seq_len / ratio) entry slots.
+    supports_cuda_graphs = True
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         super().__init__(hf_config, dtype)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config import SchedulerConfig
+from deepinfer.config import SchedulerConfig, flatten_text_config
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.runner.cuda_graph import DecodeGraphs, max_blocks_per_seq
 from deepinfer.runner.inputs import StepInputs, token_slot
@@ -174,7 +174,8 @@ def test_prepare_refuses_what_no_bucket_holds():
 
 # -- the padded forward through the engine ---------------------------------------------------
 def _prompts(model: str | None) -> list[list[int]]:
-    vocab = json.loads((Path(model or DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
+    config = flatten_text_config(json.loads((Path(model or DEFAULT_MODEL) / "config.json").read_text()))
+    vocab = config["vocab_size"]
     g = torch.Generator().manual_seed(5)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (21, 3, 9, 14, 6)]
 
@@ -224,6 +225,12 @@ def test_padded_decode_matches_plain_on_deepseek_v3(v3_dir):
     """DeepSeek-V3's decode steps (absorbed MLA over device seq_lens) through the graphs'
     padded static inputs: padding rows (length 1, null block table) change nothing."""
     _padded_vs_plain(str(v3_dir))
+
+
+def test_padded_decode_matches_plain_on_deepseek_v41():
+    """DeepSeek-V4.1's decode steps (pair pooling for every row, shared-source selections,
+    engram history) through the padded static inputs."""
+    _padded_vs_plain(str(Path(__file__).resolve().parent.parent / "data" / "v41_reference" / "checkpoint"))
 
 
 @pytest.fixture(scope="module")
