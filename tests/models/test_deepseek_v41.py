@@ -102,3 +102,46 @@ def test_release_kv_rounding_stays_close(expected):
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
     assert agree / total > 0.9
+
+
+def _copy_with(tmp_path: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """The reference checkpoint with ``extra`` tensors added to its file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "ckpt"
+    shutil.copytree(CKPT, out)
+    tensors = load_file(str(CKPT / "model.safetensors"))
+    save_file({**tensors, **extra}, str(out / "model.safetensors"))
+    return out
+
+
+def _load_dir(path: Path):
+    cfg = ModelConfig.from_path(path, "float32", None, torch.device("cpu"), kv_cache_dtype="float32")
+    return load_model(cfg, torch.device("cpu"))
+
+
+def test_vision_tensors_are_skipped_and_drafter_tensors_kept(tmp_path, caplog):
+    path = _copy_with(tmp_path, {"vision.patch.weight": torch.randn(4, 4), "aligner.proj.weight": torch.randn(2, 2),
+                                 "layers.3.ffn.gate.bias_vl": torch.randn(8)})
+    with caplog.at_level("INFO", logger="deepinfer.models.deepseek_v41"):
+        model = _load_dir(path)
+    assert "skipped 3 vision tensor(s)" in caplog.text and "text-only" in caplog.text
+    assert "mtp.1.markov_head.embed.weight" in model.drafter_tensors
+    # Quantised drafter weights arrive dequantised, with their scales consumed.
+    assert model.drafter_tensors["mtp.0.attn.wq_a.weight"].dtype == torch.float32
+    assert not any(name.endswith(".scale") for name in model.drafter_tensors)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"layers.2.attn.mystery.weight": torch.randn(3)}, "layers.2.attn.mystery.weight"),
+    ({"layers.3.attn.compressor.wkv.weight": torch.randn(64, 64)}, "layers.3.attn.compressor.wkv.weight"),
+])
+def test_unknown_tensors_are_named(tmp_path, extra, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        _load_dir(_copy_with(tmp_path, extra))
+
+
+def test_mis_shaped_tensors_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.attn_sink.*shape \(5,\)"):
+        _load_dir(_copy_with(tmp_path, {"layers.0.attn.attn_sink": torch.randn(5)}))
