@@ -112,17 +112,33 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     as one sequence's tokens do) lets the Triton kernel load each key once for a block of
     tokens; the result does not depend on it."""
     if use_triton(q):
+        return topk_slots(indexer_scores(q, weights, key_cache, slots, scale, groups), slots, topk)
+    return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
+                   scale: float, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, N] float32 lightning-indexer scores, -inf where the slot is -1 (see
+    :func:`reference.indexer_scores`; ``groups`` as in :func:`indexer_topk`)."""
+    if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
-        from deepinfer.kernels.topk import MAX_CANDIDATES, topk_slots
-        scores = kernel(q, weights, key_cache, slots, scale, groups=groups)
+        return kernel(q, weights, key_cache, slots, scale, groups=groups)
+    return reference.indexer_scores(q, weights, key_cache, slots, scale)
+
+
+def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Tensor:
+    """[T, min(topk, N)] slots of each row's ``topk`` best scores, -1 where the score is -inf
+    (see :func:`reference.topk_slots`; the Triton path keeps the same set in candidate order,
+    which attention does not depend on)."""
+    if use_triton(scores):
+        from deepinfer.kernels.topk import MAX_CANDIDATES
+        from deepinfer.kernels.topk import topk_slots as kernel
         if slots.shape[1] <= topk:
-            # Every candidate is kept (short contexts, decode buckets): no sort, the same set in
-            # candidate order, which attention does not depend on.
+            # Every candidate is kept (short contexts, decode buckets): no sort.
             return torch.where(scores > float("-inf"), slots, -1)
         if slots.shape[1] <= MAX_CANDIDATES:
-            return topk_slots(scores, slots, topk)          # the same set, in candidate order
-        return reference.topk_slots(scores, slots, topk)
-    return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
+            return kernel(scores, slots, topk)
+    return reference.topk_slots(scores, slots, topk)
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

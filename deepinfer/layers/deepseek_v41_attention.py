@@ -189,7 +189,9 @@ class V41Indexer(nn.Module):
         if self.round:
             q = reference.round_mxfp4(q)
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5                # [T, Hi]
-        scores = reference.indexer_scores(q, weights, keys.cache, slots, self.head_dim ** -0.5)  # [T, N]
+        # A decode_only context has one token a sequence: no keys to share between tokens.
+        groups = None if ctx.decode_only else ctx.token_seq
+        scores = backend.indexer_scores(q, weights, keys.cache, slots, self.head_dim ** -0.5, groups)  # [T, N]
         if self.role.candidate_source:
             visible = (slots >= 0).sum(dim=1)
             shared.candidates = reference.candidate_block_mask(scores, visible, self.block, self.num_blocks)
@@ -197,7 +199,7 @@ class V41Indexer(nn.Module):
             if shared.candidates is None:
                 raise RuntimeError(f"reindex layer reads candidate blocks, but no candidate source ran before it")
             scores = scores.masked_fill(~shared.candidates, float("-inf"))
-        return reference.topk_slots(scores, slots, self.index_topk)
+        return backend.topk_slots(scores, slots, self.index_topk)
 
 
 class DeepseekV41Attention(nn.Module):
