@@ -601,7 +601,7 @@ def greedy_sample(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return tokens, logprobs
 
 
-def _table_slots(table: torch.Tensor, block_size: int, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def table_slots(table: torch.Tensor, block_size: int, seq: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Flat slots ``table[seq, i // bs] * bs + i % bs`` [M, K] of indices [M, K], -1 where index < 0."""
     i = index.clamp(min=0)
     col = torch.div(i, block_size, rounding_mode="floor").clamp(max=table.shape[1] - 1)
@@ -624,7 +624,7 @@ def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, p
         index = p[:, None] + 1 - width + cols[None, :]                            # [T, W]
     else:
         index = torch.where(cols[None, :] < ((p + 1) // ratio)[:, None], cols[None, :], -1)
-    return _table_slots(block_table, block_size, seq.long(), index)
+    return table_slots(block_table, block_size, seq.long(), index)
 
 
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
@@ -648,7 +648,7 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     span = (2 if overlap else 1) * r
     window = pos[:, None] - torch.arange(span - 1, -1, -1, device=pos.device)    # [M, S] p-S+1 .. p
     bs = state_cache.shape[1]
-    slots = _table_slots(state_table, bs, seq, window)                          # [M, S]
+    slots = table_slots(state_table, bs, seq, window)                          # [M, S]
     safe = slots.clamp(min=0)
     states = state_cache[torch.div(safe, bs, rounding_mode="floor"), safe % bs, :, 0]  # [M, S, 2, C]
     kv, gate = states[:, :, 0], states[:, :, 1]
@@ -668,7 +668,7 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     pooled = (norm_weight * pooled).to(kv.dtype)
     pooled = interleaved_rope(pooled, pos + 1 - r, inv_freq, rope_scaling)     # [M, D]
     completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
-    store_kv(entry_cache, _table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
+    store_kv(entry_cache, table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
              pooled[:, None])
 
 
@@ -753,7 +753,7 @@ def pool_window(state_cache: torch.Tensor, state_table: torch.Tensor, seq: torch
     seq, pos = seq.long(), pos.long()
     window = pos[:, None] - torch.arange(ratio - 1, -1, -1, device=pos.device)   # [M, r] p-r+1 .. p
     bs = state_cache.shape[1]
-    slots = _table_slots(state_table, bs, seq, window)                          # [M, r]
+    slots = table_slots(state_table, bs, seq, window)                          # [M, r]
     safe = slots.clamp(min=0)
     states = state_cache[torch.div(safe, bs, rounding_mode="floor"), safe % bs, :, 0].float()  # [M, r, 2, D]
     valid = (slots >= 0)[..., None]

@@ -49,7 +49,7 @@ from torch import nn
 from deepinfer.forward_context import ForwardContext
 from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.layers.deepseek_v4_attention import GroupedLinear, _completing, _Paged, _StepCaches
+from deepinfer.layers.deepseek_v4_attention import GroupedLinear, completing_tokens, PagedView, StepCaches
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 
 
@@ -103,8 +103,8 @@ class DeepseekV41AttentionConfig:
 class V41Shared:
     """What the layers of one forward publish for the later ones, by publishing layer."""
 
-    entries: dict[int, _Paged] = field(default_factory=dict)
-    keys: dict[int, _Paged] = field(default_factory=dict)
+    entries: dict[int, PagedView] = field(default_factory=dict)
+    keys: dict[int, PagedView] = field(default_factory=dict)
     selection: dict[int, torch.Tensor] = field(default_factory=dict)   # [T, K] entry slots, -1 none
     candidates: torch.Tensor | None = None                             # [T, N] bool
 
@@ -124,7 +124,7 @@ class V41Compressor(nn.Module):
             kind="sliding", num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype, num_tensors=2,
             sliding_window=max(cfg.sliding_window, self.ratio))) if self.ratio > 1 else None
 
-    def latents(self, x: torch.Tensor, ctx: ForwardContext, caches: _StepCaches
+    def latents(self, x: torch.Tensor, ctx: ForwardContext, caches: StepCaches
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(latents [M, D] in x's dtype, their sequence rows [M], the position of each
         group's first token [M]) of the groups this step completes. Ratio 1: every token.
@@ -139,7 +139,7 @@ class V41Compressor(nn.Module):
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None].to(state.cache.dtype),
                          gate[:, None].to(state.cache.dtype))
         seq, pos = ctx.token_seq, ctx.positions
-        completing = _completing(ctx, self.ratio)
+        completing = completing_tokens(ctx, self.ratio)
         if completing is not None:
             seq, pos = completing
         pooled = reference.pool_window(state.cache, state.meta.block_table, seq, pos, self.ratio)
@@ -177,7 +177,7 @@ class V41Indexer(nn.Module):
         return reference.round_mxfp4(k) if self.round else k
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: ForwardContext, rope: InterleavedRope,
-               keys: _Paged, slots: torch.Tensor, shared: V41Shared) -> torch.Tensor:
+               keys: PagedView, slots: torch.Tensor, shared: V41Shared) -> torch.Tensor:
         """[T, min(topk, N)] entry slots each token attends to (-1 for none); the candidate
         source also publishes its candidate mask in ``shared``.
 
@@ -237,14 +237,14 @@ class DeepseekV41Attention(nn.Module):
                 kind=kind, num_kv_heads=1, head_size=cfg.index_head_dim, dtype=cfg.cache_dtype,
                 num_tensors=1, compress_ratio=ratio)) if cfg.role.key_owner else None
 
-    def _publish(self, x: torch.Tensor, ctx: ForwardContext, caches: _StepCaches, rope: InterleavedRope,
+    def _publish(self, x: torch.Tensor, ctx: ForwardContext, caches: StepCaches, rope: InterleavedRope,
                  shared: V41Shared) -> None:
         """A KV source: compress this step's completed groups into entries (and index keys),
         store them, and publish the caches."""
         latent, seq, first = self.compressor.latents(x, ctx, caches)
         entries = caches.bind(self.entry_cache)
         index = self.compressor.entry_index(first + self.compressor.ratio - 1)
-        slot = reference._table_slots(entries.meta.block_table, entries.cache.shape[1], seq.long(),
+        slot = reference.table_slots(entries.meta.block_table, entries.cache.shape[1], seq.long(),
                                       index[:, None])[:, 0]                       # [M]
         entry = backend.interleaved_rope(latent[:, None].clone(), first, rope.inv_freq, rope.scaling)[:, 0]
         if self.round:
@@ -257,7 +257,7 @@ class DeepseekV41Attention(nn.Module):
             shared.keys[self.layer_idx] = keys
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ropes: dict[str, InterleavedRope],
-                caches: _StepCaches, shared: V41Shared) -> torch.Tensor:
+                caches: StepCaches, shared: V41Shared) -> torch.Tensor:
         # x: [T, Hd] (normed block input) -> [T, Hd]
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         role, rope, pos = self.role, ropes[self.rope_type], ctx.positions

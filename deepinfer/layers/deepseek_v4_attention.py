@@ -134,7 +134,7 @@ class GroupedLinear(nn.Linear):
 
 
 @dataclass
-class _Paged:
+class PagedView:
     """One cache as this step sees it: the tensor [NB, bs, nt, 1, C] and its group's metadata."""
 
     cache: torch.Tensor
@@ -154,7 +154,7 @@ class _Paged:
         return hit[1]
 
 
-class _StepCaches:
+class StepCaches:
     """The caches of one forward. With a paged cache: each layer's bound cache and its
     group's metadata. Without one: zeroed scratch caches of one row per token, where
     sequence b's token (or entry) i sits at row ``query_start_loc[b] + i`` (block size 1),
@@ -164,25 +164,25 @@ class _StepCaches:
         self.ctx = ctx
         self.num_tokens, self.dtype, self.device = x.shape[0], x.dtype, x.device
         self.scratch: GroupMetadata | None = None
-        self.bound: dict[int, _Paged] = {}
+        self.bound: dict[int, PagedView] = {}
         if not cached:
             rows = torch.arange(max(1, ctx.max_seq_len), device=x.device)
             table = ctx.query_start_loc_t[:-1, None].long() + rows[None, :]       # [B, max_seq_len]
             self.scratch = GroupMetadata(block_size=1, block_table=table,
                                          slot_mapping=torch.arange(self.num_tokens, device=x.device))
 
-    def bind(self, slot: CacheSlot) -> _Paged:
+    def bind(self, slot: CacheSlot) -> PagedView:
         if self.scratch is None:
-            return _Paged(slot.kv_cache, slot.meta(self.ctx))
+            return PagedView(slot.kv_cache, slot.meta(self.ctx))
         if id(slot) not in self.bound:
             spec = slot.kv_spec
             cache = torch.zeros(self.num_tokens, 1, spec.num_tensors, 1, spec.head_size,
                                 dtype=self.dtype, device=self.device)
-            self.bound[id(slot)] = _Paged(cache, self.scratch)
+            self.bound[id(slot)] = PagedView(cache, self.scratch)
         return self.bound[id(slot)]
 
 
-def _completing(ctx: ForwardContext, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def completing_tokens(ctx: ForwardContext, ratio: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(sequence row [M] int32, position [M] int64) of the tokens that complete a window of
     ``ratio`` tokens (``(p+1) % ratio == 0``), in token order; None in a decode_only
     context, which pools every row instead.
@@ -239,11 +239,11 @@ class GatedPool(nn.Module):
         (the attention computes them, fused with its own)."""
         return [self.kv_proj, self.gate_proj]
 
-    def update(self, kv: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext, caches: _StepCaches,
+    def update(self, kv: torch.Tensor, gate: torch.Tensor, ctx: ForwardContext, caches: StepCaches,
                rope: InterleavedRope, completing: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Stores every new token's pooling states (kv, raw gate) in the state cache, then
         pools the entry each ``completing`` token completes (its sequence row and position,
-        [M] each: :func:`_completing`) and stores it at its entry slot.
+        [M] each: :func:`completing_tokens`) and stores it at its entry slot.
 
         kv, gate: [T, C], ``kv_proj(x)`` and ``gate_proj(x)`` (any row stride). ``completing``
         None passes every token (graph-safe decode); tokens that complete no window write nothing.
@@ -287,13 +287,13 @@ class Indexer(GatedPool):
         return super().projections() + [self.scorer.weights_proj]
 
     def select(self, q_residual: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-               rope: InterleavedRope, keys: _Paged, candidates: torch.Tensor,
+               rope: InterleavedRope, keys: PagedView, candidates: torch.Tensor,
                token_seq: torch.Tensor | None) -> torch.Tensor:
         """The best ``index_topk`` candidates of each token: [T, min(topk, Nmax)] slots of the
         key cache, -1 where fewer are visible.
 
         q_residual: [T, q_lora]; weights: [T, Hi] ``scorer.weights_proj(x)``; positions: [T];
-        candidates: [T, Nmax] key slots (:meth:`_Paged.slots`: one sequence's tokens see
+        candidates: [T, Nmax] key slots (:meth:`PagedView.slots`: one sequence's tokens see
         prefixes of one row); token_seq: [T] sequence of each token, which lets the scores
         load a key once for a block of one sequence's tokens (prefill), or None (decode).
         """
@@ -320,7 +320,7 @@ class Compressor(GatedPool):
         return super().projections() + (self.indexer.projections() if self.indexer is not None else [])
 
     def attended_entries(self, projected: tuple[torch.Tensor, ...], q_residual: torch.Tensor,
-                         ctx: ForwardContext, caches: _StepCaches,
+                         ctx: ForwardContext, caches: StepCaches,
                          rope: InterleavedRope) -> tuple[torch.Tensor, torch.Tensor]:
         """Pools and stores this step's entries; returns (the entry cache, [T, K] slots of
         the entries each token attends to, -1 for none).
@@ -328,7 +328,7 @@ class Compressor(GatedPool):
         projected: the block input's projections in :meth:`projections` order, each [T, N_i].
         """
         r = self.ratio
-        completing = _completing(ctx, r)
+        completing = completing_tokens(ctx, r)
         kv, gate = projected[:2]
         self.update(kv, gate, ctx, caches, rope, completing)
         entries = caches.bind(self.entry_cache)
@@ -399,7 +399,7 @@ class DeepseekV4Attention(nn.Module):
                 if q_len != seq_len:
                     raise ValueError(f"sequence {b} has {q_len} new of {seq_len} tokens: without a KV "
                                      "cache each sequence must be given whole, from position 0")
-        caches = _StepCaches(ctx, cached, x)
+        caches = StepCaches(ctx, cached, x)
         rope, pos = ropes[self.rope_type], ctx.positions
         q_a, kv, *projected = self.input_proj(x)                                  # [T, N_i] each
         q_residual = self.q_a_norm(q_a)                                           # [T, q_lora]

@@ -46,7 +46,7 @@ from deepinfer.kernels import backend
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v41_attention import (DeepseekV41Attention, DeepseekV41AttentionConfig,
                                                      V41LayerRole, V41Shared)
-from deepinfer.layers.deepseek_v4_attention import _StepCaches
+from deepinfer.layers.deepseek_v4_attention import StepCaches
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
 from deepinfer.layers.engram import Engram, EngramLayout, build_token_map, engram_hash_ids
@@ -223,7 +223,7 @@ class DeepseekV41DecoderLayer(nn.Module):
         return backend.hc_mix(streams, hc.fn, hc.base, hc.scale, hc.sinkhorn_iters, hc.hc_eps, hc.norm_eps)
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
-                ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: _StepCaches, shared: V41Shared,
+                ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: StepCaches, shared: V41Shared,
                 hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # streams: [T, n, Hd]; pre_mix: [T, n] float32 (None: stream 0) -> (streams, this layer's FFN pre)
         if self.engram is not None:
@@ -265,7 +265,7 @@ class DeepseekV41Model(nn.Module):
                                      persistent=False)
             self.engram_pad = int(args.engram_pad_token_id)
 
-    def _hash_ids(self, input_ids: torch.Tensor, ctx: ForwardContext, caches: _StepCaches) -> torch.Tensor:
+    def _hash_ids(self, input_ids: torch.Tensor, ctx: ForwardContext, caches: StepCaches) -> torch.Tensor:
         """[T, n_engram_layers, cols] engram table rows of every token (engram_v41.md §3.3): the
         compressed ids of positions p, p-1, .. from the token history in the cache (stored first)."""
         layout = self.engram_layout
@@ -295,7 +295,7 @@ class DeepseekV41Model(nn.Module):
                     raise ValueError(f"sequence {b} has {q_len} new of {seq_len} tokens: without a KV "
                                      "cache each sequence must be given whole, from position 0")
         embeds = self.embed_tokens(input_ids)
-        caches = _StepCaches(ctx, cached, embeds)
+        caches = StepCaches(ctx, cached, embeds)
         hash_ids = self._hash_ids(input_ids, ctx, caches) if self.engram_layout is not None else None
         streams = embeds[:, None, :].expand(-1, self.hc_mult, -1)                 # [T, n, Hd]
         ropes = {"main": self.rope_main, "compress": self.rope_compress}
@@ -306,7 +306,7 @@ class DeepseekV41Model(nn.Module):
                 if replay.empty:
                     break                    # this chunk lies wholly before the replay starts
                 early = streams
-                ctx, caches = replay.ctx, _StepCaches(replay.ctx, True, streams)
+                ctx, caches = replay.ctx, StepCaches(replay.ctx, True, streams)
                 replay.full_pre = pre_mix
                 streams, pre_mix, input_ids = replay.take(streams), replay.take(pre_mix), replay.take(input_ids)
                 hash_ids = replay.take(hash_ids)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer.forward_context import ForwardContext
 from deepinfer.kernels import backend
-from deepinfer.layers.deepseek_v4_attention import DeepseekV4Attention, _completing
+from deepinfer.layers.deepseek_v4_attention import DeepseekV4Attention, completing_tokens
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
 from .test_deepseek_v4 import HF_STYLE, RTOL, PagedHarness, our_logits, prompts, randomize, rel_err
@@ -90,15 +90,15 @@ def test_completing_tokens_from_host_lists():
     ctx = ForwardContext(positions=torch.tensor([*range(5, 14), 0, 1, 2, 7]),
                          query_start_loc=[0, 9, 9, 12, 13], seq_lens=[14, 4, 3, 8])
     for ratio, seqs, positions in ((4, [0, 0, 3], [7, 11, 7]), (8, [0, 3], [7, 7]), (16, [], [])):
-        seq, pos = _completing(ctx, ratio)
+        seq, pos = completing_tokens(ctx, ratio)
         assert (seq.tolist(), pos.tolist()) == (seqs, positions)
         assert seq.dtype == torch.int32 and pos.dtype == torch.int64
         # The same tokens as read from the device positions.
         rows = ((ctx.positions + 1) % ratio == 0).nonzero().flatten()
         assert torch.equal(seq, ctx.token_seq[rows]) and torch.equal(pos, ctx.positions[rows])
-    assert _completing(ctx, 4) is ctx.memo[("completing", 4)]      # shared by the forward's layers
+    assert completing_tokens(ctx, 4) is ctx.memo[("completing", 4)]      # shared by the forward's layers
     ctx.decode_only = True
-    assert _completing(ctx, 4) is None
+    assert completing_tokens(ctx, 4) is None
 
 
 # -- host syncs ------------------------------------------------------------------------------------
