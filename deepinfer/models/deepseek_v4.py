@@ -275,7 +275,28 @@ class DeepseekV4Model(nn.Module):
         return streams
 
 
-# DeepSeek's in-layer names -> ours (HF's), matched on whole dotted components, in order.
+# DeepSeek's in-layer names of the parts V4 and V4.1 share -> ours (HF's), matched on whole
+# dotted components.
+BLOCK_RENAMES = (
+    ("attn.attn_sink", "self_attn.sinks"),
+    ("attn.wq_a", "self_attn.q_a_proj"),
+    ("attn.q_norm", "self_attn.q_a_norm"),
+    ("attn.wq_b", "self_attn.q_b_proj"),
+    ("attn.wkv", "self_attn.kv_proj"),
+    ("attn.kv_norm", "self_attn.kv_norm"),
+    ("attn.wo_a", "self_attn.o_a_proj"),
+    ("attn.wo_b", "self_attn.o_b_proj"),
+    ("attn_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
+    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
+    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.weight", "mlp.gate.weight"),
+    ("ffn.shared_experts.w1", "mlp.shared_experts.gate_proj"),
+    ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
+    ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
+)
+# V4's own, then the shared ones, in order (the indexer's compressor before the layer's).
 _LAYER_RENAMES = (
     ("attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"),
     ("attn.indexer.compressor.wkv", "self_attn.compressor.indexer.kv_proj"),
@@ -287,31 +308,14 @@ _LAYER_RENAMES = (
     ("attn.compressor.wkv", "self_attn.compressor.kv_proj"),
     ("attn.compressor.wgate", "self_attn.compressor.gate_proj"),
     ("attn.compressor.norm", "self_attn.compressor.kv_norm"),
-    ("attn.attn_sink", "self_attn.sinks"),
-    ("attn.wq_a", "self_attn.q_a_proj"),
-    ("attn.q_norm", "self_attn.q_a_norm"),
-    ("attn.wq_b", "self_attn.q_b_proj"),
-    ("attn.wkv", "self_attn.kv_proj"),
-    ("attn.kv_norm", "self_attn.kv_norm"),
     # HF's save_pretrained writes the kv norm back as ``attn.norm`` (its load rule
     # renames ``.norm.`` to ``.kv_norm.``).
     ("attn.norm", "self_attn.kv_norm"),
-    ("attn.wo_a", "self_attn.o_a_proj"),
-    ("attn.wo_b", "self_attn.o_b_proj"),
-    ("attn_norm", "input_layernorm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
-    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
-    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
     ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
-    ("ffn.gate.weight", "mlp.gate.weight"),
-    ("ffn.shared_experts.w1", "mlp.shared_experts.gate_proj"),
-    ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
-    ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
     # MTP layers only
     ("hc_head_fn", "hc_head.hc_fn"), ("hc_head_base", "hc_head.hc_base"),
     ("hc_head_scale", "hc_head.hc_scale"),
-)
+) + BLOCK_RENAMES
 _TOP_RENAMES = {
     "embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
     "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",

@@ -52,6 +52,7 @@ from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
 from deepinfer.layers.engram import Engram, EngramLayout, build_token_map, engram_hash_ids
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
+from deepinfer.models.deepseek_v4 import BLOCK_RENAMES
 from deepinfer.models.quant import pair_scales
 from deepinfer.transfer import to_device
 
@@ -373,7 +374,8 @@ class _Replay:
                          candidates=self.take(shared.candidates))
 
 
-# DeepSeek's in-layer names -> ours, matched on whole dotted components, in order.
+# DeepSeek's in-layer names -> ours, matched on whole dotted components: V4.1's compressor,
+# indexer and engram, then the parts it shares with V4.
 _LAYER_RENAMES = (
     ("attn.compressor.wkv", "self_attn.compressor.kv_proj"),
     ("attn.compressor.wgate", "self_attn.compressor.gate_proj"),
@@ -382,25 +384,8 @@ _LAYER_RENAMES = (
     ("attn.indexer.weights_proj", "self_attn.indexer.weights_proj"),
     ("attn.indexer.wk", "self_attn.indexer.k_proj"),
     ("attn.indexer.k_norm", "self_attn.indexer.k_norm"),
-    ("attn.attn_sink", "self_attn.sinks"),
-    ("attn.wq_a", "self_attn.q_a_proj"),
-    ("attn.q_norm", "self_attn.q_a_norm"),
-    ("attn.wq_b", "self_attn.q_b_proj"),
-    ("attn.wkv", "self_attn.kv_proj"),
-    ("attn.kv_norm", "self_attn.kv_norm"),
-    ("attn.wo_a", "self_attn.o_a_proj"),
-    ("attn.wo_b", "self_attn.o_b_proj"),
-    ("attn_norm", "input_layernorm"),
-    ("ffn_norm", "post_attention_layernorm"),
-    ("hc_attn_fn", "attn_hc.fn"), ("hc_attn_base", "attn_hc.base"), ("hc_attn_scale", "attn_hc.scale"),
-    ("hc_ffn_fn", "ffn_hc.fn"), ("hc_ffn_base", "ffn_hc.base"), ("hc_ffn_scale", "ffn_hc.scale"),
-    ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
-    ("ffn.gate.weight", "mlp.gate.weight"),
-    ("ffn.shared_experts.w1", "mlp.shared_experts.gate_proj"),
-    ("ffn.shared_experts.w3", "mlp.shared_experts.up_proj"),
-    ("ffn.shared_experts.w2", "mlp.shared_experts.down_proj"),
     ("engram", "engram"),
-)
+) + BLOCK_RENAMES
 _TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
                 "norm.weight": "model.norm.weight"}
 _LAYER_NAME = re.compile(r"^layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
