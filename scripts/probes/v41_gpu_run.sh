@@ -4,7 +4,7 @@
 #            bench prefill of 4,096 tokens at V4.1-Flash widths (4 layers: ratio-2 source, reuse,
 #            ratio-1 source, reindex) with prefill truncation full, exact and compact;
 #   decode:  bench decode at B = 1, 16, 64 on the same 4 layers.
-# Logs and JSON go to $OUT (or ./out).
+# NUM_LAYERS (default 4, about 113 GB in bf16: an H200) changes the depth. Logs and JSON go to $OUT.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -18,13 +18,13 @@ if [ "$phase" = check ]; then
     tail -5 "$OUT/cuda_check.log"
     for mode in full exact compact; do
         DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=$mode timeout 150 bench prefill --config deepseek-v4.1-flash \
-            --num-layers 4 --prompt-len 4096 --no-hf --warmup 2 --iters 5 \
+            --num-layers ${NUM_LAYERS:-4} --prompt-len 4096 --no-hf --warmup 2 --iters 5 \
             --output-json "$OUT/prefill_$mode.json" > "$OUT/prefill_$mode.log" 2>&1
         tail -4 "$OUT/prefill_$mode.log"
     done
 else
     for b in 1 16 64; do
-        timeout 180 bench decode --config deepseek-v4.1-flash --num-layers 4 --batch-size $b --no-hf \
+        timeout 180 bench decode --config deepseek-v4.1-flash --num-layers ${NUM_LAYERS:-4} --batch-size $b --no-hf \
             --output-json "$OUT/decode_b$b.json" > "$OUT/decode_b$b.log" 2>&1
         tail -4 "$OUT/decode_b$b.log"
     done
