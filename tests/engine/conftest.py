@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deepinfer.config import flatten_text_config
 from deepinfer.entrypoints.llm import DEFAULT_MODEL, LLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -20,7 +21,7 @@ def make_checkpoint(tmp: Path, arch: str, **overrides) -> Path:
     embedded model's tokenizer (so the vocabularies match)."""
     import transformers
 
-    vocab = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
+    vocab = flatten_text_config(json.loads((Path(DEFAULT_MODEL) / "config.json").read_text()))["vocab_size"]
     base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                 tie_word_embeddings=False)

@@ -1,5 +1,5 @@
-"""Bounded replay ("YOCO prefill truncation") through the engine on the embedded tiny
-DeepSeek-V4, which has none: the truncated modes are refused when the engine starts,
+"""Bounded replay ("YOCO prefill truncation") through the engine on the tiny trained
+DeepSeek-V4 (tests/data/tiny-v4-model), which has none: the truncated modes are refused when the engine starts,
 and with a stand-in ``replay_keep_tokens`` each prompt's replay_start reaches the
 model's forward context."""
 
@@ -10,21 +10,28 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
+from .. import TINY_V4_MODEL
+
 
 @pytest.mark.parametrize("mode", ["exact", "compact"])
 def test_model_without_bounded_replay_refuses_truncation(mode):
     with pytest.raises(ValueError, match=f"prefill truncation mode '{mode}' needs a model with bounded "
                                          r"replay \(DeepSeek-V4.1\); DeepseekV4ForCausalLM has none"):
-        LLM(device="cpu", yoco_prefill_truncation_mode=mode)
+        LLM(model=TINY_V4_MODEL, device="cpu", yoco_prefill_truncation_mode=mode)
 
 
 def test_truncation_from_the_environment_is_refused_too(monkeypatch):
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     with pytest.raises(ValueError, match="'compact' needs a model with bounded replay"):
-        LLM(device="cpu")
+        LLM(model=TINY_V4_MODEL, device="cpu")
 
 
-def test_replay_starts_reach_the_forward(monkeypatch, tiny_llm):
+@pytest.fixture(scope="module")
+def tiny_v4_llm() -> LLM:
+    return LLM(model=TINY_V4_MODEL, device="cpu", max_num_batched_tokens=256)
+
+
+def test_replay_starts_reach_the_forward(monkeypatch, tiny_v4_llm):
     asked = []
 
     def keep_as_asked(self, mode: str, keep: int) -> int | None:
@@ -32,8 +39,8 @@ def test_replay_starts_reach_the_forward(monkeypatch, tiny_llm):
         return keep
 
     monkeypatch.setattr(DeepseekV4ForCausalLM, "replay_keep_tokens", keep_as_asked)
-    llm = LLM(device="cpu", max_num_batched_tokens=256, yoco_prefill_truncation_mode="exact",
-              yoco_prefill_keep_tokens=8)
+    llm = LLM(model=TINY_V4_MODEL, device="cpu", max_num_batched_tokens=256,
+              yoco_prefill_truncation_mode="exact", yoco_prefill_keep_tokens=8)
     engine = llm.engine
     assert asked == [("exact", 8)]
     assert engine.scheduler.replay_keep_tokens == 8 and engine.runner.bounded_replay
@@ -52,5 +59,5 @@ def test_replay_starts_reach_the_forward(monkeypatch, tiny_llm):
     assert seen[0] == (False, [22, 0])
     assert all(starts is None for decode_only, starts in seen if decode_only)
     # The tiny V4 ignores replay_starts, so the tokens are those of an engine without it.
-    ref = tiny_llm.generate(prompts, params, use_tqdm=False)
+    ref = tiny_v4_llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]

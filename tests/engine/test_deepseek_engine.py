@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import flatten_text_config
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 
 from ..models.test_deepseek_v4 import HF_STYLE, randomize
 from .conftest import TOKENIZER_FILES, hf_greedy
 
-VOCAB = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["vocab_size"]
+VOCAB = flatten_text_config(json.loads((Path(DEFAULT_MODEL) / "config.json").read_text()))["vocab_size"]
 
 
 def save_with_tokenizer(model, out: Path) -> Path:

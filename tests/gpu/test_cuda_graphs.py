@@ -8,7 +8,7 @@ on one stream with plain launches, the graphs with DeepSeek-V4's side stream and
 bf16, where the eager and graph paths may round differently, their first differing token
 is in each other's top 5.
 
-The DeepSeek cases (``v4_embedded``, ``v4_random``, ``v3``) cover the sparse/compressed V4
+The DeepSeek cases (``v4_tiny``: tests/data/tiny-v4-model, ``v4_random``, ``v3``) cover the sparse/compressed V4
 attention and V3's absorbed MLA decode, each with Triton routing and experts.
 """
 
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.entrypoints.llm import DEFAULT_MODEL
 
+from .. import TINY_V4_MODEL
 from ..engine.conftest import make_checkpoint
 from ..engine.test_deepseek_engine import v3_dir, v4_dir  # noqa: F401  (fixtures)
 
@@ -36,7 +36,7 @@ MAX_TOKENS = [24, 6, 17, 11, 30]
 
 
 @pytest.fixture(scope="module",
-                params=["llama", "qwen3_hybrid", "mistral", "v4_embedded", "v4_random", "v3"])
+                params=["llama", "qwen3_hybrid", "mistral", "v4_tiny", "v4_random", "v3"])
 def checkpoint(request, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "llama":
@@ -46,8 +46,8 @@ def checkpoint(request, tmp_path_factory) -> Path:
                                max_window_layers=1, sliding_window=8, head_dim=16)
     if request.param == "mistral":
         return make_checkpoint(tmp, "MistralForCausalLM", sliding_window=8)
-    if request.param == "v4_embedded":
-        return Path(DEFAULT_MODEL)
+    if request.param == "v4_tiny":
+        return Path(TINY_V4_MODEL)
     if request.param == "v3":
         return request.getfixturevalue("v3_dir")
     return request.getfixturevalue("v4_dir")

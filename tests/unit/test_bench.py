@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer.entrypoints.cli import main
-from deepinfer.entrypoints.llm import DEFAULT_MODEL
+
+from .. import TINY_V4_MODEL
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 # Small probes keep the floor measurement quick on the CPU.
@@ -20,8 +21,8 @@ COMMON = ["--num-layers", "2", "--device", "cpu", "--warmup", "1", "--floor-copy
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory) -> str:
-    """The embedded model's config with one CSA and one HCA layer (ratio 16)."""
-    cfg = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())
+    """The tiny DeepSeek-V4's config with one CSA and one HCA layer (ratio 16)."""
+    cfg = json.loads((Path(TINY_V4_MODEL) / "config.json").read_text())
     cfg["layer_types"] = [CSA, HCA] + cfg["layer_types"][2:]
     path = tmp_path_factory.mktemp("cfg") / "config.json"
     path.write_text(json.dumps(cfg))

@@ -14,11 +14,13 @@ from deepinfer.bench.common import check_finite
 from deepinfer.bench.hf_baseline import HFBaseline, fit_context
 from deepinfer.bench.model_shapes import resolve_config, with_num_layers
 from deepinfer.engine.engine import Engine
-from deepinfer.entrypoints.llm import DEFAULT_MODEL, build_engine_config
+from deepinfer.entrypoints.llm import build_engine_config
 from deepinfer.forward_context import ForwardContext
 from deepinfer.models.deepseek_v4 import DeepseekV4Args, DeepseekV4ForCausalLM
 from deepinfer.models.dummy import fill_dummy_, init_dummy_weights
 from deepinfer.sampling_params import SamplingParams
+
+from .. import TINY_V4_MODEL
 
 CPU = torch.device("cpu")
 SL, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -26,8 +28,8 @@ SL, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_comp
 
 @pytest.fixture(scope="module")
 def tiny_config() -> dict:
-    """The embedded model's config at 2 layers: one CSA, one HCA (ratio 16), the first hash-routed."""
-    cfg = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())
+    """The tiny DeepSeek-V4's config at 2 layers: one CSA, one HCA (ratio 16), the first hash-routed."""
+    cfg = json.loads((Path(TINY_V4_MODEL) / "config.json").read_text())
     return {**with_num_layers(cfg, 2), "layer_types": [CSA, HCA]}
 
 

@@ -2,7 +2,7 @@
 forward run eagerly (``enable_decode_graphs(capture=False)``) against the plain path.
 
 The engine tests compare greedy tokens of the padded static-buffer path with the plain
-path on the embedded tiny DeepSeek-V4 (compressed groups), a tiny Llama (one full group)
+path on the tiny trained DeepSeek-V4 of tests/data/tiny-v4-model (compressed groups), a tiny Llama (one full group)
 and a tiny Qwen3 with sliding layers (two groups), through mixed prompt lengths, batch
 sizes between buckets and sequences finishing mid-run. A padding or slot bug (a padding
 row storing into a real block, a stale table entry, a wrong compressed slot) changes
@@ -26,6 +26,7 @@ from deepinfer.runner.inputs import StepInputs, token_slot
 from deepinfer.scheduler.kv_cache import KVCacheGroup
 from deepinfer.scheduler.plan import ScheduledSeq
 
+from .. import TINY_V4_MODEL
 from ..engine.conftest import make_checkpoint
 from ..engine.test_deepseek_engine import v3_dir  # noqa: F401  (fixture)
 
@@ -190,7 +191,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _padded_vs_plain(model: str | None) -> None:
+def _padded_vs_plain(model: str) -> None:
     kwargs = dict(model=model, device="cpu", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
                   max_num_batched_tokens=64, block_size=4, num_kv_blocks=200)
     prompts = _prompts(model)
@@ -217,8 +218,8 @@ def _padded_vs_plain(model: str | None) -> None:
     assert kv.num_free_blocks == kv.pool.num_blocks - 1
 
 
-def test_padded_decode_matches_plain_on_the_embedded_model():
-    _padded_vs_plain(None)
+def test_padded_decode_matches_plain_on_the_tiny_deepseek_v4():
+    _padded_vs_plain(TINY_V4_MODEL)
 
 
 def test_padded_decode_matches_plain_on_deepseek_v3(v3_dir):
