@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from deepinfer.bench.hf_baseline import hf_skip_reason
+
 from deepinfer.entrypoints.llm import DEFAULT_MODEL, LLM
 from deepinfer.sampling_params import SamplingParams
 
@@ -58,7 +60,11 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict) -> dict:
         "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step,
         "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step,
     }
-    if not args.no_hf:
+    skip = None if args.no_hf else hf_skip_reason(config.model.hf_config)
+    if skip is not None:
+        # E.g. the embedded DeepSeek-V4.1: transformers has no such model to compare with.
+        result["hf_skipped"] = skip
+    elif not args.no_hf:
         del llm
         result.update(_hf_throughput(config.model.path, config.model.dtype, device, prompts,
                                      args.output_len))
