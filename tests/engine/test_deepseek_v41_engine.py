@@ -77,3 +77,15 @@ def test_siblings_fork_from_the_prompt(expected):
     out = llm.generate(prompts(expected)[:2], params, use_tqdm=False)
     for i, o in enumerate(out):
         assert [c.token_ids for c in o.outputs] == [expected["greedy_noquant"][i, :12].tolist()] * 3
+
+
+def test_triton_kernels_match_the_official_reference(expected, monkeypatch):
+    # The CUDA path's kernels (sparse attention, rope, kv norm, store, indexer scores and
+    # top-k, fused MoE, hyper-connections) in Triton's CPU interpreter: same tokens.
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    llm = make_llm(max_num_batched_tokens=16, block_size=4)
+    picked = [2, 7]
+    ps = [prompts(expected)[i] for i in picked]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert got == [expected["greedy_noquant"][i, :6].tolist() for i in picked]
