@@ -384,15 +384,19 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     return reference.interleaved_rope(x, positions, inv_freq, scaling, inverse)
 
 
-def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, n, D] -> (pre [T, n], post [T, n], comb [T, n, n]) float32 (see
-    :func:`reference.hc_mix`). The reference on every device: DeepSeek-V4.1's lagged
-    connections collapse with the previous sublayer's pre, which the fused V4 kernel does not take."""
-    return reference.hc_mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor,
+                  norm: tuple[torch.Tensor, float] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """streams [T, n, D], pre_in [T, n] -> (block input collapsed with pre_in [T, D], the
+    connection's own pre, post, comb) (see :func:`reference.hc_pre_lagged`)."""
+    if use_triton(streams):
+        from deepinfer.kernels.hyper_connection import hc_pre_lagged as kernel
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm=norm)
+    return reference.hc_pre_lagged(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """[T, n, D], [T, n] -> [T, D] (see :func:`reference.hc_collapse`)."""
+    """[T, n, D], [T, n] -> [T, D] (see :func:`reference.hc_collapse`); DeepSeek-V4.1's final
+    collapse, on the rows the runner samples."""
     return reference.hc_collapse(streams, pre)

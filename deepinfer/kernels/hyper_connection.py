@@ -331,8 +331,11 @@ def _streams_2d(streams: torch.Tensor, who: str, block_k: int = 1) -> tuple[torc
 
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
-         config: HCConfig | None, who: str, norm: tuple[torch.Tensor, float] | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         config: HCConfig | None, who: str, norm: tuple[torch.Tensor, float] | None = None,
+         pre_in: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, post, comb, pre); with ``pre_in`` [T, n] float32 the collapse uses it instead of
+    the connection's own pre (which is still computed and returned)."""
     if streams.dim() != 3:
         raise ValueError(f"{who}: streams must be [T, n, D], got shape {tuple(streams.shape)}")
     t, n, d = streams.shape
@@ -358,8 +361,12 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     x = torch.empty(t, d, dtype=streams.dtype, device=dev)                  # [T, D]
     post = torch.empty(t, n, dtype=torch.float32, device=dev)               # [T, n]
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)            # [T, n, n]
+    pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n]
+    if pre_in is not None and (pre_in.shape != (t, n) or pre_in.dtype != torch.float32 or pre_in.device != dev):
+        raise ValueError(f"{who}: pre_in must be float32 [{t}, {n}] on {dev}, got {pre_in.dtype} "
+                         f"{tuple(pre_in.shape)} on {pre_in.device}")
     if t == 0:
-        return x, post, comb
+        return x, post, comb, pre
 
     cfg = config or pick_config(t, dev, streams.dtype)
     if num_splits is not None:
@@ -383,9 +390,9 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     if cfg.bf16_split and (streams.dtype != torch.bfloat16 or block_t < _MIN_DOT):
         raise ValueError(f"{who}: config bf16_split=True needs bfloat16 streams and block_t >= "
                          f"{_MIN_DOT}, got {streams.dtype} and block_t={block_t}")
-    collapse = t <= cfg.one_launch_max_t and norm is None              # the norm: always the 2nd launch
+    # The norm, or a given pre: always the 2nd launch (the first then writes its own pre).
+    collapse = t <= cfg.one_launch_max_t and norm is None and pre_in is None
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
-    pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n] for the 2nd launch
     counters = _zeroed_counters(dev, n_tb)
     _hc_pre_kernel[(splits, n_tb)](
         s2, fn, base, scale, part, counters, x, pre, post, comb,
@@ -405,10 +412,11 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
             w_arg, eps_arg = pre, 0.0                                       # unused without NORM
         else:
             (block_d, warps), (w_arg, eps_arg) = row_config(d), norm
+        weights = pre if pre_in is None else pre_in.contiguous()
         _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
-            s2, pre, w_arg, x, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
+            s2, weights, w_arg, x, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
             NORM=norm is not None, COPIES=copies, num_warps=warps, **pdl.flags(s2.device))
-    return x, post, comb
+    return x, post, comb, pre
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -421,7 +429,21 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     (``round_first=False``), equal bit for bit to :func:`rms_norm.rms_norm` of the plain result.
     ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
     return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config,
-                "hc_pre", norm)
+                "hc_pre", norm)[:3]
+
+
+def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor,
+                  norm: tuple[torch.Tensor, float] | None = None, num_splits: int | None = None,
+                  config: HCConfig | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's lagged connection: the block input collapses the streams with
+    ``pre_in`` [T, n] float32 (the previous sublayer's pre), not with this connection's own
+    pre, which is returned for the next sublayer -> (block input [T, D], pre [T, n], post
+    [T, n], comb [T, n, n]). Two launches (mixings, then the collapse with ``norm``)."""
+    x, post, comb, pre = _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits,
+                              config, "hc_pre_lagged", norm, pre_in)
+    return x, pre, post, comb
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -485,6 +485,21 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     return x, post, comb
 
 
+def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor,
+                  norm: tuple[torch.Tensor, float] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's lagged connection: the block input is ``collapse(streams, pre_in)``
+    (the previous sublayer's pre [T, n] float32), through ``norm`` as in :func:`hc_pre`; the
+    connection's own (pre, post, comb) come back for the next sublayer and the expand ->
+    (block input [T, D], pre [T, n], post [T, n], comb [T, n, n])."""
+    pre, post, comb = hc_mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    x = _hc_collapse(streams, pre_in)
+    if norm is not None:
+        x = rms_norm(x, norm[0], norm[1], round_first=False)
+    return x, pre, post, comb
+
+
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
             comb: torch.Tensor) -> torch.Tensor:
     """The "post" half: new streams ``post_k * block_out + sum_j comb[j, k] * streams_j`` in float32.

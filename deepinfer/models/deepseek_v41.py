@@ -220,8 +220,12 @@ class DeepseekV41DecoderLayer(nn.Module):
                                  args.engram_head_dim, int(args.engram_layout.primes[k].sum()), eps)
 
     @staticmethod
-    def _mix(hc: HyperConnection, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return backend.hc_mix(streams, hc.fn, hc.base, hc.scale, hc.sinkhorn_iters, hc.hc_eps, hc.norm_eps)
+    def _connect(hc: HyperConnection, streams: torch.Tensor, pre_in: torch.Tensor,
+                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the block input: ``norm(collapse(streams, pre_in))``, and this connection's own
+        pre, post, comb)."""
+        return backend.hc_pre_lagged(streams, hc.fn, hc.base, hc.scale, hc.sinkhorn_iters, hc.hc_eps,
+                                     hc.norm_eps, pre_in, norm.params())
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
                 ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: StepCaches, shared: V41Shared,
@@ -229,12 +233,16 @@ class DeepseekV41DecoderLayer(nn.Module):
         # streams: [T, n, Hd]; pre_mix: [T, n] float32 (None: stream 0) -> (streams, this layer's FFN pre)
         if self.engram is not None:
             streams = self.engram(streams, hash_ids)
-        attn_pre, attn_post, attn_comb = self._mix(self.attn_hc, streams)
-        x = streams[:, 0] if pre_mix is None else backend.hc_collapse(streams, pre_mix)
-        x = self.self_attn(self.input_layernorm(x), ctx, ropes, caches, shared)
+        if pre_mix is None:
+            # The first layer's input is stream 0: a one-hot collapse, exact in float32.
+            pre_mix = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
+            pre_mix[:, 0] = 1.0
+        x, attn_pre, attn_post, attn_comb = self._connect(self.attn_hc, streams, pre_mix, self.input_layernorm)
+        x = self.self_attn(x, ctx, ropes, caches, shared)
         streams = backend.hc_post(x, streams, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = self._mix(self.ffn_hc, streams)
-        x = self.mlp(self.post_attention_layernorm(backend.hc_collapse(streams, attn_pre)), input_ids)
+        x, ffn_pre, ffn_post, ffn_comb = self._connect(self.ffn_hc, streams, attn_pre,
+                                                       self.post_attention_layernorm)
+        x = self.mlp(x, input_ids)
         return backend.hc_post(x, streams, ffn_post, ffn_comb), ffn_pre
 
 

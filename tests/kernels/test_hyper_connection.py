@@ -281,3 +281,26 @@ def test_hc_gpu_sizes(t):
     torch.testing.assert_close(hc.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                reference.hc_head(s, head_fn, head_base, head_scale, 1e-6, 1e-6),
                                rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("t,n,d,with_norm", [(1, 4, 64, True), (1, 4, 64, False), (5, 4, 64, True),
+                                             (40, 4, 512, True), (300, 4, 64, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_lagged_matches_reference(t, n, d, with_norm, dtype, device, poison_empty):
+    """DeepSeek-V4.1's lagged connection: the block input collapses with a given pre (random,
+    unlike the connection's own), the connection's pre comes back; T = 1 too, which the plain
+    hc_pre collapses in its first launch."""
+    gen = torch.Generator().manual_seed(t * 7 + d)
+    s = streams_of(t, n, d, dtype, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    pre_in = (torch.rand(t, n, generator=gen) + 0.1).to(device)
+    norm = ((torch.rand(d, generator=gen) + 0.5).to(device), 1e-6) if with_norm else None
+    x, pre, post, comb = hc.hc_pre_lagged(s, fn, base, scale, 20, 1e-6, 1e-6, pre_in, norm=norm)
+    rx, rpre, rpost, rcomb = reference.hc_pre_lagged(s, fn, base, scale, 20, 1e-6, 1e-6, pre_in, norm)
+    torch.testing.assert_close(pre, rpre, **MIX_TOL)
+    torch.testing.assert_close(post, rpost, **MIX_TOL)
+    torch.testing.assert_close(comb, rcomb, **MIX_TOL)
+    torch.testing.assert_close(x, rx, **TOL[dtype])
+    # The collapse used pre_in, not the connection's own pre.
+    own = reference.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, norm)[0]
+    assert not torch.allclose(x.float(), own.float(), atol=1e-2)
