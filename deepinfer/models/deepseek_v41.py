@@ -270,7 +270,8 @@ class DeepseekV41Model(nn.Module):
                                  persistent=False)
             for name, value in (("primes", layout.primes), ("offsets", layout.offsets),
                                 ("multipliers", layout.multipliers)):
-                self.register_buffer(f"engram_{name}", torch.from_numpy(np.ascontiguousarray(value)),
+                # torch.tensor (not from_numpy) follows the device the model is built on.
+                self.register_buffer(f"engram_{name}", torch.tensor(np.ascontiguousarray(value)),
                                      persistent=False)
             self.engram_pad = int(args.engram_pad_token_id)
 
