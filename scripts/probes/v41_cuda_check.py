@@ -4,11 +4,13 @@ continuations) and bf16 with the release KV rounding (runs; greedy agreement rep
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from deepinfer import LLM, SamplingParams
 
@@ -32,6 +34,10 @@ def main() -> int:
                   f"repeat equal: {again == got}; {time.perf_counter() - t:.1f} s", flush=True)
             if dtype == "float32" and not all(same):
                 failures += 1
+            # Each engine takes most of the device's free memory for its KV cache: free it first.
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
     return 1 if failures else 0
 
 
