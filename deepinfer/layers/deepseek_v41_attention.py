@@ -133,8 +133,8 @@ class V41Compressor(nn.Module):
         caller stores those that complete nothing at slot -1)."""
         if self.ratio == 1:
             return self.kv_norm(self.kv_proj(x)), ctx.token_seq, ctx.positions
-        xf = x.float()
-        kv, gate = self.kv_proj(xf), self.gate_proj(xf)                            # [T, D] float32
+        # Pooled in float32 (the projections accumulate in float32 in x's dtype's GEMM).
+        kv, gate = self.kv_proj(x).float(), self.gate_proj(x).float()             # [T, D]
         state = caches.bind(self.state_cache)
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None].to(state.cache.dtype),
                          gate[:, None].to(state.cache.dtype))
