@@ -863,7 +863,12 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes -> their float32 values (code 8 is -0)."""
-    mag = torch.tensor(_E2M1_VALUES, device=codes.device)[(codes & 7).long()]
+    # Computed, not looked up in a table: a table built per call is a host -> device copy,
+    # which a CUDA-graph capture refuses. Codes 0, 1 are 0 and 0.5; code i >= 2 is
+    # 2 ** ((i >> 1) - 1) * (1 + (i & 1) / 2), i.e. _E2M1_VALUES.
+    i = (codes & 7).to(torch.int32)
+    normal = torch.exp2(((i >> 1) - 1).float()) * (1 + (i & 1).float() / 2)
+    mag = torch.where(i < 2, i.float() * 0.5, normal)
     return torch.where(codes >= 8, -mag, mag)
 
 
