@@ -12,19 +12,19 @@ export PYTHONPATH=.
 phase=${1:-check}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
-bench() { python3 -m deepinfer.entrypoints.cli bench "$@"; }
+BENCH="python3 -m deepinfer.entrypoints.cli bench"
 if [ "$phase" = check ]; then
     timeout 240 python3 scripts/probes/v41_cuda_check.py > "$OUT/cuda_check.log" 2>&1 || { tail -40 "$OUT/cuda_check.log"; exit 1; }
     tail -5 "$OUT/cuda_check.log"
     for mode in full exact compact; do
-        DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=$mode timeout 150 bench prefill --config deepseek-v4.1-flash \
-            --num-layers ${NUM_LAYERS:-4} --prompt-len 4096 --no-hf --warmup 2 --iters 5 \
+        DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=$mode timeout 150 $BENCH prefill --config deepseek-v4.1-flash \
+            --num-layers ${NUM_LAYERS:-4} --prompt-len 4096 --no-hf --warmup 2 --iters 3 \
             --output-json "$OUT/prefill_$mode.json" > "$OUT/prefill_$mode.log" 2>&1
         tail -4 "$OUT/prefill_$mode.log"
     done
 else
     for b in 1 16 64; do
-        timeout 180 bench decode --config deepseek-v4.1-flash --num-layers ${NUM_LAYERS:-4} --batch-size $b --no-hf \
+        timeout 180 $BENCH decode --config deepseek-v4.1-flash --num-layers ${NUM_LAYERS:-4} --batch-size $b --no-hf \
             --output-json "$OUT/decode_b$b.json" > "$OUT/decode_b$b.log" 2>&1
         tail -4 "$OUT/decode_b$b.log"
     done
