@@ -9,6 +9,9 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.
+# The expert packing briefly holds a layer's gate_up weights twice: without expandable segments
+# two layers OOM on an H100 from fragmentation.
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 phase=${1:-check}
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
