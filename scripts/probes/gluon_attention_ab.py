@@ -1,5 +1,5 @@
 """The Gluon prefill sparse-attention kernel against older copies of its file, and where its time
-goes (issue 5). T=4096, 64 heads x 512, window 128 + top-512 and window only, the query's norm +
+goes. T=4096, 64 heads x 512, window 128 + top-512 and window only, the query's norm +
 rope inside the kernel (the model's path); each variant checked against the reference, two
 alternated rounds, the faster kept.
 

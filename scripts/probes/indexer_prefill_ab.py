@@ -1,5 +1,5 @@
 """The lightning indexer at an earlier commit against the working tree, in one process on one
-GPU, at issue 5's prefill shape: one 4096-token prompt in a CSA layer (ratio 4, so 1024
+GPU, at the V4-Flash prefill benchmark's shape: one 4096-token prompt in a CSA layer (ratio 4, so 1024
 candidate entries a row, token p seeing (p + 1) // 4 of them; 64 heads x 128 bf16; top-512),
 then four 1024-token prompts in one batch (blocks of one sequence, N = 256).
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 5 (prefill speed) in one device call, from the repository root on an H200 (about 6
+# DeepSeek-V4-Flash prefill speed in one device call, from the repository root on an H200 (about 6
 # minutes): the GPU tests of the prefill kernels, the probes that time them against their
 # alternatives in one process, and `bench prefill` with a profile taken with PDL off (with
 # PDL on, the profiler charges each kernel with part of the previous one's run).

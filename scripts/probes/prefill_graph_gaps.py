@@ -1,5 +1,5 @@
 """How much of a prefill step's device time is gaps between kernels, and would a CUDA graph
-remove them? (issue 5)
+remove them?
 
 Takes one real 4096-token prefill forward from the engine (its input ids and context), then
 times the same forward three ways on the device, each as CUDA events around every forward:

@@ -1,4 +1,4 @@
-"""Device timeline of steady prefill steps (issue 5): where the time between the first and the
+"""Device timeline of steady prefill steps: where the time between the first and the
 last kernel of a step goes, kernel by kernel, and how much of it the device sat idle.
 
 ``bench prefill``'s steady window reports device busy per step from two events around the

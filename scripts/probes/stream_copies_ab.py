@@ -1,5 +1,5 @@
 """The first connection of DeepSeek-V4 on n written copies of the embedding against the copies
-left as a stride-0 view (issue 5). V4-Flash widths at T=4096: the embedding gather, hc_pre
+left as a stride-0 view. V4-Flash widths at T=4096: the embedding gather, hc_pre
 with the block's norm (projection + collapse launches) and hc_post, bf16, each variant as CUDA-
 graph replays in one process, alternated twice; outputs compared bit for bit.
 

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Everything issue 5 still needs from an H200, in two device calls of under ten minutes each.
+# The DeepSeek-V4-Flash GPU checks and figures (tests, A/B probes, bench prefill and decode), in two device calls of under ten minutes each.
 # Run from the repository root; logs land in $OUT (five files a phase: the device returns eight).
 #
-#   bash scripts/probes/issue5_gpu_run.sh check    # GPU tests, A/B probes, bench prefill, profile (<10 min)
-#   bash scripts/probes/issue5_gpu_run.sh decode   # bench decode at B=1, 16, 64; prefill of 2 prompts a step
+#   bash scripts/probes/v4_flash_gpu_run.sh check    # GPU tests, A/B probes, bench prefill, profile (<10 min)
+#   bash scripts/probes/v4_flash_gpu_run.sh decode   # bench decode at B=1, 16, 64; prefill of 2 prompts a step
 #
 # `check` first runs the GPU tests of the changes made since the last timed run (an untimed
 # change that fails them is reverted, not tuned), then times them against their alternatives
@@ -13,7 +13,7 @@
 # It is checked against the reference and timed against the tree's kernel; nothing is swapped.
 set -u
 export PYTHONPATH=$PWD
-OUT=${OUT:-/tmp/issue5}
+OUT=${OUT:-/tmp/v4_flash_gpu}
 mkdir -p "$OUT"
 phase=${1:-check}
 start=$(date +%s)
@@ -69,7 +69,7 @@ decode)
             --output-json "$OUT/decode_b$b.json" 2>&1 | tail -10
     done
     if [ "$(elapsed)" -lt 420 ]; then
-        # Not the issue's figure (one 4,096-token prompt): two prompts a step, 8,192 tokens, so
+        # Not the headline figure (one 4,096-token prompt): two prompts a step, 8,192 tokens, so
         # each routed expert's weights serve ~192 rows instead of ~96. Reported beside it only.
         step "bench prefill, two 4,096-token prompts a step (prefill_b2.json; informative)"
         timeout $((570 - $(elapsed))) python3 -m deepinfer.entrypoints.cli bench prefill \
