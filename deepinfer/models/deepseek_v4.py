@@ -327,6 +327,26 @@ _EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\."
 _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def remap_block_tensor(model: nn.Module, name: str, prefix: str, rest: str,
+                       renames: tuple[tuple[str, str], ...]) -> str | ParamSlice:
+    """Where checkpoint tensor ``name`` (``rest`` inside the block at ``prefix``) goes in a
+    DeepSeek-V4 / V4.1 model: a routed expert's matrix into the stacked experts, else the
+    first of ``renames`` matching whole dotted components, else the name unchanged."""
+    expert = _EXPERT_NAME.match(rest)
+    if expert is not None:
+        try:
+            experts = model.get_submodule(f"{prefix}.mlp.experts")
+            param, index = experts.expert_weight_index(
+                _EXPERT_PROJ.get(expert["proj"], expert["proj"]), int(expert["expert"]))
+        except (AttributeError, ValueError) as err:
+            raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
+        return ParamSlice(f"{prefix}.mlp.experts.{param}", index)
+    for native, ours in renames:
+        if rest == native or rest.startswith(native + "."):
+            return f"{prefix}.{ours}{rest[len(native):]}"
+    return f"{prefix}.{rest}"
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     optional_modules = ("mtp",)
     # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
@@ -389,20 +409,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         if m is None:
             return name
         prefix = f"model.layers.{m['idx']}" if m["kind"] == "layers" else f"mtp.{m['idx']}"
-        rest = m["rest"]
-        expert = _EXPERT_NAME.match(rest)
-        if expert is not None:
-            try:
-                experts = self.get_submodule(f"{prefix}.mlp.experts")
-                param, index = experts.expert_weight_index(
-                    _EXPERT_PROJ.get(expert["proj"], expert["proj"]), int(expert["expert"]))
-            except (AttributeError, ValueError) as err:
-                raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
-            return ParamSlice(f"{prefix}.mlp.experts.{param}", index)
-        for native, ours in _LAYER_RENAMES:
-            if rest == native or rest.startswith(native + "."):
-                return f"{prefix}.{ours}{rest[len(native):]}"
-        return f"{prefix}.{rest}"
+        return remap_block_tensor(self, name, prefix, m["rest"], _LAYER_RENAMES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales

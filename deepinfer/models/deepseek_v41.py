@@ -52,7 +52,7 @@ from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
 from deepinfer.layers.engram import Engram, EngramLayout, build_token_map, engram_hash_ids
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
-from deepinfer.models.deepseek_v4 import BLOCK_RENAMES
+from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, remap_block_tensor
 from deepinfer.models.quant import pair_scales
 from deepinfer.transfer import to_device
 
@@ -398,8 +398,6 @@ _LAYER_RENAMES = (
 _TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
                 "norm.weight": "model.norm.weight"}
 _LAYER_NAME = re.compile(r"^layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
-_EXPERT_NAME = re.compile(r"^ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w1|w2|w3)\.weight$")
-_EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Image-only tensors: the engine serves the model text-only.
 _VISION_PREFIXES = ("vision.", "aligner.", "image_")
 _VISION_SUFFIXES = (".gate.bias_vl",)
@@ -489,19 +487,7 @@ class DeepseekV41ForCausalLM(CausalLM):
         m = _LAYER_NAME.match(name)
         if m is None:
             return name
-        prefix, rest = f"model.layers.{m['idx']}", m["rest"]
-        expert = _EXPERT_NAME.match(rest)
-        if expert is not None:
-            try:
-                experts = self.get_submodule(f"{prefix}.mlp.experts")
-                param, index = experts.expert_weight_index(_EXPERT_PROJ[expert["proj"]], int(expert["expert"]))
-            except (AttributeError, ValueError) as err:
-                raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
-            return ParamSlice(f"{prefix}.mlp.experts.{param}", index)
-        for native, ours in _LAYER_RENAMES:
-            if rest == native or rest.startswith(native + "."):
-                return f"{prefix}.{ours}{rest[len(native):]}"
-        return f"{prefix}.{rest}"
+        return remap_block_tensor(self, name, f"model.layers.{m['idx']}", m["rest"], _LAYER_RENAMES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the release layout: vision tensors skipped (one log line), ``mtp.*`` kept in
