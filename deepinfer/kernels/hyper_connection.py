@@ -279,8 +279,8 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     re-read from L2 fewer times and the finishing work is amortised (232 us at T=4096 vs
     467 with 64-token blocks). Above 256 tokens, bf16 streams are multiplied as loaded
     against fn split into three bf16 parts (``bf16_split``; see the module docstring); the
-    token-block shapes up to 4,095 tokens predate the split (a sweep with it, at T=4096, whole call incl. the collapse, 232.6 us before the split,
-    114.7 us with it at 128-token blocks, 104.2 us at 256-token blocks, now the default there)."""
+    token-block shapes up to 4,095 tokens predate the split (a sweep with it, at T=4096, whole
+    call incl. the collapse: 232.6 us before the split, 114.7 us with it at 128-token blocks, 104.2 us at 256-token blocks, now the default there)."""
     del device
     bf16_split = dtype == torch.bfloat16
     if t == 1:
