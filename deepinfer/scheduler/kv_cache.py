@@ -18,12 +18,23 @@ Groups behave differently:
 - ``compressed``: one entry per ``ratio`` tokens (written once a window of
   ``ratio`` tokens is complete), kept for the sequence's lifetime.
 
-Prefix caching hashes *full* blocks: a block's key is a SHA-256 chained over
-the previous block's key, the group and the token ids it covers. A block is
-reusable by any sequence whose prefix has the same key. Unreferenced cached
-blocks stay in the free queue in LRU order and are evicted only when the pool
-needs a fresh block. Block 0 is the null block: never allocated, it fills
-block-table slots a sequence does not hold.
+Prefix caching works at the granularity of the base block size ``G`` (the engine's
+``block_size``, the uncompressed groups' block), whatever a group's block spans (a
+compressed group's block covers ``block_size x scale x ratio`` tokens: 8,192 on
+V4-Flash's ratio-128 group). A key is a SHA-256 chained over the previous *full*
+block's key, the group and the token ids from the block's start to a G-token boundary
+inside it; the key of a whole block is the one at its last boundary. As a sequence
+computes tokens, its open block is registered under the key of every boundary it has
+passed, so a block carries several keys. A prefix hit of P tokens (a multiple of G)
+shares the whole blocks before P and, where P falls inside a block that holds some of
+the prefix's entries, *copies* that block into a fresh one (one page copy on the
+device, before the step's forward): the copy's entries below P are the prefix's, and
+the new sequence overwrites the rest as it computes. Entries are causal (an entry
+depends only on the tokens up to its own), so a block's content below a boundary
+never changes once written; rolling back (``truncate``) inside a block drops that
+block's keys. Unreferenced cached blocks stay in the free queue in LRU order and are
+evicted only when the pool needs a fresh block. Block 0 is the null block: never
+allocated, it fills block-table slots a sequence does not hold.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -61,8 +72,7 @@ class KVCacheGroup:
 
 
 # A group's block may hold at most this many times ``block_size`` entries. Larger
-# blocks fill pages better but coarsen prefix caching: a hit is a whole number of
-# every group's blocks.
+# blocks fill pages better; a prefix hit that ends inside one costs a page copy.
 MAX_BLOCK_SCALE = 4
 
 
@@ -101,6 +111,19 @@ def hash_block(parent: bytes | None, group_id: int, token_bytes: bytes) -> bytes
     return h.digest()
 
 
+def hash_block_prefixes(parent: bytes | None, group_id: int, token_bytes: bytes, step: int) -> list[bytes]:
+    """The keys of a block's leading ``step``, ``2 step``, ... tokens (``token_bytes``: the
+    block's tokens so far, as in :func:`hash_block`), in one pass. The key at a whole
+    block equals :func:`hash_block` of it."""
+    h = hashlib.sha256(parent or b"root")
+    h.update(group_id.to_bytes(4, "little"))
+    keys = []
+    for lo in range(0, len(token_bytes) - 4 * step + 1, 4 * step):
+        h.update(token_bytes[lo:lo + 4 * step])
+        keys.append(h.copy().digest())
+    return keys
+
+
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32, the form block hashes take (one numpy conversion
     for a whole prompt, not a Python call per token)."""
@@ -108,11 +131,12 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    """Reference-counted blocks with an LRU free queue and a hash -> block map.
+    """Reference-counted blocks with an LRU free queue and a key -> block map.
 
     Mutated only by the managers below. A block is *free* when its reference
-    count is 0; a free block may still be cached (its hash is registered), and
-    stays reusable by a prefix hit until :meth:`allocate` evicts it.
+    count is 0; a free block may still be cached (keys are registered for it), and
+    stays reusable by a prefix hit until :meth:`allocate` evicts it. A block has one
+    key per prefix boundary registered for it.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -121,7 +145,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.block_keys: list[list[bytes]] = [[] for _ in range(num_blocks)]
         self.cached: dict[bytes, int] = {}
         # Free blocks, least recently used first. Block 0 is never free.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
@@ -140,10 +164,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block, _ = self.free.popitem(last=False)
-            key = self.block_hash[block]
-            if key is not None:
-                del self.cached[key]
-                self.block_hash[block] = None
+            self.unregister(block)
             self.ref_cnt[block] = 1
             out.append(block)
         return out
@@ -168,16 +189,21 @@ class BlockPool:
             self.free[block] = None
 
     def register(self, block: int, key: bytes) -> None:
-        if not self.enable_caching or self.block_hash[block] is not None:
+        """Make ``block`` the cached block of ``key`` (unless another block already is)."""
+        if not self.enable_caching or key in self.cached:
             return
-        if key in self.cached:
-            return
-        self.block_hash[block] = key
+        self.block_keys[block].append(key)
         self.cached[key] = block
 
+    def unregister(self, block: int) -> None:
+        """Drop every key of ``block`` (its content is about to change)."""
+        for key in self.block_keys[block]:
+            del self.cached[key]
+        self.block_keys[block] = []
+
     def reset_prefix_cache(self) -> None:
-        for key, block in list(self.cached.items()):
-            self.block_hash[block] = None
+        for block in set(self.cached.values()):
+            self.block_keys[block] = []
         self.cached.clear()
 
 
@@ -201,6 +227,11 @@ class GroupManager:
         if self.group.kind == "compressed":
             return num_tokens // self.group.compress_ratio
         return num_tokens
+
+    def open_entries(self, num_tokens: int) -> int:
+        """Entries of the first ``num_tokens`` tokens that lie in the block holding token
+        ``num_tokens`` (the entries a prefix hit of that length must copy)."""
+        return self.entries_for(num_tokens) - num_tokens // self.group.tokens_per_block * self.group.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-self.entries_for(num_tokens) // self.group.block_size)
@@ -260,6 +291,15 @@ class GroupManager:
                 self.pool.register(table[i], hashes[i])
         self.num_cached[req_id] = max(done, full)
 
+    def cache_open_block(self, req_id: str, num_tokens: int, keys: Sequence[bytes]) -> None:
+        """Register the block holding token ``num_tokens`` under ``keys``, the keys of its
+        prefixes up to ``num_tokens`` (each boundary of the base block size)."""
+        table = self.tables.get(req_id, [])
+        i = num_tokens // self.group.tokens_per_block
+        if i < len(table) and table[i] != NULL_BLOCK and self.open_entries(num_tokens):
+            for key in keys:
+                self.pool.register(table[i], key)
+
     def free(self, req_id: str) -> None:
         # Tail blocks first, so the LRU queue evicts a sequence's last blocks before its prefix.
         for block in reversed(self.tables.pop(req_id, [])):
@@ -267,7 +307,10 @@ class GroupManager:
         self.num_cached.pop(req_id, None)
         self.freed_upto.pop(req_id, None)
 
-    def truncate(self, req_id: str, num_tokens: int) -> None:
+    def truncate(self, req_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Drop the blocks past ``num_tokens``. The block that keeps some entries and loses
+        others will be rewritten: its keys go, and if another sequence shares it, it is
+        copied first (returned as the (src, dst) pair to copy)."""
         table = self.tables.get(req_id, [])
         keep = self.blocks_for(num_tokens)
         while len(table) > keep:
@@ -276,27 +319,45 @@ class GroupManager:
             self.freed_upto[req_id] = min(self.freed_upto[req_id], len(table))
         self.num_cached[req_id] = min(self.num_cached.get(req_id, 0),
                                       num_tokens // self.group.tokens_per_block)
+        last = len(table) - 1
+        if last < 0 or table[last] == NULL_BLOCK or not self.entries_for(num_tokens) % self.group.block_size:
+            return None
+        block = table[last]
+        if self.pool.ref_cnt[block] == 1:
+            self.pool.unregister(block)
+            return None
+        table[last] = self.pool.allocate(1)[0]
+        self.pool.release(block)
+        return block, table[last]
 
     # -- prefix cache ------------------------------------------------------
-    def find_hit(self, hashes: Sequence[bytes], max_tokens: int) -> int:
-        """Longest cached prefix (in tokens, block aligned, <= max_tokens) this group can serve."""
+    def find_hit(self, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
+                 max_tokens: int, step: int) -> int:
+        """Longest prefix (a multiple of ``step`` tokens, <= ``max_tokens``) whose entries this
+        group can serve from cached blocks: whole blocks by ``hashes`` (the chain of the
+        sequence's whole blocks) and the block the prefix ends in by ``prefix_key(i, r)``
+        (the key of block i's first r tokens). Sliding groups need only the blocks the next
+        query can still read."""
         tpb = self.group.tokens_per_block
-        n = min(max_tokens // tpb, len(hashes))
-        if self.group.kind == "sliding":
-            # Only blocks the next query can still read must be present.
-            while n > 0:
-                first = self.first_live_token(n * tpb) // tpb
-                if all(self.pool.lookup(hashes[i]) is not None for i in range(first, n)):
-                    return n * tpb
-                n -= 1
-            return 0
-        for i in range(n):
-            if self.pool.lookup(hashes[i]) is None:
-                return i * tpb
-        return n * tpb
+        p = max_tokens // step * step
+        while p > 0:
+            n = p // tpb
+            first = self.first_live_token(p) // tpb
+            missing = next((i for i in range(n - 1, first - 1, -1) if self.pool.lookup(hashes[i]) is None), None)
+            if missing is not None:
+                # A hit must end in block `missing` or before it.
+                p = min(p - step, (missing + 1) * tpb - step)
+                continue
+            if not self.open_entries(p) or self.pool.lookup(prefix_key(n, p - n * tpb)) is not None:
+                return p
+            p -= step
+        return 0
 
-    def take_hit(self, req_id: str, hashes: Sequence[bytes], num_tokens: int) -> None:
-        """Adopt cached blocks for the first ``num_tokens`` tokens (as found by find_hit)."""
+    def take_hit(self, req_id: str, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
+                 num_tokens: int) -> tuple[int, int] | None:
+        """Adopt cached blocks for the first ``num_tokens`` tokens (as found by find_hit):
+        share the whole blocks, and copy the block the prefix ends in into a fresh one.
+        Returns that (src, dst) copy, if any."""
         tpb = self.group.tokens_per_block
         n = num_tokens // tpb
         first = self.first_live_token(num_tokens) // tpb
@@ -306,9 +367,19 @@ class GroupManager:
             assert block is not None
             self.pool.acquire(block)
             table.append(block)
+        copy = None
+        if self.open_entries(num_tokens):
+            src = self.pool.lookup(prefix_key(n, num_tokens - n * tpb))
+            assert src is not None
+            self.pool.acquire(src)           # so that allocating the copy cannot evict it
+            dst = self.pool.allocate(1)[0]
+            self.pool.release(src)
+            copy = (src, dst)
+            table.append(dst)
         self.tables[req_id] = table
         self.num_cached[req_id] = n
         self.freed_upto[req_id] = first
+        return copy
 
     def fork(self, src: str, dst: str, num_tokens: int) -> tuple[int, int] | None:
         """Share ``src``'s blocks with ``dst``; the partially filled last block is
@@ -345,8 +416,16 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.managers = [GroupManager(i, g, self.pool) for i, g in enumerate(self.groups)]
         self.enable_prefix_caching = enable_prefix_caching
+        # Prefix hits are multiples of the base block size (the smallest group's block: groups
+        # with more bytes a token have blocks of block_size entries, the rest multiples of it).
+        self.hit_step = min(g.block_size for g in self.groups)
         # Per-sequence chained block hashes, one list per group; extended as tokens arrive.
         self._hashes: dict[str, list[list[bytes]]] = {}
+        # Per sequence and group: (index, hasher, keys) of the block being filled, its keys
+        # so far, extended as the sequence computes (registration is linear in its tokens).
+        self._open: dict[str, dict[int, tuple[int, "hashlib._Hash", list[bytes]]]] = {}
+        # Per sequence: tokens up to which its blocks are registered (a multiple of hit_step).
+        self._keyed_upto: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -381,29 +460,62 @@ class KVCacheManager:
                 hashes.append(hash_block(parent, gid, raw[lo:lo + tpb * 4]))
         return per_group
 
+    def _prefix_key_fn(self, gid: int, hashes: Sequence[bytes], token_ids: Sequence[int]
+                       ) -> Callable[[int, int], bytes]:
+        """``key(i, r)``: the key of block i's first r tokens of ``token_ids`` in group gid
+        (each block's keys computed once, on first use)."""
+        tpb, step = self.managers[gid].group.tokens_per_block, self.hit_step
+        memo: dict[int, list[bytes]] = {}
+
+        def key(i: int, r: int) -> bytes:
+            if i not in memo:
+                raw = token_bytes(token_ids[i * tpb:min(len(token_ids), (i + 1) * tpb)])
+                memo[i] = hash_block_prefixes(hashes[i - 1] if i else None, gid, raw, step)
+            return memo[i][r // step - 1]
+        return key
+
+    def _hit_tokens(self, hashes: list[list[bytes]], keys: list[Callable[[int, int], bytes]], limit: int) -> int:
+        """The longest prefix, at most ``limit`` tokens, that every group serves."""
+        while True:
+            new = limit
+            for gid, m in enumerate(self.managers):
+                new = min(new, m.find_hit(hashes[gid], keys[gid], new, self.hit_step))
+            if new == limit:
+                return limit
+            limit = new
+
+    def _copies_for(self, num_tokens: int) -> int:
+        """Fresh blocks a hit of ``num_tokens`` tokens takes (one copy per group it ends inside)."""
+        return sum(1 for m in self.managers if m.open_entries(num_tokens))
+
     def find_prefix_hit(self, req_id: str, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        """Tokens of ``token_ids`` already in the cache, whole blocks of every group, at most
+        """Tokens of ``token_ids`` already in the cache (a multiple of ``hit_step``), at most
         ``max_tokens`` when given. At least one token is always left to compute, so the
         request gets logits to sample from."""
         if not self.enable_prefix_caching:
             return 0
         hashes = self.block_hashes(req_id, token_ids)
+        keys = [self._prefix_key_fn(gid, hashes[gid], token_ids) for gid in range(len(self.managers))]
         limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
-        while True:
-            new = limit
-            for gid, m in enumerate(self.managers):
-                new = min(new, m.find_hit(hashes[gid], new))
-            if new == limit:
-                break
-            limit = new
+        hit = self._hit_tokens(hashes, keys, limit)
+        # The blocks a hit ends inside are copied into fresh ones: shorten it if the pool is short.
+        while hit and self._copies_for(hit) > self.pool.num_free:
+            hit = self._hit_tokens(hashes, keys, hit - self.hit_step)
         self.prefix_queries += len(token_ids)
-        self.prefix_hits += limit
-        return limit
+        self.prefix_hits += hit
+        return hit
 
-    def take_prefix_hit(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def take_prefix_hit(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
+        """Adopt the cached blocks of a hit found by :meth:`find_prefix_hit`. Returns the page
+        copies the runner must make before the request's first forward."""
         hashes = self.block_hashes(req_id, token_ids)
+        copies = []
         for gid, m in enumerate(self.managers):
-            m.take_hit(req_id, hashes[gid], num_tokens)
+            pair = m.take_hit(req_id, hashes[gid], self._prefix_key_fn(gid, hashes[gid], token_ids), num_tokens)
+            if pair is not None:
+                copies.append(pair)
+        self._keyed_upto[req_id] = num_tokens
+        return copies
 
     def num_blocks_needed(self, req_id: str, num_computed: int, num_tokens: int) -> int:
         return sum(m.num_new_blocks(req_id, num_computed, num_tokens) for m in self.managers)
@@ -419,33 +531,64 @@ class KVCacheManager:
         return True
 
     def completes_block(self, req_id: str, num_computed: int) -> bool:
-        """Whether ``num_computed`` cached tokens fill a block some group has not registered
-        in the prefix cache yet. Most decode steps fill none: then there is nothing to hash
-        (callers skip even building the token list)."""
-        return self.enable_prefix_caching and any(
-            (m.num_cached.get(req_id, 0) + 1) * m.group.tokens_per_block <= num_computed for m in self.managers)
+        """Whether ``num_computed`` cached tokens pass a boundary of the base block size not
+        registered in the prefix cache yet. Most decode steps pass none: then there is nothing
+        to hash (callers skip even building the token list)."""
+        return (self.enable_prefix_caching
+                and num_computed // self.hit_step * self.hit_step > self._keyed_upto.get(req_id, 0))
 
     def cache_blocks(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register blocks completed by the ``num_computed`` tokens now in the cache."""
+        """Register the blocks the ``num_computed`` tokens now in the cache have filled, and
+        each group's open block under the key of every boundary it has passed."""
         if not self.completes_block(req_id, num_computed):
             return
         hashes = self.block_hashes(req_id, token_ids, num_computed)
+        step = self.hit_step
+        open_blocks = self._open.setdefault(req_id, {})
         for gid, m in enumerate(self.managers):
             m.cache_full_blocks(req_id, hashes[gid], num_computed)
+            tpb = m.group.tokens_per_block
+            i, rem = divmod(num_computed, tpb)
+            if rem < step or not m.open_entries(num_computed):
+                continue
+            index, hasher, keys = open_blocks.get(gid, (-1, None, []))
+            if index != i:
+                hasher = hashlib.sha256(hashes[gid][i - 1] if i else b"root")
+                hasher.update(gid.to_bytes(4, "little"))
+                keys = []
+            start = i * tpb + len(keys) * step
+            raw = token_bytes(token_ids[start:i * tpb + rem // step * step])
+            for lo in range(0, len(raw), 4 * step):
+                hasher.update(raw[lo:lo + 4 * step])
+                keys.append(hasher.copy().digest())
+            open_blocks[gid] = (i, hasher, keys)
+            m.cache_open_block(req_id, num_computed, keys)
+        self._keyed_upto[req_id] = num_computed // step * step
 
     def free(self, req_id: str) -> None:
         for m in self.managers:
             m.free(req_id)
         self._hashes.pop(req_id, None)
+        self._open.pop(req_id, None)
+        self._keyed_upto.pop(req_id, None)
 
-    def truncate(self, req_id: str, num_tokens: int) -> None:
-        """Drop cache entries past ``num_tokens`` (rejected speculative tokens)."""
+    def truncate(self, req_id: str, num_tokens: int) -> list[tuple[int, int]]:
+        """Drop cache entries past ``num_tokens`` (rejected speculative tokens). Returns the
+        page copies the runner must make first (a block shared with another sequence is
+        copied before this one rewrites it)."""
+        copies = []
         for m in self.managers:
-            m.truncate(req_id, num_tokens)
+            pair = m.truncate(req_id, num_tokens)
+            if pair is not None:
+                copies.append(pair)
         per_group = self._hashes.get(req_id)
         if per_group:
             for gid, m in enumerate(self.managers):
                 del per_group[gid][num_tokens // m.group.tokens_per_block:]
+        self._open.pop(req_id, None)
+        self._keyed_upto[req_id] = min(self._keyed_upto.get(req_id, 0),
+                                       num_tokens // self.hit_step * self.hit_step)
+        return copies
 
     def fork(self, src: str, dst: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give ``dst`` a copy-on-write view of ``src``'s first ``num_tokens`` tokens.
@@ -458,6 +601,7 @@ class KVCacheManager:
             pair = m.fork(src, dst, num_tokens)
             if pair is not None:
                 copies.append(pair)
+        self._keyed_upto[dst] = self._keyed_upto.get(src, 0)
         return copies
 
     def block_tables(self, req_id: str) -> list[list[int]]:

@@ -207,8 +207,7 @@ class Scheduler:
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
                 break
-            if hit:
-                self.kv.take_prefix_hit(req.request_id, tokens, hit)
+            copies = self.kv.take_prefix_hit(req.request_id, tokens, hit) if hit else []
             req.num_computed_tokens = hit
             # Shrinking a new request's chunk to squeeze it in would only thrash the
             # running ones; it is done only when nothing runs.
@@ -224,6 +223,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
+            self._pending_copies.extend(copies)
             if req.status == RequestStatus.WAITING and req.num_output_tokens == 0:
                 req.num_cached_tokens = hit
             req.status = RequestStatus.RUNNING

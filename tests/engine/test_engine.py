@@ -64,10 +64,9 @@ def test_chunked_prefill_equals_one_shot(reference_tokens):
 
 
 def test_prefix_hit_equals_miss(reference_tokens):
-    # A hit is a whole number of every KV group's blocks. The embedded model's HCA
-    # group stores one entry per 16 tokens in blocks of 4 x block_size entries, so
-    # only block_size=1 (64-token blocks) gives a hit on the 67-token PROMPTS[3].
-    llm = LLM(device="cpu", max_num_batched_tokens=64, block_size=1)
+    # Hits are multiples of the base block size (4 tokens here), whatever the compressed
+    # and full groups' blocks span.
+    llm = LLM(device="cpu", max_num_batched_tokens=64, block_size=4)
     first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens == 0 for o in first)

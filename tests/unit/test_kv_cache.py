@@ -160,3 +160,117 @@ def test_compressed_group_one_entry_per_ratio():
 def test_bad_pool_size():
     with pytest.raises(ValueError, match="at least 2"):
         manager([full()], num_blocks=1)
+
+
+def v4_like(window=128, ratios=(4, 128), d=8):
+    """DeepSeek-V4-like groups: a sliding window (with the compressors' open-window state)
+    and compressed groups whose blocks span block_size x scale x ratio tokens."""
+    specs = [sliding(window, h=1, d=d), sliding(max(window, 2 * max(ratios)), h=1, d=d)]
+    specs += [KVCacheSpec("compressed", 1, d, F32, num_tensors=1, compress_ratio=r) for r in ratios]
+    return specs
+
+
+def compute(kv, rid, tokens, n, step=7):
+    """Allocate and register ``n`` tokens of ``tokens`` the way the scheduler does, in chunks."""
+    done = 0
+    while done < n:
+        new = min(n, done + step)
+        assert kv.allocate(rid, done, new)
+        kv.cache_blocks(rid, tokens, new)
+        done = new
+
+
+@pytest.mark.parametrize("ratios", [(4, 128), (4,), (128,)])
+def test_prefix_hit_granularity_is_the_base_block(ratios):
+    """A shared prefix of 1.5 base blocks hits one base block (16 tokens), whatever the
+    compressed groups' block spans; a group whose block holds entries of the hit copies it."""
+    kv = manager(v4_like(ratios=ratios), num_blocks=256, bs=16)
+    assert kv.hit_step == 16
+    assert all(g.tokens_per_block >= 16 for g in kv.groups)
+    assert any(g.tokens_per_block >= 16 * 4 for g in kv.groups)      # hits finer than a block
+    shared = list(range(1000, 1024))                                   # 1.5 x 16 tokens
+    a, b = shared + list(range(40)), shared + list(range(500, 540))
+    compute(kv, "a", a, len(a))
+    hit = kv.find_prefix_hit("b", b)
+    assert hit == 16
+    copies = kv.take_prefix_hit("b", b, hit)
+    # The 16 tokens' entries: 4 at ratio 4 in a block of 64+ entries (copied); none at ratio
+    # 128 (nothing to take); 16 rows of a sliding group: a whole block of 16 (shared) or part
+    # of a larger one (copied).
+    want = sum(1 for g in kv.groups
+               if (g.kind == "compressed" and g.compress_ratio == 4) or (g.kind == "sliding" and g.block_size > 16))
+    assert len(copies) == want
+    held_by_a = {blk for table in kv.block_tables("a") for blk in table}
+    for src, dst in copies:
+        assert src in held_by_a and dst not in held_by_a
+    assert kv.allocate("b", hit, len(b))
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_free_blocks == 255
+
+
+def test_prefix_hit_inside_a_running_sequences_open_block():
+    kv = manager(v4_like(), num_blocks=256, bs=16)
+    a = list(range(300))
+    compute(kv, "a", a, 100)                         # "a" still runs: its blocks are open
+    b = a[:90] + [5, 6, 7]
+    assert kv.find_prefix_hit("b", b) == 80          # the last boundary both share
+    assert kv.find_prefix_hit("c", a[:100] + [1]) == 96
+    compute(kv, "a", a, 300)
+    assert kv.find_prefix_hit("d", a + [1]) == 288   # limited by the 300-token prompt, minus one
+
+
+def test_prefix_hit_equals_full_blocks_when_aligned():
+    kv = manager(v4_like(ratios=(4,)), num_blocks=256, bs=16)
+    a = list(range(256))
+    compute(kv, "a", a, 256)
+    kv.free("a")
+    copies = kv.take_prefix_hit("b", a + [1], kv.find_prefix_hit("b", a + [1]))
+    # 256 tokens: whole blocks of the ratio-4 group (tokens_per_block 256): shared, not copied.
+    ratio4 = next(i for i, g in enumerate(kv.groups) if g.kind == "compressed")
+    assert all(src not in kv.block_tables("b")[ratio4] for src, _ in copies)
+
+
+def test_evicting_an_open_block_limits_the_hit():
+    kv = manager([full(), KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4)],
+                 num_blocks=12, bs=4)
+    a = list(range(40))
+    compute(kv, "a", a, 40)
+    kv.free("a")
+    assert kv.find_prefix_hit("b", a + [1]) == 40
+    # Evict everything by holding the whole pool, then free it: nothing hits.
+    assert kv.allocate("x", 0, kv.num_free_blocks * 4 // 2)
+    kv.free("x")
+    assert kv.find_prefix_hit("c", a + [1]) < 40
+
+
+def test_hit_shortened_when_the_copies_do_not_fit():
+    kv = manager([full(), KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4)],
+                 num_blocks=16, bs=4)
+    a = list(range(24))
+    compute(kv, "a", a, 24)           # "a" keeps running: every block it holds is referenced
+    while kv.num_free_blocks:
+        kv.allocate(f"x{kv.num_free_blocks}", 0, 4)
+    # A hit inside an open block needs a fresh block for its copy; with none free the hit
+    # falls back to one made of whole shared blocks only (or none).
+    hit = kv.find_prefix_hit("b", a[:22] + [9])
+    assert all(not m.open_entries(hit) for m in kv.managers)
+
+
+def test_truncate_inside_a_shared_block_copies_it():
+    kv = manager([full()], num_blocks=16, bs=4)
+    a = list(range(12))
+    compute(kv, "a", a, 12)
+    hit = kv.find_prefix_hit("b", a + [1])
+    assert hit == 12
+    assert kv.take_prefix_hit("b", a + [1], hit) == []
+    shared = kv.block_tables("b")[0][2]
+    copies = kv.truncate("a", 10)                     # "a" rewrites tokens 10, 11: not b's block
+    assert copies == [(shared, kv.block_tables("a")[0][2])]
+    assert kv.block_tables("b")[0][2] == shared
+    # An unshared block is rewritten in place and loses its keys.
+    compute(kv, "c", list(range(50, 62)), 12)
+    block = kv.block_tables("c")[0][2]
+    assert kv.truncate("c", 9) == []
+    assert kv.pool.block_keys[block] == []
+    assert kv.find_prefix_hit("d", list(range(50, 62)) + [1]) == 8
