@@ -137,7 +137,10 @@ async def _stream(url: str, payload: dict[str, Any], headers: dict[str, str], re
 
     async with request("POST", url, body=payload, headers=headers) as resp:
         if resp.status != 200:
-            body = (await resp.read(4096)).decode("utf-8", "replace")
+            try:
+                body = (await resp.read(4096)).decode("utf-8", "replace")
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                body = f"(body unreadable: {exc})"
             result.error = f"HTTP {resp.status} {resp.reason}: {body}".strip()
             return
         parser = SSEParser()

@@ -10,10 +10,11 @@ gives every request the same lengths.
 A prompt goes out as token ids (``"prompt": [ids]`` on /v1/completions, which
 vLLM, SGLang and our server accept: the length is exact) or as text. Decoding
 ids and encoding the text again need not give the same ids back (neighbouring
-tokens merge or split), so a text prompt is re-encoded and its ids cut or
-extended with more random ones until the re-encoding has the target length (a
-few rounds at most, as vLLM does); the length kept is that of the last
-re-encoding. Either way the server's own ``usage.prompt_tokens``, when it sends
+tokens merge or split), so a text prompt is re-encoded and its text cut (at
+the longest character prefix that encodes short enough) or extended (by more
+random ids) until it has the target length, a few rounds at most (vLLM cuts and
+extends the ids); the length kept is that of the final encoding, never more than
+the target. Either way the server's own ``usage.prompt_tokens``, when it sends
 one, replaces the client's count in the results.
 
 Arrivals: at ``--request-rate`` R requests/s the gaps between sends are gamma
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 import numpy as np
 
 from deepinfer.engine.tokenizer import Tokenizer
 
-# Rounds of decode / re-encode / adjust a text prompt gets to reach its length.
+# Rounds of cutting / extending a text prompt towards its length.
 _TEXT_ROUNDS = 10
 
 
@@ -93,18 +95,39 @@ def _text_of_length(tokenizer: Tokenizer, ids: list[int], rng: np.random.Generat
                     allowed: np.ndarray) -> tuple[str, int]:
     """Text whose encoding has len(ids) tokens (or as near as a few rounds get), and that length."""
     target = len(ids)
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
     text = tokenizer.decode(ids, skip_special_tokens=False)
-    encoded = tokenizer.encode(text, add_special_tokens=False)
     for _ in range(_TEXT_ROUNDS):
-        if len(encoded) == target:
-            break
-        if len(encoded) > target:
-            ids = encoded[:target]
+        n = count(text)
+        if n < target:
+            text += tokenizer.decode(rng.choice(allowed, size=target - n).tolist(), skip_special_tokens=False)
+        elif n > target:
+            text = _cut(text, target, count)
         else:
-            ids = encoded + rng.choice(allowed, size=target - len(encoded)).tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=False)
-        encoded = tokenizer.encode(text, add_special_tokens=False)
-    return text, len(encoded)
+            break
+    if count(text) > target:
+        text = _cut(text, target, count)
+    return text, count(text)
+
+
+def _cut(text: str, target: int, count: Callable[[str], int]) -> str:
+    """The longest prefix of ``text`` that encodes to at most ``target`` tokens, found by
+    bisection (the count grows with the prefix, give or take a merge)."""
+    # A token is rarely over 16 characters: start from that far below the end when it fits.
+    excess = count(text) - target
+    low, high = max(len(text) - 16 * excess, 0), len(text)
+    if count(text[:low]) > target:
+        low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if count(text[:mid]) <= target:
+            low = mid
+        else:
+            high = mid - 1
+    return text[:low]
 
 
 def arrival_times(num_requests: int, request_rate: float, burstiness: float = 1.0,
