@@ -42,6 +42,7 @@ def test_completions_token_prompts(server, tmp_path, capsys):
     assert set(RESULT_KEYS) <= set(r), set(RESULT_KEYS) - set(r)
     assert (r["completed"], r["failed"], r["model_id"], r["backend"]) == (6, 0, MODEL, "openai")
     assert r["tokenize_prompt"] is True and r["hardware"] == "cpu" and r["request_rate"] == "inf"
+    assert "--api-key ***" in r["command"] and API_KEY not in r["command"]
     # Token-id prompts have exact lengths, and ignore_eos + min_tokens give every token asked for.
     assert r["input_lens"] == [24] * 6 and r["output_lens"] == [8] * 6
     assert (r["total_input_tokens"], r["total_output_tokens"]) == (144, 48)
@@ -102,11 +103,16 @@ def test_wrong_api_key_and_no_server(server, tmp_path, capsys):
 def test_ignore_eos_gives_the_asked_length_when_eos_is_all_the_model_says(server, tmp_path):
     # A logit bias makes EOS (id 2) the only likely token: without ignore_eos every request
     # ends after it; with it (and min_tokens) every request runs to its length, its text
-    # empty (EOS is skipped in the text), counted from the server's usage.
+    # empty (EOS is skipped in the text), counted from the server's usage. The client sees
+    # one event (the finish) per request then: TTFT = E2EL.
     eos_only = ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "5",
                 "--extra-body", '{"logit_bias": {"2": 100}, "temperature": 0}']
     code, r = bench(server, tmp_path, *eos_only)
     assert code == 0 and r["completed"] == 3 and r["output_lens"] == [5] * 3
     assert r["generated_texts"] == [""] * 3
+    # Asked for, token logprobs make each token visible to the client's clock though it has no text.
+    code, r = bench(server, tmp_path, *eos_only[:-1], '{"logit_bias": {"2": 100}, "temperature": 0, "logprobs": 0}')
+    assert code == 0 and r["output_lens"] == [5] * 3 and [len(itl) for itl in r["itls"]] == [4] * 3
+    assert all(0 < t < e for t, e in zip(r["ttfts"], r["latencies"])) and r["p99_tpot_ms"] > 0
     code, r = bench(server, tmp_path, *eos_only, "--no-ignore-eos")
     assert code == 0 and r["completed"] == 3 and r["output_lens"] == [1] * 3

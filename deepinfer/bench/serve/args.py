@@ -78,7 +78,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="SLOs for goodput, e.g. ttft:100 tpot:50 e2el:1000 (ms): requests meeting all count")
     report.add_argument("--save-result", action="store_true", help="write the results as JSON")
     report.add_argument("--save-detailed", action="store_true",
-                        help="with the per-request lists: lengths, TTFTs, ITLs, texts, errors")
+                        help="write the results with the per-request lists (lengths, TTFTs, ITLs, send times, "
+                             "texts, errors); implies --save-result")
     report.add_argument("--result-dir", default=None, help="folder of the result file (default: .)")
     report.add_argument("--result-filename", default=None,
                         help="default: {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json")

@@ -76,14 +76,18 @@ def build_payload(kind: str, model: str, sample: SampleRequest, *, ignore_eos: b
 
 
 def _carries_output(choice: dict[str, Any]) -> tuple[bool, str]:
-    """Whether a streamed choice holds generated output, and its text."""
+    """Whether a streamed choice holds generated output, and its text. Token logprobs count:
+    with them asked for (``--extra-body '{"logprobs": 0}'``) tokens without text are seen too."""
+    logprobs = choice.get("logprobs") or {}
     if "delta" in choice:
         delta = choice.get("delta") or {}
         text = delta.get("content") or ""
-        other = delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
-        return bool(text or other or choice.get("finish_reason")), text
-    text = choice.get("text") or ""
-    return bool(text or choice.get("finish_reason")), text
+        other = (delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
+                 or logprobs.get("content"))
+    else:
+        text = choice.get("text") or ""
+        other = logprobs.get("tokens")
+    return bool(text or other or choice.get("finish_reason")), text
 
 
 async def send(url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int,

@@ -38,6 +38,23 @@ def _key_values(items: Sequence[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
+# Options whose values stay out of the command recorded in the results.
+_SECRET_OPTIONS = ("--api-key", "--header")
+
+
+def _redacted(argv: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    secret = False
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, _ = arg.partition("=")
+            secret = name in _SECRET_OPTIONS
+            out.append(f"{name}=***" if secret and eq else arg)
+        else:
+            out.append("***" if secret else arg)
+    return out
+
+
 async def _listed_models(base_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
     """The server's ``GET /v1/models`` entries (id, root, ...)."""
     url = f"{base_url}/v1/models"
@@ -84,8 +101,9 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
     model, root = args.model, None
     if model is None or args.tokenizer is None:
         listed = await _listed_models(base_url, headers)
-        entry = next((m for m in listed if m.get("id") == model), listed[0])
-        model, root = model or entry["id"], entry.get("root")
+        entry = next((m for m in listed if m.get("id") == model), None if model else listed[0])
+        model = model or listed[0]["id"]
+        root = entry.get("root") if entry else None
     tokenizer_path = _resolve_tokenizer(args.tokenizer, root)
     tokenizer = Tokenizer(tokenizer_path)
     # A text prompt on /v1/completions gets the tokenizer's special tokens (BOS) from the server.
@@ -172,7 +190,7 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
         "tokenize_prompt": tokenize_prompt,
         "ignore_eos": args.ignore_eos,
         "goodput_slos_ms": goodput or None,
-        "command": "deepinfer " + " ".join(getattr(args, "argv", [])),
+        "command": " ".join(["deepinfer", *_redacted(getattr(args, "argv", []))]),
     } | _key_values(args.metadata, "--metadata") | summary
     if args.save_detailed:
         result |= metrics.per_request(results, t0)
