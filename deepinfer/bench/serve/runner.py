@@ -4,7 +4,7 @@ concurrency, account for what came back, print vLLM's result block and save its 
 The run's duration is from the first send to the last response; warm-up requests
 come before it. The model name is the server's first (``GET /v1/models``) unless
 ``--model`` names one, and the tokenizer the model path that listing reports
-(vLLM, SGLang and our server give it), unless ``--tokenizer`` names one.
+(its ``root``, as vLLM and our server report it), unless ``--tokenizer`` names one.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
     if tokenize_prompt and kind == endpoint.CHAT:
         raise ValueError("--tokenize-prompt: chat completions take text; use --no-tokenize-prompt or "
                          "--endpoint /v1/completions")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.num_warmups < 0:
@@ -96,6 +98,7 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
     percentile_metrics = metrics.parse_percentile_metrics(args.percentile_metrics)
     percentiles = metrics.parse_percentiles(args.metric_percentiles)
     goodput = metrics.parse_goodput(args.goodput)
+    metadata = _key_values(args.metadata, "--metadata")
     offsets = workload.arrival_times(args.num_prompts, args.request_rate, args.burstiness, args.seed)
 
     model, root = args.model, None
@@ -191,7 +194,7 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
         "ignore_eos": args.ignore_eos,
         "goodput_slos_ms": goodput or None,
         "command": " ".join(["deepinfer", *_redacted(getattr(args, "argv", []))]),
-    } | _key_values(args.metadata, "--metadata") | summary
+    } | metadata | summary
     if args.save_detailed:
         result |= metrics.per_request(results, t0)
     return result
