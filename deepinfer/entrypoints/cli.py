@@ -9,6 +9,7 @@ from typing import Sequence
 
 from deepinfer import env
 from deepinfer.bench import args as bench_args
+from deepinfer.bench.serve import args as serve_bench_args
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -121,6 +122,12 @@ def cmd_bench_curve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from deepinfer.bench.serve.runner import run_serve
+
+    return run_serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -161,7 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("decode", bench_args.add_decode_args, cmd_bench_decode,
              "decode steps/s at batch B and context L on random weights, floor and HF beside it"),
             ("curve", bench_args.add_curve_args, cmd_bench_curve,
-             "decode over batch sizes: throughput per GPU vs per-user tokens/s, JSON and PNG")):
+             "decode over batch sizes: throughput per GPU vs per-user tokens/s, JSON and PNG"),
+            ("serve", serve_bench_args.add_serve_args, cmd_bench_serve,
+             "online serving benchmark of a running OpenAI-compatible server (ours, vLLM, SGLang): "
+             "TTFT, TPOT, ITL, E2EL, throughput and goodput, as vllm bench serve reports them")):
         kind = kinds.add_parser(name, help=text, description=text)
         add_args(kind)
         kind.set_defaults(func=func)

@@ -1,0 +1,9 @@
+"""``deepinfer bench serve``: an online serving benchmark against a running
+OpenAI-compatible server (ours, vLLM, SGLang, ...), with the metric names and
+result layout of ``vllm bench serve``.
+
+args.py (options, argparse only) · workload.py (prompts and arrival times) ·
+http_client.py (HTTP/1.1 + server-sent events over asyncio streams) ·
+endpoint.py (one streamed completion, timed) · metrics.py (accounting and the
+result block) · runner.py (the run).
+"""

@@ -1,0 +1,166 @@
+"""One streamed request to an OpenAI-compatible completions or chat-completions
+endpoint, timed on the client.
+
+Times (seconds, ``time.perf_counter``) follow ``vllm bench serve``: the clock starts
+when the request is sent; TTFT is the arrival of the first event that carries
+output; ITL the gaps between consecutive such events; E2EL the arrival of the last
+one. An event carries output when one of its choices has text (completions),
+content, reasoning or tool calls (chat), or a finish reason: a chat server's
+opening ``{"role": "assistant", "content": ""}`` delta is not a token, and some
+servers send it before the prompt has been processed. Several tokens may share an
+event (a detokenizer holding back an incomplete character, speculative decoding);
+output tokens are counted from the server's ``usage`` (asked for with
+``stream_options.include_usage``), or else from the text afterwards.
+
+A request fails, with the reason kept, on a connection error, a status other than
+200, an error event in the stream, a stream that ends before ``data: [DONE]`` or
+without output, or the timeout; a failure never stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.bench.serve.http_client import SSEParser, request
+from deepinfer.bench.serve.workload import SampleRequest
+
+CHAT, COMPLETIONS = "openai-chat", "openai"
+
+
+@dataclass
+class RequestResult:
+    """What the client saw of one request (times in seconds)."""
+
+    success: bool = False
+    error: str = ""
+    start_time: float = 0.0          # perf_counter when sent
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0             # E2EL
+    prompt_len: int = 0              # the server's usage.prompt_tokens when given
+    output_tokens: int | None = None  # the server's usage.completion_tokens; None: not reported
+    generated_text: str = ""
+
+
+def endpoint_type(endpoint: str) -> str:
+    """``openai-chat`` for a /chat/completions path, ``openai`` for /completions (vLLM's names)."""
+    path = endpoint.rstrip("/")
+    if path.endswith("/chat/completions"):
+        return CHAT
+    if path.endswith("/completions"):
+        return COMPLETIONS
+    raise ValueError(f"--endpoint must be a completions or chat completions path "
+                     f"(e.g. /v1/completions, /v1/chat/completions), got {endpoint!r}")
+
+
+def build_payload(kind: str, model: str, sample: SampleRequest, *, ignore_eos: bool,
+                  extra_body: dict[str, Any]) -> dict[str, Any]:
+    """The request body. ``ignore_eos`` also sends ``min_tokens`` = the output length, so a
+    server that ends on stop token ids other than EOS still gives every token asked for."""
+    if kind == CHAT:
+        if not isinstance(sample.prompt, str):
+            raise ValueError("chat completions take text prompts; token-id prompts need /v1/completions")
+        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": sample.prompt}],
+                                "max_completion_tokens": sample.output_len}
+    else:
+        body = {"model": model, "prompt": sample.prompt, "max_tokens": sample.output_len}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body |= {"ignore_eos": True, "min_tokens": sample.output_len}
+    return body | extra_body
+
+
+def _carries_output(choice: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a streamed choice holds generated output, and its text. Token logprobs count:
+    with them asked for (``--extra-body '{"logprobs": 0}'``) tokens without text are seen too."""
+    logprobs = choice.get("logprobs") or {}
+    if "delta" in choice:
+        delta = choice.get("delta") or {}
+        text = delta.get("content") or ""
+        other = (delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls")
+                 or logprobs.get("content"))
+    else:
+        text = choice.get("text") or ""
+        other = logprobs.get("tokens")
+    return bool(text or other or choice.get("finish_reason")), text
+
+
+async def send(url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int,
+               timeout_s: float) -> RequestResult:
+    """POST ``payload`` (a streaming request) and time its events; never raises."""
+    result = RequestResult(prompt_len=prompt_len)
+    result.start_time = time.perf_counter()
+    try:
+        await asyncio.wait_for(_stream(url, payload, headers, result), timeout_s)
+    except asyncio.TimeoutError:
+        result.success, result.error = False, f"no complete response within {timeout_s:g} s"
+    except Exception as exc:    # a failed request is a result, not the end of the run
+        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def _stream(url: str, payload: dict[str, Any], headers: dict[str, str], result: RequestResult) -> None:
+    start = result.start_time
+    last: float | None = None        # arrival of the latest event with output
+    text: list[str] = []
+    done = False
+
+    def take(events: list[str], now: float) -> bool:
+        """Account ``events`` that arrived at ``now``; True once the stream is over."""
+        nonlocal last, done
+        for event in events:
+            if event == "[DONE]":
+                done = True
+                return True
+            message = json.loads(event)
+            if message.get("error"):
+                error = message["error"]
+                detail = error.get("message", error) if isinstance(error, dict) else error
+                result.error = f"error event: {detail}"
+                return True
+            outputs = [_carries_output(c) for c in message.get("choices") or []]
+            if any(has for has, _ in outputs):
+                if last is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                text.extend(t for _, t in outputs)
+            usage = message.get("usage")
+            if usage:
+                if usage.get("completion_tokens") is not None:
+                    result.output_tokens = int(usage["completion_tokens"])
+                if usage.get("prompt_tokens") is not None:
+                    result.prompt_len = int(usage["prompt_tokens"])
+        return False
+
+    async with request("POST", url, body=payload, headers=headers) as resp:
+        if resp.status != 200:
+            try:
+                body = (await resp.read(4096)).decode("utf-8", "replace")
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                body = f"(body unreadable: {exc})"
+            result.error = f"HTTP {resp.status} {resp.reason}: {body}".strip()
+            return
+        parser = SSEParser()
+        async with aclosing(resp.iter_body()) as pieces:
+            async for data in pieces:
+                if take(parser.feed(data), time.perf_counter()):
+                    break
+            else:
+                take(parser.close(), time.perf_counter())
+    result.generated_text = "".join(text)
+    if result.error:
+        return
+    if not done:
+        result.error = "the stream ended before 'data: [DONE]'"
+    elif last is None:
+        result.error = "the stream carried no output"
+    else:
+        result.success = True
+        result.latency = last - start
