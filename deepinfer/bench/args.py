@@ -66,3 +66,14 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default=DEFAULT_BATCHES, help="comma-separated batch sizes")
     p.add_argument("--output-png", default=None,
                    help="plot path (default: the --output-json path with .png, when given)")
+
+
+def add_multiturn_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    p.add_argument("--system-len", type=int, default=2000, help="tokens of the shared system prompt")
+    p.add_argument("--conversations", type=int, default=64, help="conversations, all open at once")
+    p.add_argument("--turns", type=int, default=4, help="turns of each conversation")
+    p.add_argument("--question-len", type=int, default=64, help="tokens of each user question")
+    p.add_argument("--answer-len", type=int, default=64, help="tokens of each answer (EOS ignored)")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (prefix-hit granularity)")
+    p.add_argument("--settings", default="on,off", help="prefix caching settings to run, in order")

@@ -99,15 +99,16 @@ def measure_floors(model: BenchModel, args: argparse.Namespace) -> dict[str, flo
 
 
 def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> Engine:
-    """An engine over ``model``'s shapes with random weights and no tokenizer; fails clearly
-    if the random weights give non-finite activations."""
+                 max_num_batched_tokens: int, max_model_len: int, **settings: Any) -> Engine:
+    """An engine over ``model``'s shapes with random weights and no tokenizer (``settings``:
+    further engine arguments); fails clearly if the random weights give non-finite
+    activations."""
     config = build_engine_config(
         model.label, hf_config=model.hf_config, load_format="dummy", skip_tokenizer_init=True,
         dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, **settings)
     engine = Engine(config)
     check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
     freeze_heap()   # no full-collection pauses inside timed windows; free_memory unfreezes

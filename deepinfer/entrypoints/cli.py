@@ -122,6 +122,13 @@ def cmd_bench_curve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_multiturn(args: argparse.Namespace) -> int:
+    from deepinfer.bench.multiturn import run_multiturn
+
+    run_multiturn(args)
+    return 0
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from deepinfer.bench.serve.runner import run_serve
 
@@ -169,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
              "decode steps/s at batch B and context L on random weights, floor and HF beside it"),
             ("curve", bench_args.add_curve_args, cmd_bench_curve,
              "decode over batch sizes: throughput per GPU vs per-user tokens/s, JSON and PNG"),
+            ("multiturn", bench_args.add_multiturn_args, cmd_bench_multiturn,
+             "multi-turn chat (shared system prompt) with prefix caching on and off: hit rate and TTFT"),
             ("serve", serve_bench_args.add_serve_args, cmd_bench_serve,
              "online serving benchmark of a running OpenAI-compatible server (ours, vLLM, SGLang): "
              "TTFT, TPOT, ITL, E2EL, throughput and goodput, as vllm bench serve reports them")):

@@ -184,3 +184,20 @@ def test_steady_device_time_is_busy_plus_idle_per_batch():
     st = {"ms": 29.0, "gpu_busy_ms_per_step": 9.5, "gpu_idle_ms_per_step": 0.25}
     assert steady_device_ms(st, 3) == pytest.approx(29.25)
     assert steady_device_ms({"ms": 1.0, "gpu_busy_ms_per_step": None}, 1) is None
+
+
+def test_bench_multiturn_hits_with_caching_only(tmp_path):
+    """Two conversations of two turns after a 40-token system prompt: with caching on, the
+    second turn reuses the conversation so far (at 16-token granularity); off, nothing."""
+    from deepinfer.entrypoints.llm import DEFAULT_MODEL
+
+    out = run(["bench", "multiturn", "--config", DEFAULT_MODEL, "--device", "cpu", "--system-len", "40",
+               "--conversations", "2", "--turns", "2", "--question-len", "8", "--answer-len", "4"],
+              tmp_path / "multiturn.json")
+    on, off = out["runs"]["on"], out["runs"]["off"]
+    assert on["prompt_tokens"] == off["prompt_tokens"] == 2 * (48 + 60)
+    assert off["cached_tokens"] == 0 and off["prefix_hit_rate"] == 0
+    # Turn 2 (60 tokens) hits the first turn's 52 computed tokens rounded down to 16: 48.
+    assert on["cached_tokens"] >= 2 * 48 and on["hit_step"] == 16
+    assert 0 < on["prefix_hit_rate"] < 1
+    assert len(on["ttft_ms_per_turn"]) == 2 and all(t["mean"] > 0 for t in on["ttft_ms_per_turn"])
