@@ -339,6 +339,13 @@ class SamplingParams:
         resolved.prompt_logprobs = vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
         return resolved
 
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's constructor for optional values: a None is the field's default (where that
+        default is not None itself)."""
+        defaults = {f.name: f.default for f in fields(cls) if f.init}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or defaults.get(k, 0) is None})
+
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
 

@@ -149,7 +149,7 @@ class Engine:
                              "ids, and stop strings, bad words and structured outputs are unavailable")
         if params.bad_words and params.bad_words_token_ids is None:
             params = params.clone()
-            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         grammar = self._compile_grammar(params)
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -187,7 +187,7 @@ class Engine:
         self.scheduler.add(seqs, grammar)
         return request_id
 
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as it would start the text and after a space (as vLLM:
         both forms are banned), without duplicates."""
         out: list[list[int]] = []
