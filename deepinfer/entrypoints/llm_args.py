@@ -215,10 +215,11 @@ def _looks_like_hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not Path(name).exists()
 
 
-def resolve_checkpoint(what: str, name: str, revision: str | None, download_dir: str | None) -> str:
+def resolve_checkpoint(what: str, name: str | Path, revision: str | None, download_dir: str | None) -> str:
     """The local directory of ``name``: a directory as given, or a Hugging Face repo id found
     in the local Hugging Face cache (``download_dir`` if given, at ``revision``), never
     downloaded."""
+    name = str(name)
     path = Path(name).expanduser()
     if path.is_dir():
         for option, value in (("revision" if what == "model" else "tokenizer_revision", revision),
