@@ -1,7 +1,8 @@
 """deepinfer: an inference engine for DeepSeek's mixture-of-experts models."""
 
+from deepinfer.inputs import TextPrompt, TokensPrompt
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import GuidedDecodingParams, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -13,4 +14,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt"]

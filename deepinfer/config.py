@@ -36,7 +36,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-LOAD_FORMATS = ("auto", "dummy")
+# "safetensors" is vLLM's name for what "auto" does here: checkpoints are read from
+# safetensors files only.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 # Architectures whose release config.json nests the language model's fields under
 # ``text_config`` (next to a ``vision_config``), and the outer keys that still apply to
@@ -64,6 +66,43 @@ def flatten_text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {**text, **outer}
 
 
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The config.json of the checkpoint directory ``path``."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"model={str(path)!r}: no config.json in that directory")
+    return json.loads(cfg_file.read_text())
+
+
+def apply_hf_overrides(hf_config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config`` (flattened) with ``overrides`` laid over it (vLLM's ``hf_overrides`` as a
+    dict): a dict value merges into the dict it replaces, key by key; any other value replaces."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides={overrides!r} must be a dict of config.json fields (a callable, "
+                         "which vLLM applies to a transformers PretrainedConfig, is not supported)")
+
+    def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+        out = dict(base)
+        for key, value in over.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        return out
+
+    return merge(flatten_text_config(hf_config), overrides)
+
+
+def check_quantization(hf_config: dict[str, Any], quantization: str | None) -> None:
+    """vLLM's ``quantization``: None takes the checkpoint's own (``quantization_config``), as
+    does naming that same method; FP8/FP4 weights are dequantised to the compute dtype on
+    load. Quantising weights at load time (any other method) is not supported."""
+    if quantization is None:
+        return
+    own = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if quantization != own:
+        has = f"its own is {own!r}" if own else "it has none"
+        raise ValueError(f"quantization={quantization!r}: the checkpoint's quantization_config gives the method "
+                         f"({has}); quantising weights at load time is not supported. Pass quantization=None.")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A checkpoint directory and the HF ``config.json`` read from it.
@@ -71,8 +110,11 @@ class ModelConfig:
     ``load_format="dummy"`` reads no weights: parameters are seeded random values
     (models/dummy.py), for benchmarks at real widths without a checkpoint; ``path``
     is then only a label. ``skip_tokenizer_init`` builds no tokenizer: prompts must
-    be token ids and outputs carry no text. ``hf_config`` is stored flat: a release
-    wrapper with a ``text_config`` (DeepSeek-V4.1) is flattened (``flatten_text_config``).
+    be token ids and outputs carry no text. ``tokenizer``: the directory the tokenizer
+    files are read from (None: ``path``). ``max_logprobs``: the most logprobs a request
+    may ask for per position (-1: no limit), vLLM's name and default. ``hf_config`` is
+    stored flat: a release wrapper with a ``text_config`` (DeepSeek-V4.1) is flattened
+    (``flatten_text_config``).
     """
 
     path: str
@@ -85,16 +127,15 @@ class ModelConfig:
     # the release's rounded records), or unrounded values in "bfloat16" / "float32" where
     # the model offers them (``CausalLM.kv_cache_dtypes``).
     kv_cache_dtype: str = "auto"
+    tokenizer: str | None = None
+    max_logprobs: int = 20
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str | torch.dtype, max_model_len: int | None,
                   device: torch.device, **options: Any) -> "ModelConfig":
-        """``options``: ``load_format``, ``skip_tokenizer_init``, ``kv_cache_dtype``."""
-        p = Path(path)
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"model={str(path)!r}: no config.json in that directory")
-        return cls.from_hf_config(json.loads(cfg_file.read_text()), str(p), dtype, max_model_len, device,
+        """``options``: the other fields (``load_format``, ``skip_tokenizer_init``,
+        ``kv_cache_dtype``, ``tokenizer``, ``max_logprobs``)."""
+        return cls.from_hf_config(read_hf_config(path), str(Path(path)), dtype, max_model_len, device,
                                   **options)
 
     @classmethod
@@ -117,6 +158,14 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
+        m = self.max_logprobs
+        if isinstance(m, bool) or not isinstance(m, int) or m < -1:
+            raise ValueError(f"max_logprobs={m!r} must be an int >= 0, or -1 for no limit")
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer files are: ``tokenizer``, else the checkpoint directory."""
+        return self.tokenizer if self.tokenizer is not None else self.path
 
     @property
     def architecture(self) -> str:
@@ -237,22 +286,25 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor, expert, data and context parallel sizes (all 1 until parallelism lands)."""
+    """Tensor, expert, data, context and pipeline parallel sizes (all 1 until parallelism lands)."""
 
     tp: int = 1
     ep: int = 1
     dp: int = 1
     cp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep", "dp", "cp"):
+        for name, long_name in (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"),
+                                ("dp", "data_parallel_size"), ("cp", "context_parallel_size"),
+                                ("pp", "pipeline_parallel_size")):
             value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} ({long_name}) must be an int >= 1")
             if value > 1:
                 raise NotImplementedError(
-                    f"{name}={value}: parallelism needs {value} devices and is not yet supported; "
-                    f"run with {name}=1")
+                    f"{name}={value} ({long_name}): parallelism needs {value} devices and is not yet "
+                    f"supported; run with {name}=1")
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,17 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
+    """One generated sequence of a request (vLLM's fields, in vLLM's order, plus
+    ``delta_text``)."""
+
     index: int
-    text: str
+    text: str                              # "" with SamplingParams(detokenize=False)
     token_ids: list[int]
-    cumulative_logprob: float | None
+    cumulative_logprob: float | None       # set where SamplingParams.logprobs is
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    lora_request: None = None              # vLLM's field; no LoRA adapters here
     # Text new since this sequence's previous output, safe to stream: a possible
     # beginning of a stop string and an unfinished character are held back.
     delta_text: str = ""
@@ -38,6 +42,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """One request's result (vLLM's fields; ``error`` is this engine's: why a request
+    ended with ``finish_reason="error"``). ``prompt`` is None for a token-id prompt.
+    ``metrics``, ``lora_request``, ``encoder_prompt*`` and ``kv_transfer_params`` are
+    vLLM's and always empty here: no per-request metrics, LoRA, encoder-decoder models
+    or KV transfer."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -46,3 +56,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = field(default=None)
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None

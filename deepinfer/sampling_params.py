@@ -6,16 +6,25 @@ raises ``ValueError`` naming the field and its allowed range, so a bad request
 is refused before it reaches the engine. Checks that need the model (token ids
 against the vocabulary, the logprobs limit) are in ``verify_for_model``.
 
+Every vLLM field is either honoured or refused: a vLLM field this engine does not
+have (``logits_processors``, ``logprob_token_ids``, beam search, ...) raises
+``ValueError`` naming it and why, unless it is passed at its vLLM default (which
+asks for nothing), and a keyword vLLM does not know either raises ``ValueError``
+naming the closest field names. ``guided_decoding`` (vLLM's older name of
+``structured_outputs``) is taken as ``structured_outputs``.
+
 This module imports no torch: ``from deepinfer import SamplingParams`` stays cheap.
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
 import enum
+import functools
 import json as _json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -53,6 +62,18 @@ def _check_float(name: str, value: object, low: float, high: float, low_open: bo
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False")
+
+
+def _check_logprobs(name: str, value: object) -> None:
+    if not _is_int(value) or value < -1:
+        raise ValueError(f"{name}={value!r} must be an int >= 0, or -1 for the whole vocabulary")
+
+
+def unknown_keyword_error(owner: str, name: str, known: list[str]) -> ValueError:
+    """A ValueError for a keyword ``owner`` does not take, naming the closest known ones."""
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"{owner} got an unknown keyword argument {name!r}{hint}")
 
 
 _GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -150,14 +171,27 @@ class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM names and defaults).
 
     ``temperature=0`` is greedy decoding. ``top_k`` of 0 or -1 disables top-k
-    (stored as 0). ``stop`` and ``stop_token_ids`` are stored as lists.
+    (stored as 0). ``seed=-1`` is no seed (stored as None). ``stop``,
+    ``stop_token_ids`` and ``bad_words`` are stored as lists.
     ``logprobs=N`` returns, for each generated token, the N most likely tokens
-    plus the sampled one; ``prompt_logprobs=N`` does the same for prompt tokens.
-    Logprobs are those of the raw model distribution, before any processing
-    (the grammar mask of ``structured_outputs`` included).
+    plus the sampled one (-1: the whole vocabulary, which the engine's
+    ``max_logprobs`` must allow); ``prompt_logprobs=N`` does the same for prompt
+    tokens. Logprobs are those of the raw model distribution, before any
+    processing (the grammar mask of ``structured_outputs`` included).
+
+    As in vLLM: ``best_of`` may only equal ``n`` (vLLM's V1 engine dropped best-of-n
+    as well); ``detokenize=False`` leaves ``text`` empty (stop strings then cannot
+    apply); ``spaces_between_special_tokens=False`` joins consecutive added tokens
+    without the space a tokenizer's decoder may put between them;
+    ``truncate_prompt_tokens=K`` keeps the last K prompt tokens (-1: the last
+    ``max_model_len``); ``allowed_token_ids`` restricts every draw to those ids;
+    ``bad_words`` bans a word's last token wherever the tokens before it would
+    complete the word (each word with and without a leading space);
+    ``extra_args`` is carried along for the caller, unread by the engine.
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -174,13 +208,28 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None
+    # The token sequences of ``bad_words``, which need the tokenizer: set by the engine
+    # when the request is added.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1)
+            if self.best_of != self.n:
+                raise ValueError(f"best_of={self.best_of} with n={self.n}: keeping the best n of best_of "
+                                 "samples is not supported (nor by vLLM's V1 engine); leave best_of unset "
+                                 "or equal to n")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind={self.output_kind!r} must be a RequestOutputKind")
         if self.output_kind is RequestOutputKind.DELTA:
@@ -204,6 +253,8 @@ class SamplingParams:
                 _check_float(f"logit_bias[{tok}]", bias, -100.0, 100.0)
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if self.seed == -1:
+            self.seed = None
 
         if self.stop is None:
             self.stop = []
@@ -225,11 +276,35 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, 0)
+            _check_logprobs("logprobs", self.logprobs)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
-        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+            _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        for name in ("detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop={self.stop!r} needs detokenize=True: stop strings are found in the text")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or k == 0 or k < -1):
+            raise ValueError(f"truncate_prompt_tokens={k!r} must be an int >= 1, or -1 for max_model_len")
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids={self.allowed_token_ids!r} must be a non-empty list of "
+                                 "token ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for tok in self.allowed_token_ids:
+                _check_token_id("allowed_token_ids entry", tok)
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, str):
+            raise ValueError(f"bad_words={self.bad_words!r} must be a list of str, not one str")
+        else:
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words={self.bad_words!r}: every bad word must be a non-blank str")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args={self.extra_args!r} must be a dict or None")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
@@ -239,18 +314,37 @@ class SamplingParams:
 
     def verify_for_model(self, vocab_size: int, max_logprobs: int = 20) -> None:
         """Checks that need the model: token ids inside the vocabulary and the
-        logprobs counts within the engine's limit. ``top_k`` above the vocabulary
-        size is allowed: it keeps every token."""
-        for tok in self.logit_bias or {}:
-            if tok >= vocab_size:
-                raise ValueError(f"logit_bias key {tok} must be < vocab_size={vocab_size}")
-        for tok in self.stop_token_ids:
-            if tok >= vocab_size:
-                raise ValueError(f"stop_token_ids entry {tok} must be < vocab_size={vocab_size}")
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise ValueError(f"logprobs={self.logprobs} must be <= max_logprobs={max_logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
-            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} must be <= max_logprobs={max_logprobs}")
+        logprobs counts within the engine's limit (``max_logprobs=-1``: no limit;
+        a count of -1 is the whole vocabulary, as in vLLM). ``top_k`` above the
+        vocabulary size is allowed: it keeps every token."""
+        for what, ids in (("logit_bias key", self.logit_bias or {}), ("stop_token_ids entry", self.stop_token_ids),
+                          ("allowed_token_ids entry", self.allowed_token_ids or ())):
+            for tok in ids:
+                if tok >= vocab_size:
+                    raise ValueError(f"{what} {tok} must be < vocab_size={vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            count = vocab_size if value == -1 else value
+            if value is not None and max_logprobs != -1 and count > max_logprobs:
+                raise ValueError(f"{name}={value} must be <= max_logprobs={max_logprobs} (a setting of the "
+                                 "engine: LLM(max_logprobs=...), -1 for no limit)")
+
+    def resolved_for_model(self, vocab_size: int) -> SamplingParams:
+        """These params with a logprobs count of -1 replaced by ``vocab_size`` (self when
+        neither count is -1)."""
+        if self.logprobs != -1 and self.prompt_logprobs != -1:
+            return self
+        resolved = self.clone()
+        resolved.logprobs = vocab_size if self.logprobs == -1 else self.logprobs
+        resolved.prompt_logprobs = vocab_size if self.prompt_logprobs == -1 else self.prompt_logprobs
+        return resolved
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's constructor for optional values: a None is the field's default (where that
+        default is not None itself)."""
+        defaults = {f.name: f.default for f in fields(cls) if f.init}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None or defaults.get(k, 0) is None})
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)
@@ -258,3 +352,55 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+# vLLM's other SamplingParams fields, which this engine does not have: each with its vLLM
+# default (passing it asks for nothing and is accepted) and why another value is refused.
+_VLLM_ONLY_FIELDS: dict[str, tuple[Any, str]] = {
+    "logits_processors": (None, "custom logits processors (Python callables) are not supported"),
+    "logprob_token_ids": (None, "logprobs of chosen token ids are not supported; use logprobs=N"),
+    "prompt_logprob_token_ids": (None, "prompt logprobs of chosen token ids are not supported; "
+                                       "use prompt_logprobs=N"),
+    "prompt_logprob_start": (None, "prompt logprobs start at the first prompt token"),
+    "flat_logprobs": (False, "logprobs come as one dict per position only"),
+    "thinking_token_budget": (None, "a thinking-token budget is not supported"),
+    "repetition_detection": (None, "repetition detection is not supported"),
+    "stream_interval": (None, "each output carries every token the step produced"),
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty applies to beam search, which is not supported"),
+    "early_stopping": (False, "early_stopping applies to beam search, which is not supported"),
+    "trace_decode_token_ids": (None, "forcing decode tokens is not supported"),
+    "skip_reading_prefix_cache": (None, "prefix-cache reads cannot be skipped per request"),
+    "routed_experts_prompt_start": (0, "returning routed experts is not supported"),
+    "skip_clone": (False, "the engine copies parameters only where it must"),
+}
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams) if f.init)
+_KNOWN_NAMES = sorted(_FIELD_NAMES | set(_VLLM_ONLY_FIELDS) | {"guided_decoding"})
+
+
+def _checked_init(init):
+    """Wrap the dataclass ``__init__``: vLLM-only fields are refused unless at their default,
+    ``guided_decoding`` becomes ``structured_outputs``, unknown keywords name the closest."""
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "guided_decoding" in kwargs:
+            guided = kwargs.pop("guided_decoding")
+            if guided is not None:
+                if kwargs.get("structured_outputs") is not None:
+                    raise ValueError("give structured_outputs or guided_decoding (its older name), not both")
+                kwargs["structured_outputs"] = guided
+        for name in [k for k in kwargs if k not in _FIELD_NAMES]:
+            value = kwargs.pop(name)
+            if name not in _VLLM_ONLY_FIELDS:
+                raise unknown_keyword_error("SamplingParams", name, _KNOWN_NAMES)
+            default, why = _VLLM_ONLY_FIELDS[name]
+            if value != default:
+                raise ValueError(f"SamplingParams {name}={value!r}: {why}")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _checked_init(SamplingParams.__init__)  # type: ignore[method-assign]
+
+# vLLM's older name of StructuredOutputsParams.
+GuidedDecodingParams = StructuredOutputsParams

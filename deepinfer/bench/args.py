@@ -1,18 +1,51 @@
 """Command-line options of ``deepinfer bench prefill | decode | curve`` (argparse only, so the
-CLI builds its parser without importing torch)."""
+CLI builds its parser without importing torch).
+
+Options left unset take defaults that suit the device (``apply_device_defaults``): on CUDA
+the DeepSeek-V4-Flash preset at real widths and real lengths; on the CPU the embedded tiny
+model and lengths that keep a run to seconds (a 24 GiB CPU machine holds neither preset).
+"""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
-DEFAULT_CONFIG = "deepseek-v4-flash"
-DEFAULT_BATCHES = "1,2,4,8,16,32,64,128,256"
+DEFAULT_CONFIG = "deepseek-v4-flash"      # on CUDA; the embedded model on the CPU
+
+# Per device type: the model, the probes' sizes, and per benchmark its lengths and batches.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {"config": DEFAULT_CONFIG, "floor_copy_mib": 2048, "floor_matmul_n": 8192,
+             "prefill": {"prompt_len": 4096},
+             "decode": {"context_len": 4096},
+             "curve": {"context_len": 1024, "batch_sizes": "1,2,4,8,16,32,64,128,256"}},
+    "cpu": {"config": None, "floor_copy_mib": 64, "floor_matmul_n": 512,
+            "prefill": {"prompt_len": 256},
+            "decode": {"context_len": 256},
+            "curve": {"context_len": 128, "batch_sizes": "1,2,4,8"}},
+}
+
+
+def apply_device_defaults(args: argparse.Namespace, device_type: str) -> None:
+    """Fill the options left unset (None) with ``DEVICE_DEFAULTS`` for ``device_type`` and the
+    benchmark ``args.kind``; the CPU's model is the embedded one (``DEFAULT_MODEL``)."""
+    table = DEVICE_DEFAULTS["cuda" if device_type == "cuda" else "cpu"]
+    values = {k: v for k, v in table.items() if not isinstance(v, dict)}
+    values.update(table.get(getattr(args, "kind", None), {}))
+    if values["config"] is None:
+        from deepinfer.entrypoints.llm import DEFAULT_MODEL   # imports torch: only when a benchmark runs
+        values["config"] = DEFAULT_MODEL
+    for name, value in values.items():
+        if getattr(args, name, value) is None:
+            setattr(args, name, value)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG,
+    p.add_argument("--config", "--model", dest="config", default=None,
                    help="model shapes: a preset (deepseek-v4-flash, deepseek-v4.1-flash) or a config.json / "
-                        "model directory; weights are random, no checkpoint is read")
+                        "model directory; weights are random, no checkpoint is read (default: "
+                        f"{DEFAULT_CONFIG} on CUDA, the embedded tiny model on the CPU). A model whose weights "
+                        "and cache do not fit the device's free memory is refused before anything is built")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: 4 for the preset, the config's own otherwise)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -27,13 +60,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlapped scheduling (default on)")
     p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
-    p.add_argument("--floor-copy-mib", type=int, default=2048, help="size of the bandwidth probe's copy")
-    p.add_argument("--floor-matmul-n", type=int, default=8192, help="size of the matmul-rate probe (n^3)")
+    p.add_argument("--floor-copy-mib", type=int, default=None,
+                   help="size of the bandwidth probe's copy (default: 2048 on CUDA, 64 on the CPU)")
+    p.add_argument("--floor-matmul-n", type=int, default=None,
+                   help="size of the matmul-rate probe, n^3 (default: 8192 on CUDA, 512 on the CPU)")
 
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--prompt-len", type=int, default=None, help="default: 4096 on CUDA, 256 on the CPU")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per round")
     p.add_argument("--iters", type=int, default=5, help="timed rounds after the warm-up")
     p.add_argument("--hf-iters", type=int, default=3, help="timed HF generate calls")
@@ -42,16 +77,18 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
                         "by device time to this text file")
 
 
-def _add_decode_common(p: argparse.ArgumentParser, context_len: int, steps: int) -> None:
+def _add_decode_common(p: argparse.ArgumentParser, kind: str, steps: int) -> None:
     add_model_args(p)
-    p.add_argument("--context-len", type=int, default=context_len, help="prompt tokens of each request")
+    cuda, cpu = DEVICE_DEFAULTS["cuda"][kind]["context_len"], DEVICE_DEFAULTS["cpu"][kind]["context_len"]
+    p.add_argument("--context-len", type=int, default=None,
+                   help=f"prompt tokens of each request (default: {cuda} on CUDA, {cpu} on the CPU)")
     p.add_argument("--steps", type=int, default=steps, help="timed decode steps")
     p.add_argument("--hf-steps", type=int, default=8,
                    help="extra decode steps of the HF baseline's longer generate")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
-    _add_decode_common(p, context_len=4096, steps=32)
+    _add_decode_common(p, "decode", steps=32)
     p.add_argument("--batch-size", type=int, default=1, help="concurrent requests")
     p.add_argument("--profile", default=None,
                    help="after the timed window, profile a few decode steps (torch.profiler) and write "
@@ -62,8 +99,10 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_curve_args(p: argparse.ArgumentParser) -> None:
-    _add_decode_common(p, context_len=1024, steps=16)
-    p.add_argument("--batch-sizes", default=DEFAULT_BATCHES, help="comma-separated batch sizes")
+    _add_decode_common(p, "curve", steps=16)
+    p.add_argument("--batch-sizes", default=None,
+                   help=f"comma-separated batch sizes (default: {DEVICE_DEFAULTS['cuda']['curve']['batch_sizes']} "
+                        f"on CUDA, {DEVICE_DEFAULTS['cpu']['curve']['batch_sizes']} on the CPU)")
     p.add_argument("--output-png", default=None,
                    help="plot path (default: the --output-json path with .png, when given)")
 

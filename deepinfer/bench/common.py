@@ -2,8 +2,9 @@
 accounting, the engine built on random weights, the measured floors, routing counts,
 the report (the command-line options are in bench/args.py).
 
-Each benchmark runs in one process: floors first (on an empty device), then the
-engine, then (after the engine is freed) the HF transformers baseline on the same
+Each benchmark runs in one process: the fit check (bench/fit.py: a model the device
+cannot hold is refused before anything is allocated), floors (on an empty device), then
+the engine, then (after the engine is freed) the HF transformers baseline on the same
 random weights (bench/hf_baseline.py).
 """
 
@@ -20,12 +21,18 @@ from typing import Any
 
 import torch
 
+from deepinfer.bench.args import apply_device_defaults
+from deepinfer.bench.fit import check_fits
 from deepinfer.bench.floors import (DeepseekCost, DeepseekV4Cost, DeepseekV41Cost, measure_hbm_bandwidth,
                                     measure_matmul_tflops)
 from deepinfer.bench.model_shapes import V4_ARCH, V41_ARCH, resolve_config
 from deepinfer.config import resolve_dtype
 from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import build_engine_config, resolve_device
+
+# The CPU KV-cache budget the benchmark engines get (build_engine_config's default), which
+# the engine allocates whole.
+CPU_KV_CACHE_BYTES = 1 << 30
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4Router
 from deepinfer.models.deepseek_v4 import DeepseekV4Args
@@ -63,11 +70,20 @@ class BenchModel:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchModel:
-        label, hf_config = resolve_config(args.config, args.num_layers)
+        """The model of ``args.config`` on ``args.device``; options left unset take the
+        device's defaults first (``apply_device_defaults``, which updates ``args``)."""
         device = resolve_device(args.device)
+        apply_device_defaults(args, device.type)
+        label, hf_config = resolve_config(args.config, args.num_layers)
         dtype = resolve_dtype(args.dtype, device)
         elem = torch.empty((), dtype=dtype).element_size()
         return cls(label, hf_config, device, dtype, model_cost(hf_config, elem, elem))
+
+    def check_fits(self, kv_tokens: int, free: int | None = None) -> dict[str, int]:
+        """ValueError, before anything is allocated, when the weights plus the KV cache of
+        ``kv_tokens`` tokens (and a margin) exceed the device's free memory (bench/fit.py)."""
+        return check_fits(self.label, self.device, self.cost.param_bytes,
+                          int(kv_tokens * self.cost.kv_write_bytes()), CPU_KV_CACHE_BYTES, free)
 
     def describe(self) -> dict[str, Any]:
         # layer_types: V4's attention types; V4.1's roles (window, source, reindex, reuse).
@@ -108,7 +124,7 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
         dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, **settings)
+        async_scheduling=args.async_scheduling, **{"cpu_kv_cache_bytes": CPU_KV_CACHE_BYTES, **settings})
     engine = Engine(config)
     check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
     freeze_heap()   # no full-collection pauses inside timed windows; free_memory unfreezes

@@ -30,16 +30,17 @@ def parse_batches(text: str) -> list[int]:
 
 
 def run_curve(args: argparse.Namespace) -> dict[str, Any]:
+    model = BenchModel.from_args(args)
     batches = parse_batches(args.batch_sizes)
     check_decode_args(args, batches)
-    model = BenchModel.from_args(args)
-    result = header("curve", model, measure_floors(model, args), args.argv)
     budget = args.max_num_batched_tokens or max(4096, batches[-1])
+    max_model_len = args.context_len + decode_tokens(batches[-1], args.context_len, budget, args.warmup, args.steps)
+    fit = model.check_fits(batches[-1] * max_model_len)
+    result = header("curve", model, measure_floors(model, args), args.argv)
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, context_len=args.context_len,
-                  max_num_batched_tokens=budget)
+                  max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
-                          max_model_len=args.context_len + decode_tokens(max(batches), args.context_len, budget,
-                                                                         args.warmup, args.steps))
+                          max_model_len=max_model_len)
     gen = torch.Generator().manual_seed(args.seed)
     points = []
     for b in batches:

@@ -197,14 +197,16 @@ def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Names
 
 
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
-    check_decode_args(args, [args.batch_size])
     model = BenchModel.from_args(args)
-    result = header("decode", model, measure_floors(model, args), args.argv)
+    check_decode_args(args, [args.batch_size])
     budget = args.max_num_batched_tokens or max(4096, args.batch_size)
-    result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget)
+    max_model_len = args.context_len + decode_tokens(args.batch_size, args.context_len, budget, args.warmup,
+                                                     args.steps)
+    fit = model.check_fits(args.batch_size * max_model_len)
+    result = header("decode", model, measure_floors(model, args), args.argv)
+    result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
-                          max_model_len=args.context_len + decode_tokens(args.batch_size, args.context_len, budget,
-                                                                         args.warmup, args.steps))
+                          max_model_len=max_model_len)
     gen = torch.Generator().manual_seed(args.seed)
     point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
                          args.steps, gen, args.profile, args.compare_sync)

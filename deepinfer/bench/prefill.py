@@ -116,10 +116,13 @@ def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, ite
 
 
 def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
+    model = BenchModel.from_args(args)
     if min(args.prompt_len, args.batch_size, args.iters) < 1 or args.warmup < 0:
         raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
-    model = BenchModel.from_args(args)
+    # Twice the batch may be in the engine at once (below).
+    fit = model.check_fits(2 * args.batch_size * (args.prompt_len + 1))
     result = header("prefill", model, measure_floors(model, args), args.argv)
+    result["memory"] = fit
     # Whole prompts per step, up to 4096 tokens: the engine sizes its KV cache after a profiling
     # forward of this many tokens as one sequence, whose attention scores grow with its square.
     budget = args.max_num_batched_tokens or min(args.batch_size * args.prompt_len, max(args.prompt_len, 4096))

@@ -15,7 +15,7 @@ it (update, detokenise, stop checks) while the device runs N+1:
 
 The first call after idle only launches; outputs trail their step by one call.
 When the in-flight step's ``sync_reason`` is set (scheduler docstring: grammar,
-penalties, n > 1 fork, prompt logprobs) N is finished and updated before N+1 is
+penalties, bad words, n > 1 fork, prompt logprobs) N is finished and updated before N+1 is
 scheduled. A step launched when nothing is left unfinished (every sequence in it
 ended on its previous token) is finished at once, so an idle engine holds no
 launched step and every block is back in the pool.
@@ -102,7 +102,7 @@ class Engine:
         self.config = config
         torch.manual_seed(config.seed)
         # Without a tokenizer (skip_tokenizer_init) prompts are token ids and outputs carry no text.
-        self.tokenizer = None if config.model.skip_tokenizer_init else Tokenizer(config.model.path)
+        self.tokenizer = None if config.model.skip_tokenizer_init else Tokenizer(config.model.tokenizer_path)
         eos_ids = (config.model.config_eos_token_ids if self.tokenizer is None
                    else self.tokenizer.eos_token_ids)
         self.model = load_model(config.model, config.device, config.seed)
@@ -137,14 +137,19 @@ class Engine:
         """Queue a request. Raises ValueError for invalid input; a prompt that can
         never fit is accepted and finishes at once with finish_reason "error"."""
         params = params or SamplingParams()
-        params.verify_for_model(self.config.model.vocab_size)
+        model = self.config.model
+        params.verify_for_model(model.vocab_size, model.max_logprobs)
+        params = params.resolved_for_model(model.vocab_size)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        if self.tokenizer is None and (isinstance(prompt, str) or params.stop
+        if self.tokenizer is None and (isinstance(prompt, str) or params.stop or params.bad_words
                                        or params.structured_outputs is not None):
             raise ValueError("this engine has no tokenizer (skip_tokenizer_init): prompts must be token "
-                             "ids, and stop strings and structured outputs are unavailable")
+                             "ids, and stop strings, bad words and structured outputs are unavailable")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = params.clone()
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         grammar = self._compile_grammar(params)
         if isinstance(prompt, str):
             text: str | None = prompt
@@ -157,14 +162,18 @@ class Engine:
                 raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
         if not ids:
             raise ValueError("prompt is empty: it must contain at least one token")
+        if params.truncate_prompt_tokens is not None:
+            keep = model.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            ids = ids[-keep:]
         arrival = next(self._arrival)
         seqs = [Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}",
                         parent_id=request_id, index=i, prompt_token_ids=list(ids), params=params,
                         arrival=arrival) for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                          params.stop, params.include_stop_str_in_output,
-                                         min_tokens=params.min_tokens)
-                  for _ in seqs] if self.tokenizer is not None else []
+                                         min_tokens=params.min_tokens,
+                                         spaces_between_special_tokens=params.spaces_between_special_tokens)
+                  for _ in seqs] if self.tokenizer is not None and params.detokenize else []
         user = _UserRequest(prompt=text, prompt_token_ids=list(ids), seqs=seqs, detoks=detoks)
         self.requests[request_id] = user
         reason = self.scheduler.check_fits(len(ids))
@@ -178,6 +187,17 @@ class Engine:
         self.scheduler.add(seqs, grammar)
         return request_id
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would start the text and after a space (as vLLM:
+        both forms are banned), without duplicates."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def _compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled grammar of a structured request (cached); ValueError for a bad spec."""
         if params.structured_outputs is None:
@@ -187,7 +207,7 @@ class Engine:
             # requests never pay it.
             from deepinfer.structured.xgrammar_backend import XGrammarBackend
             self.structured = XGrammarBackend.from_tokenizer_file(
-                Path(self.config.model.path) / "tokenizer.json", self.config.model.vocab_size,
+                Path(self.config.model.tokenizer_path) / "tokenizer.json", self.config.model.vocab_size,
                 self.tokenizer.eos_token_ids, self.tokenizer.all_special_ids)
         return self.structured.compile(params.structured_outputs)
 
@@ -286,17 +306,19 @@ class Engine:
         for i, req in enumerate(user.seqs):
             detok = user.detoks[i] if user.detoks else None
             want_logprobs = req.params.logprobs is not None
+            logprobs = list(req.logprobs) if want_logprobs else None
             outputs.append(CompletionOutput(
                 index=req.index, text=detok.text if detok else "", token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want_logprobs else None,
-                logprobs=self._with_text(list(req.logprobs)) if want_logprobs else None,
+                logprobs=self._with_text(logprobs) if want_logprobs and req.params.detokenize else logprobs,
                 finish_reason=req.finish_reason, stop_reason=req.stop_reason,
                 delta_text=detok.stream_delta(finished=req.is_finished) if detok else ""))
         finished = all(r.is_finished for r in user.seqs)
         first = user.seqs[0]
         prompt_lp = None
         if first.params.prompt_logprobs is not None:
-            prompt_lp = [None if p is None else self._with_text([p])[0] for p in first.prompt_logprobs]
+            text = self._with_text if first.params.detokenize else (lambda entries: entries)
+            prompt_lp = [None if p is None else text([p])[0] for p in first.prompt_logprobs]
         errors = [r.error for r in user.seqs if r.error]
         out = RequestOutput(request_id=parent_id, prompt=user.prompt,
                             prompt_token_ids=user.prompt_token_ids, prompt_logprobs=prompt_lp,

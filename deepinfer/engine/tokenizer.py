@@ -114,8 +114,9 @@ class Tokenizer:
                                  f"vocabulary [0, {self.vocab_size})")
             self.eos_token_ids.add(int(tid))
 
-        self.all_special_ids: set[int] = {
-            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
+        added = self._tok.get_added_tokens_decoder()
+        self.added_token_ids: frozenset[int] = frozenset(added)
+        self.all_special_ids: set[int] = {tid for tid, tok in added.items() if tok.special}
         for name in self.special_tokens_map:
             tid = self._special_id(name)
             if tid is not None:
@@ -153,8 +154,25 @@ class Tokenizer:
         """Token ids of ``text``; special tokens written in the text are matched as such."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """The text of ``ids``. ``spaces_between_special_tokens=False`` (vLLM's option) decodes
+        the runs between two adjacent added tokens apart and joins them, so nothing the
+        decoder would put between two added tokens remains (with the byte-level decoders of
+        the supported families the text is the same either way)."""
+        ids = list(ids)
+        if spaces_between_special_tokens or skip_special_tokens:
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self.added_token_ids
+        cuts = [i for i in range(1, len(ids)) if ids[i - 1] in added and ids[i] in added]
+        bounds = [0, *cuts, len(ids)]
+        return "".join(self._tok.decode(ids[a:b], skip_special_tokens=False) for a, b in zip(bounds, bounds[1:]))
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, Any]:
+        """transformers' call shape: ``{"input_ids": ids}`` (a list of id lists for a list of texts)."""
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
 
     def id_to_token_text(self, token_id: int) -> str:
         """The decoded text of one token (special tokens included), as logprobs show it."""
@@ -162,27 +180,40 @@ class Tokenizer:
 
     # -- chat ---------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render a conversation with the checkpoint's chat template.
+                            *, chat_template: str | None = None, continue_final_message: bool = False,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render a conversation with the checkpoint's chat template (or ``chat_template``,
+        a Jinja source given by the caller).
 
         ``kwargs`` become template variables (``tools``, ``documents``,
         ``enable_thinking``, ...) and override the special-token variables.
         Message keys whose value is None are dropped, as transformers does, since
         templates test for a missing key rather than for None.
+        ``continue_final_message`` (as in transformers) cuts the text right after the last
+        message's content, so that generation continues that message; it excludes
+        ``add_generation_prompt``. ``tokenize=True`` returns the token ids of the text
+        (special tokens as written by the template, none added).
         """
-        name = "tool_use" if kwargs.get("tools") is not None and "tool_use" in self._chat_templates \
-            else "default"
-        if name not in self._chat_templates:
-            if self._chat_templates:
-                raise ValueError(f"tokenizer_config.json: chat_template lists {sorted(self._chat_templates)} "
-                                 "but none is named 'default'")
-            raise ValueError("this checkpoint has no chat template (no chat_template in "
-                             "tokenizer_config.json and no chat_template.jinja); use generate() with "
-                             "a plain prompt instead of chat()")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message=True continues the last message, add_generation_prompt="
+                             "True starts a new one: pass add_generation_prompt=False")
+        text = self._render(messages, add_generation_prompt, chat_template, kwargs)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, chat_template: str | None,
+                kwargs: dict[str, Any]) -> str:
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template:
+                raise ValueError("chat_template must be a non-empty Jinja template string")
+            source = chat_template
+        else:
+            source = self._checkpoint_template(kwargs.get("tools") is not None)
         if not messages:
             raise ValueError("messages is empty: a conversation needs at least one message")
-        if name not in self._compiled:
-            self._compiled[name] = _compile_chat_template(self._chat_templates[name])
+        if source not in self._compiled:
+            self._compiled[source] = _compile_chat_template(source)
         conversation = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
@@ -190,8 +221,50 @@ class Tokenizer:
             conversation.append({k: v for k, v in message.items() if v is not None})
         variables: dict[str, Any] = {"tools": None, "documents": None, **self.special_tokens_map,
                                      **kwargs}
-        return self._compiled[name].render(messages=conversation,
-                                          add_generation_prompt=add_generation_prompt, **variables)
+        return self._compiled[source].render(messages=conversation,
+                                            add_generation_prompt=add_generation_prompt, **variables)
+
+    def _checkpoint_template(self, with_tools: bool) -> str:
+        """The checkpoint's template source: "tool_use" for a conversation with tools when
+        there is one, else "default"."""
+        name = "tool_use" if with_tools and "tool_use" in self._chat_templates else "default"
+        if name not in self._chat_templates:
+            if self._chat_templates:
+                raise ValueError(f"tokenizer_config.json: chat_template lists {sorted(self._chat_templates)} "
+                                 "but none is named 'default'")
+            raise ValueError("this checkpoint has no chat template (no chat_template in "
+                             "tokenizer_config.json and no chat_template.jinja); use generate() with "
+                             "a plain prompt instead of chat(), or pass chat_template")
+        return self._chat_templates[name]
+
+
+def _message_text(content: Any) -> str | None:
+    """The text a message's content ends with: the string, or the last text part of a list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):
+        for part in reversed(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                return part["text"]
+    return None
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """``text`` up to the end of the last message's content (the last occurrence of it), so
+    that the template's end-of-message tokens are left off. A template may strip the
+    content's surrounding whitespace, so it is looked for stripped; its trailing spaces are
+    kept only where the rendered text has them too."""
+    final = _message_text(messages[-1].get("content") if isinstance(messages[-1], dict) else None)
+    if not final or not final.strip():
+        raise ValueError("continue_final_message=True but the last message has no text to continue")
+    core = final.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise ValueError("continue_final_message=True but the chat template does not write the last "
+                         "message's text as given, so it cannot be continued")
+    full = final.lstrip()
+    end = at + (len(full) if text.startswith(full, at) else len(core))
+    return text[:end]
 
 
 class IncrementalDetokenizer:
@@ -219,11 +292,13 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False, *, min_tokens: int = 0) -> None:
+                 include_stop_str_in_output: bool = False, *, min_tokens: int = 0,
+                 spaces_between_special_tokens: bool = True) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = list(stop)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
@@ -259,9 +334,9 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> None:
         prefix = self.tokenizer.decode(self._all_ids[self._prefix_offset:self._read_offset],
-                                       self.skip_special_tokens)
+                                       self.skip_special_tokens, self.spaces_between_special_tokens)
         full = self.tokenizer.decode(self._all_ids[self._prefix_offset:],
-                                     self.skip_special_tokens)
+                                     self.skip_special_tokens, self.spaces_between_special_tokens)
         new = full[len(prefix):]
         # Keep the window (do not advance the offsets) while the new tokens render as
         # nothing (a skipped special token) or end inside a character: the next

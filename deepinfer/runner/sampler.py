@@ -4,12 +4,14 @@ What belongs here: applying the grammar token bitmask, the logits processors
 (min_tokens, logit_bias, penalties), temperature and the min-p / top-k / top-p
 filters, the random draw, and the logprobs of the raw model distribution. What
 does not: which rows are sampled (the runner), stop conditions (the scheduler),
-grammars and their matchers (structured/; the runner fills the bitmask).
+grammars and their matchers (structured/; the runner fills the bitmask), turning
+bad words into token ids (the engine, which has the tokenizer).
 
 Semantics follow vLLM v1. Logprobs come from the raw logits (log-softmax before
 any processing, the grammar mask included); rank 1 is the most likely token.
-Processing order: grammar mask -> min_tokens -> logit_bias -> penalties ->
-(greedy rows: argmax) -> temperature -> min_p -> top_k -> top_p -> draw.
+Processing order: grammar mask -> allowed_token_ids -> bad_words -> min_tokens ->
+logit_bias -> penalties -> (greedy rows: argmax) -> temperature -> min_p -> top_k ->
+top_p -> draw.
 The three filters are one call through kernels/backend.py: the pure-PyTorch
 reference (topk / sort + cumsum) or, on CUDA, the Triton kernel that finds the
 thresholds by counting without sorting (kernels/sampling.py, which documents
@@ -188,12 +190,13 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: Sequence[int], num: in
 
 def _plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits and nothing but its logprob
-    is asked for: greedy, and no processor (grammar, min_tokens, logit_bias, penalties)
-    and no top logprobs."""
+    is asked for: greedy, and no processor (grammar, allowed_token_ids, bad_words,
+    min_tokens, logit_bias, penalties) and no top logprobs."""
     p = row.params
     return (p.greedy and not row.grammar and len(row.output_token_ids) >= p.min_tokens
             and not p.logit_bias and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and p.logprobs is None)
+            and p.presence_penalty == 0.0 and p.logprobs is None
+            and not p.allowed_token_ids and not p.bad_words_token_ids)
 
 
 class Sampler:
@@ -283,12 +286,42 @@ class Sampler:
         masked = [i for i, r in enumerate(rows) if r.grammar]
         if masked:
             apply_token_bitmask(work, token_bitmask, masked)
+        self._keep_allowed_tokens(work, rows)
+        self._ban_bad_words(work, rows)
         self._mask_min_tokens(work, rows)
         self._add_logit_bias(work, rows)
         self._apply_penalties(work, rows)
         return work
 
     # -- logits processors (in place on work [N, V]) ------------------------------------------------
+    def _keep_allowed_tokens(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Rows with ``allowed_token_ids`` keep those logits only (the rest -inf)."""
+        sel = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        if not sel:
+            return
+        r, c = self._flat_ids([rows[i].params.allowed_token_ids for i in sel], work.device)
+        keep = torch.zeros(len(sel), work.shape[1], dtype=torch.bool, device=work.device)   # [M, V]
+        keep[r, c] = True
+        idx = self._long(sel, work)
+        work[idx] = work[idx].masked_fill(~keep, float("-inf"))
+
+    def _ban_bad_words(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """vLLM's rule: a bad word's last token is banned when the row's last output tokens
+        equal the word's other tokens (always, for a one-token word)."""
+        r_idx: list[int] = []
+        c_idx: list[int] = []
+        for i, row in enumerate(rows):
+            out = row.output_token_ids
+            for word in row.params.bad_words_token_ids or ():
+                prefix = word[:-1]
+                if len(prefix) > len(out):
+                    continue
+                if not prefix or [int(t) for t in out[len(out) - len(prefix):]] == prefix:
+                    r_idx.append(i)
+                    c_idx.append(word[-1])
+        if r_idx:
+            work[self._long(r_idx, work), self._long(c_idx, work)] = float("-inf")
+
     def _mask_min_tokens(self, work: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Until min_tokens are generated, no token that would end the sequence may be drawn.
         With ignore_eos, EOS does not end it (as in vLLM), so only stop_token_ids are masked.

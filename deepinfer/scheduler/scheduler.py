@@ -32,10 +32,11 @@ when ``schedule()`` runs:
 - Fallback: the next plan must wait for step N's tokens to reach the host
   (``StepPlan.sync_reason``) when a sequence sampled in step N has a grammar
   (its matcher accepts the token before the next bitmask is filled), uses
-  repetition/frequency/presence penalties (they read output token values), forks
-  ``n > 1`` siblings (they take the parent's blocks as of step N), or when step N
-  computes prompt logprobs (made into dicts on the host). min_tokens, seeds and
-  logit_bias read only the output length or static data and need no fallback.
+  repetition/frequency/presence penalties or a bad word of several tokens (they read
+  output token values), forks ``n > 1`` siblings (they take the parent's blocks as of
+  step N), or when step N computes prompt logprobs (made into dicts on the host).
+  min_tokens, seeds, logit_bias, allowed_token_ids and one-token bad words read only
+  the output length or static data and need no fallback.
 
 Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 ``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
@@ -306,6 +307,8 @@ class Scheduler:
             p = self.requests[seq.req_id].params
             if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
                 return "penalties"
+            if any(len(word) > 1 for word in p.bad_words_token_ids or ()):
+                return "bad words"
         return None
 
     # -- results ---------------------------------------------------------------

@@ -191,7 +191,7 @@ def test_abort_frees_blocks(tiny_llm):
 
 @pytest.mark.parametrize("bad", [
     dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-5), dict(max_tokens=0), dict(n=0),
-    dict(min_p=1.5), dict(repetition_penalty=0.0), dict(logprobs=-1),
+    dict(min_p=1.5), dict(repetition_penalty=0.0), dict(logprobs=-2),
 ])
 def test_bad_parameters_raise(bad):
     name = next(iter(bad))

@@ -407,3 +407,35 @@ def test_prompt_logprobs():
     only = prompt_logprobs(logits[:, :v], nxt, 0)
     assert [list(e) for e in only] == [[t] for t in nxt]
     assert math.isclose(only[0][3].logprob, entries[0][3].logprob, abs_tol=1e-6)
+
+
+# -- allowed_token_ids, bad_words -----------------------------------------------------------------
+
+def bad_words_row(words: list[list[int]], output: tuple[int, ...], **kw) -> SamplingRow:
+    r = row(output=output, **kw)
+    r.params.bad_words_token_ids = words
+    return r
+
+
+def test_allowed_token_ids_and_bad_words_mask_exactly_their_tokens():
+    v = 40
+    logits = rand_logits(4, v, seed=3)
+    s = Sampler(v, {EOS}, seed=0)
+    words = [[7], [11, 12, 13]]       # one token: always banned; three: 13 only after 11, 12
+    rows = [row(allowed_token_ids=[3, 9, 30]),
+            bad_words_row(words, (1, 11, 12)),
+            bad_words_row(words, (11, 1, 12)),
+            bad_words_row(words, (12,))]
+    processed = s.process_logits(logits, rows)
+    expect = logits.clone()
+    keep = torch.zeros(v, dtype=torch.bool)
+    keep[[3, 9, 30]] = True
+    expect[0, ~keep] = float("-inf")
+    expect[1, [7, 13]] = float("-inf")
+    expect[2, 7] = float("-inf")
+    expect[3, 7] = float("-inf")
+    assert torch.equal(processed, expect)
+    # Greedy rows with either option leave the fast path and draw from what is left.
+    greedy = [row(temperature=0.0, allowed_token_ids=[3, 9, 30]), bad_words_row(words, (11, 12), temperature=0.0)]
+    out = s(logits[:2], greedy)
+    assert out.token_ids[0] == int(expect[0].argmax()) and out.token_ids[1] == int(expect[1].argmax())
