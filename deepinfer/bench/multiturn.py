@@ -92,9 +92,11 @@ def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
     if not settings or any(s not in ("on", "off") for s in settings):
         raise ValueError(f"--settings takes 'on' and/or 'off' (comma separated), got {args.settings!r}")
     model = BenchModel.from_args(args)
-    result = header("multiturn", model, {}, args.argv)
-    system, questions = _workload(args, int(model.hf_config["vocab_size"]))
     longest = args.system_len + args.turns * (args.question_len + args.answer_len)
+    fit = model.check_fits(args.conversations * (longest + 1))
+    result = header("multiturn", model, {}, args.argv)
+    result["memory"] = fit
+    system, questions = _workload(args, int(model.hf_config["vocab_size"]))
     budget = args.max_num_batched_tokens or max(4096, args.question_len * args.conversations)
     result.update(system_len=args.system_len, conversations=args.conversations, turns=args.turns,
                   question_len=args.question_len, answer_len=args.answer_len, block_size=args.block_size,
