@@ -1,6 +1,8 @@
 """``deepinfer bench serve`` without a model: metric math on synthetic timings, the
-workload and arrival schedule, the SSE parser, and the streamed request against
-scripted HTTP servers (chunked events, errors, refusals, timeouts)."""
+workload and arrival schedule, and the HTTP client (aiohttp) against scripted HTTP
+servers: server-sent events however their bytes are split, streamed requests (chunked
+events, errors, refusals, timeouts), the connection pool, and the message when aiohttp
+is missing."""
 
 from __future__ import annotations
 
@@ -8,16 +10,21 @@ import asyncio
 import json
 import math
 import socket
-from typing import Awaitable, Callable
+import subprocess
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import pytest
 
-from deepinfer.bench.serve import endpoint, metrics, workload
+import deepinfer
+from deepinfer.bench.serve import endpoint, http_client, metrics, workload
 from deepinfer.bench.serve.endpoint import RequestResult
-from deepinfer.bench.serve.http_client import SSEParser
 from deepinfer.bench.serve.workload import SampleRequest
 from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.entrypoints.cli import main as cli_main
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 
 
@@ -201,46 +208,50 @@ def test_burstiness_shapes_the_gaps():
         workload.arrival_times(3, 1.0, burstiness=0.0)
 
 
-# -- server-sent events ------------------------------------------------------------------------------
-def test_sse_parser_across_arbitrary_splits():
-    stream = ('data: {"a": 1}\r\n\r\n: a comment\n\nevent: x\ndata: line1\ndata:line2\n\n'
-              'data: {"t": "é漢"}\n\ndata: [DONE]').encode()
-    expected = ['{"a": 1}', "line1\nline2", '{"t": "é漢"}', "[DONE]"]
-    for step in (1, 2, 3, 7, len(stream)):
-        parser = SSEParser()
-        events = []
-        for i in range(0, len(stream), step):
-            events += parser.feed(stream[i:i + step])
-        events += parser.close()
-        assert events == expected, step
-
-
-# -- streamed requests against scripted servers ------------------------------------------------------
+# -- HTTP against scripted servers -------------------------------------------------------------------
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def run_against(handler: Handler, payload: dict | None = None, timeout_s: float = 10.0) -> RequestResult:
-    async def main() -> RequestResult:
-        async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+@asynccontextmanager
+async def scripted_server(handler: Handler) -> AsyncIterator[tuple[str, list[tuple[bytes, bytes]]]]:
+    """A server on 127.0.0.1, over raw sockets: it reads each request's head and body into
+    the list yielded beside its URL, leaves the connection to ``handler``, then closes it."""
+    received: list[tuple[bytes, bytes]] = []
+
+    async def serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")))
-            body = json.loads(await reader.readexactly(length))
-            assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            received.append((head, await reader.readexactly(length)))
             await handler(reader, writer)
+        finally:
             writer.close()
 
-        server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
-            body = payload or endpoint.build_payload(endpoint.COMPLETIONS, "m", SampleRequest([5, 6], 2, 3),
-                                                     ignore_eos=True, extra_body={})
-            return await endpoint.send(f"http://127.0.0.1:{port}/v1/completions", body, {}, 2, timeout_s)
+    server = await asyncio.start_server(serve_one, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", received
+
+
+def run_against(handler: Handler, payload: dict | None = None, timeout_s: float = 10.0) -> RequestResult:
+    """``endpoint.send`` of ``payload`` to a scripted server, through a session of its own."""
+    body = payload or endpoint.build_payload(endpoint.COMPLETIONS, "m", SampleRequest([5, 6], 2, 3),
+                                             ignore_eos=True, extra_body={})
+
+    async def main() -> RequestResult:
+        async with scripted_server(handler) as (url, received), http_client.session(timeout_s) as session:
+            result = await endpoint.send(session, f"{url}/v1/completions", body, {"X-Test": "yes"}, 2)
+        (head, sent), = received
+        assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n"), head
+        assert b"x-test: yes" in head.lower() and b"content-type: application/json" in head.lower()
+        assert json.loads(sent) == body
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        return result
     return asyncio.run(main())
 
 
-def chunk(data: str) -> bytes:
-    raw = data.encode()
+def chunk(data: str | bytes) -> bytes:
+    raw = data.encode() if isinstance(data, str) else data
     return f"{len(raw):x}\r\n".encode() + raw + b"\r\n"
 
 
@@ -249,6 +260,31 @@ def event(obj: dict | str) -> bytes:
 
 
 SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+
+def test_sse_events_across_arbitrary_splits():
+    stream = ('data: {"a": 1}\r\n\r\n: a comment\n\nevent: x\ndata: line1\ndata:line2\n\n'
+              'data: {"t": "é漢"}\n\ndata: [DONE]').encode()
+    expected = ['{"a": 1}', "line1\nline2", '{"t": "é漢"}', "[DONE]"]
+
+    async def events(step: int) -> list[str]:
+        async def handler(_, writer):
+            # Each piece is an HTTP chunk of its own, sent by itself: lines, CRLFs and
+            # UTF-8 characters are cut wherever the step falls.
+            writer.write(SSE_HEAD)
+            for i in range(0, len(stream), step):
+                writer.write(chunk(stream[i:i + step]))
+                await writer.drain()
+                await asyncio.sleep(0.001)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        async with scripted_server(handler) as (url, _), http_client.session(10.0) as session:
+            async with session.get(url) as resp:
+                return [e async for e in http_client.sse_events(resp)]
+
+    for step in (1, 2, 3, 7, len(stream)):
+        assert asyncio.run(events(step)) == expected, step
 
 
 def test_chat_stream_times_content_not_the_opening_role_delta():
@@ -288,12 +324,17 @@ def test_completion_stream_without_usage_leaves_counting_to_the_tokenizer():
 @pytest.mark.parametrize("script, expected", [
     (b"HTTP/1.1 400 Bad Request\r\ncontent-length: 28\r\n\r\n{\"error\": {\"message\": \"no\"}}",
      "HTTP 400 Bad Request: {\"error\": {\"message\": \"no\"}}"),
-    (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 50\r\n\r\nbusy", "HTTP 503 Service Unavailable: (body"),
+    (b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 50\r\n\r\nbusy",
+     "HTTP 503 Service Unavailable: (body unreadable: ClientPayloadError: Response payload is not completed"),
+    (b"HTTP/1.1 301 Moved Permanently\r\nlocation: /v2/completions\r\ncontent-length: 0\r\n\r\n",
+     "HTTP 301 Moved Permanently:"),
     (SSE_HEAD + event({"choices": [{"text": "a"}]}) + event({"error": {"message": "engine died"}}),
      "error event: engine died"),
     (SSE_HEAD + event({"choices": [{"text": "a"}]}) + b"0\r\n\r\n", "ended before 'data: [DONE]'"),
-    (SSE_HEAD + event({"choices": [{"text": "a"}]}), "closed inside a chunked body"),
+    # The connection closes inside the chunked body.
+    (SSE_HEAD + event({"choices": [{"text": "a"}]}), "ClientPayloadError: Response payload is not completed"),
     (SSE_HEAD + event("[DONE]") + b"0\r\n\r\n", "carried no output"),
+    (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: {not json}\n\n", "JSONDecodeError"),
 ])
 def test_failures_are_results_with_their_reason(script, expected):
     async def handler(_, writer):
@@ -304,18 +345,92 @@ def test_failures_are_results_with_their_reason(script, expected):
     assert not r.success and expected in r.error, r.error
 
 
-def test_refused_connection_and_timeout_are_failures():
+def test_refused_connection_and_timeouts_are_failures():
+    async def send_to(url: str) -> RequestResult:
+        async with http_client.session(5.0) as session:
+            return await endpoint.send(session, url, {}, {}, 1)
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]        # bound, not listening: connections are refused
-        r = asyncio.run(endpoint.send(f"http://127.0.0.1:{port}/v1/completions", {}, {}, 1, 5.0))
-    assert not r.success and "ConnectionRefusedError" in r.error
+        r = asyncio.run(send_to(f"http://127.0.0.1:{port}/v1/completions"))
+    assert not r.success and r.error.startswith("ConnectionRefusedError: Cannot connect to host"), r.error
 
     async def silent(_, writer):
         await asyncio.sleep(5)
 
-    r = run_against(silent, timeout_s=0.3)
-    assert not r.success and "within 0.3 s" in r.error
+    async def stalls_mid_stream(_, writer):
+        writer.write(SSE_HEAD + event({"choices": [{"text": "a"}]}))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    # The timeout covers the whole request: waiting for the head, and reading the body.
+    for handler in (silent, stalls_mid_stream):
+        r = run_against(handler, timeout_s=0.3)
+        assert not r.success and r.error == "no complete response within 0.3 s", r.error
+
+    async def answers(_, writer):
+        writer.write(SSE_HEAD + event({"choices": [{"text": "a"}]}) + event("[DONE]") + b"0\r\n\r\n")
+        await writer.drain()
+
+    r = run_against(answers, timeout_s=math.inf)        # --request-timeout inf: no limit
+    assert r.success, r.error
+
+
+def test_an_event_longer_than_aiohttp_default_line_limit():
+    text = "x" * 1_000_000           # one line of ~1 MB; aiohttp's own limit is 512 KiB
+
+    async def handler(_, writer):
+        writer.write(SSE_HEAD + event({"choices": [{"text": text, "finish_reason": "length"}]})
+                     + event("[DONE]") + b"0\r\n\r\n")
+        await writer.drain()
+
+    r = run_against(handler)
+    assert r.success and r.generated_text == text, r.error
+
+
+def test_one_session_has_every_request_in_flight_at_once():
+    # More requests than aiohttp's default pool (100 connections) would let through: the
+    # server answers none until all have arrived, so a capped pool would time out.
+    n = 120
+
+    async def main() -> list[RequestResult]:
+        all_in = asyncio.Event()
+
+        async def handler(_, writer):
+            if len(received) == n:
+                all_in.set()
+            await all_in.wait()
+            writer.write(SSE_HEAD + event({"choices": [{"text": "a"}]}) + event("[DONE]") + b"0\r\n\r\n")
+            await writer.drain()
+
+        async with scripted_server(handler) as (url, received), http_client.session(20.0) as session:
+            payload = endpoint.build_payload(endpoint.COMPLETIONS, "m", SampleRequest([5], 1, 1),
+                                             ignore_eos=False, extra_body={})
+            return await asyncio.gather(*[endpoint.send(session, f"{url}/v1/completions", payload, {}, 1)
+                                          for _ in range(n)])
+
+    results = asyncio.run(main())
+    assert all(r.success for r in results), {r.error for r in results}
+
+
+def test_bench_serve_without_aiohttp_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "aiohttp", None)          # `import aiohttp` raises ImportError
+    assert cli_main(["bench", "serve", "--num-prompts", "1", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert "deepinfer bench serve needs aiohttp" in err and "pip install 'deepinfer[bench]'" in err, err
+
+
+def test_the_cli_loads_without_aiohttp():
+    # In a fresh interpreter, so that nothing has imported aiohttp yet: the CLI and every
+    # module of the benchmark load without it, and only the run asks for it.
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from deepinfer.entrypoints.cli import build_parser, main\n"
+            "assert 'bench' in build_parser().format_help()\n"
+            "sys.exit(main(['bench', 'serve', '--num-prompts', '1']))")
+    root = Path(deepinfer.__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "pip install 'deepinfer[bench]'" in p.stderr, p.stderr
 
 
 def test_endpoint_kind_from_path():

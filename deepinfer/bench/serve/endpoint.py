@@ -14,7 +14,8 @@ output tokens are counted from the server's ``usage`` (asked for with
 
 A request fails, with the reason kept, on a connection error, a status other than
 200, an error event in the stream, a stream that ends before ``data: [DONE]`` or
-without output, or the timeout; a failure never stops the run.
+without output, or the timeout (the session's, ``--request-timeout``); a failure
+never stops the run. The HTTP itself (aiohttp) is in http_client.py.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import json
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from deepinfer.bench.serve.http_client import SSEParser, request
+from deepinfer.bench.serve import http_client
 from deepinfer.bench.serve.workload import SampleRequest
+
+if TYPE_CHECKING:
+    import aiohttp
 
 CHAT, COMPLETIONS = "openai-chat", "openai"
 
@@ -90,70 +94,64 @@ def _carries_output(choice: dict[str, Any]) -> tuple[bool, str]:
     return bool(text or other or choice.get("finish_reason")), text
 
 
-async def send(url: str, payload: dict[str, Any], headers: dict[str, str], prompt_len: int,
-               timeout_s: float) -> RequestResult:
-    """POST ``payload`` (a streaming request) and time its events; never raises."""
+async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], headers: dict[str, str],
+               prompt_len: int) -> RequestResult:
+    """POST ``payload`` (a streaming request) through ``session`` and time its events; never raises."""
     result = RequestResult(prompt_len=prompt_len)
     result.start_time = time.perf_counter()
     try:
-        await asyncio.wait_for(_stream(url, payload, headers, result), timeout_s)
+        await _stream(session, url, payload, headers, result)
     except asyncio.TimeoutError:
-        result.success, result.error = False, f"no complete response within {timeout_s:g} s"
+        result.success, result.error = False, f"no complete response within {session.timeout.total:g} s"
     except Exception as exc:    # a failed request is a result, not the end of the run
-        result.success, result.error = False, f"{type(exc).__name__}: {exc}"
+        result.success, result.error = False, http_client.describe(exc)
     return result
 
 
-async def _stream(url: str, payload: dict[str, Any], headers: dict[str, str], result: RequestResult) -> None:
+async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], headers: dict[str, str],
+                  result: RequestResult) -> None:
     start = result.start_time
     last: float | None = None        # arrival of the latest event with output
     text: list[str] = []
     done = False
 
-    def take(events: list[str], now: float) -> bool:
-        """Account ``events`` that arrived at ``now``; True once the stream is over."""
+    def take(event: str, now: float) -> bool:
+        """Account ``event``, arrived at ``now``; True once the stream is over."""
         nonlocal last, done
-        for event in events:
-            if event == "[DONE]":
-                done = True
-                return True
-            message = json.loads(event)
-            if message.get("error"):
-                error = message["error"]
-                detail = error.get("message", error) if isinstance(error, dict) else error
-                result.error = f"error event: {detail}"
-                return True
-            outputs = [_carries_output(c) for c in message.get("choices") or []]
-            if any(has for has, _ in outputs):
-                if last is None:
-                    result.ttft = now - start
-                else:
-                    result.itl.append(now - last)
-                last = now
-                text.extend(t for _, t in outputs)
-            usage = message.get("usage")
-            if usage:
-                if usage.get("completion_tokens") is not None:
-                    result.output_tokens = int(usage["completion_tokens"])
-                if usage.get("prompt_tokens") is not None:
-                    result.prompt_len = int(usage["prompt_tokens"])
+        if event == "[DONE]":
+            done = True
+            return True
+        message = json.loads(event)
+        if message.get("error"):
+            error = message["error"]
+            detail = error.get("message", error) if isinstance(error, dict) else error
+            result.error = f"error event: {detail}"
+            return True
+        outputs = [_carries_output(c) for c in message.get("choices") or []]
+        if any(has for has, _ in outputs):
+            if last is None:
+                result.ttft = now - start
+            else:
+                result.itl.append(now - last)
+            last = now
+            text.extend(t for _, t in outputs)
+        usage = message.get("usage")
+        if usage:
+            if usage.get("completion_tokens") is not None:
+                result.output_tokens = int(usage["completion_tokens"])
+            if usage.get("prompt_tokens") is not None:
+                result.prompt_len = int(usage["prompt_tokens"])
         return False
 
-    async with request("POST", url, body=payload, headers=headers) as resp:
+    # A redirect is a failure with its status: followed, it would turn the POST into a GET.
+    async with session.post(url, json=payload, headers=headers, allow_redirects=False) as resp:
         if resp.status != 200:
-            try:
-                body = (await resp.read(4096)).decode("utf-8", "replace")
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                body = f"(body unreadable: {exc})"
-            result.error = f"HTTP {resp.status} {resp.reason}: {body}".strip()
+            result.error = await http_client.error_text(resp)
             return
-        parser = SSEParser()
-        async with aclosing(resp.iter_body()) as pieces:
-            async for data in pieces:
-                if take(parser.feed(data), time.perf_counter()):
+        async with aclosing(http_client.sse_events(resp)) as events:
+            async for event in events:
+                if take(event, time.perf_counter()):
                     break
-            else:
-                take(parser.close(), time.perf_counter())
     result.generated_text = "".join(text)
     if result.error:
         return

@@ -19,13 +19,16 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tqdm import tqdm
 
 from deepinfer.bench.serve import endpoint, http_client, metrics, workload
 from deepinfer.bench.serve.endpoint import RequestResult
 from deepinfer.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def _key_values(items: Sequence[str] | None, flag: str) -> dict[str, str]:
@@ -55,15 +58,17 @@ def _redacted(argv: Sequence[str]) -> list[str]:
     return out
 
 
-async def _listed_models(base_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+async def _listed_models(session: aiohttp.ClientSession, base_url: str,
+                         headers: dict[str, str]) -> list[dict[str, Any]]:
     """The server's ``GET /v1/models`` entries (id, root, ...)."""
     url = f"{base_url}/v1/models"
     try:
-        async with http_client.request("GET", url, headers=headers) as resp:
+        async with session.get(url, headers=headers) as resp:
             body = await resp.read()
             status = resp.status
-    except OSError as exc:
-        raise ValueError(f"no answer from {url} ({exc}): is the server up at --base-url/--host/--port?") from exc
+    except http_client.request_errors() as exc:
+        raise ValueError(f"no answer from {url} ({http_client.describe(exc)}): is the server up at "
+                         "--base-url/--host/--port?") from exc
     if status != 200:
         raise ValueError(f"GET {url} answered {status}: {body[:300].decode('utf-8', 'replace')}")
     models = json.loads(body).get("data") or []
@@ -82,6 +87,13 @@ def _resolve_tokenizer(arg: str | None, root: str | None) -> str:
 
 
 async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[str, str]) -> dict[str, Any]:
+    """The run, through one HTTP session (and its connection pool), warm-ups included."""
+    async with http_client.session(args.request_timeout) as session:
+        return await _run_in(session, args, base_url, url, headers)
+
+
+async def _run_in(session: aiohttp.ClientSession, args: argparse.Namespace, base_url: str, url: str,
+                  headers: dict[str, str]) -> dict[str, Any]:
     kind = endpoint.endpoint_type(args.endpoint)
     tokenize_prompt = (kind == endpoint.COMPLETIONS) if args.tokenize_prompt is None else args.tokenize_prompt
     if tokenize_prompt and kind == endpoint.CHAT:
@@ -103,7 +115,7 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
 
     model, root = args.model, None
     if model is None or args.tokenizer is None:
-        listed = await _listed_models(base_url, headers)
+        listed = await _listed_models(session, base_url, headers)
         entry = next((m for m in listed if m.get("id") == model), None if model else listed[0])
         model = model or listed[0]["id"]
         root = entry.get("root") if entry else None
@@ -121,14 +133,13 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
     extra_body = sampling | (args.extra_body or {})
     payloads = [endpoint.build_payload(kind, model, r, ignore_eos=args.ignore_eos, extra_body=extra_body)
                 for r in requests]
-    timeout_s = args.request_timeout
 
     lens = [r.prompt_len for r in requests]
     print(f"Model: {model}; tokenizer: {tokenizer_path}; {kind} at {url}; prompts as "
           f"{'token ids' if tokenize_prompt else 'text'}, {min(lens)}-{max(lens)} tokens")
     if args.num_warmups:
         print(f"Warming up with {args.num_warmups} requests...")
-        warm = await asyncio.gather(*[endpoint.send(url, payloads[0], headers, requests[0].prompt_len, timeout_s)
+        warm = await asyncio.gather(*[endpoint.send(session, url, payloads[0], headers, requests[0].prompt_len)
                                       for _ in range(args.num_warmups)])
         failed = [r.error for r in warm if not r.success]
         if failed:
@@ -144,7 +155,7 @@ async def _run(args: argparse.Namespace, base_url: str, url: str, headers: dict[
 
     async def one(i: int) -> RequestResult:
         async with limit:
-            result = await endpoint.send(url, payloads[i], headers, requests[i].prompt_len, timeout_s)
+            result = await endpoint.send(session, url, payloads[i], headers, requests[i].prompt_len)
         if pbar is not None:
             pbar.update(1)
         return result
@@ -213,7 +224,13 @@ def _result_path(args: argparse.Namespace, result: dict[str, Any]) -> Path:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Run the benchmark; 0 when at least one request completed, 1 when none did."""
+    """Run the benchmark; 0 when at least one request completed, 1 when none did, 2 when
+    aiohttp (the ``bench`` extra) is missing."""
+    try:
+        http_client.aiohttp_module()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     url = base_url + "/" + args.endpoint.lstrip("/")
     headers = _key_values(args.header, "--header")
