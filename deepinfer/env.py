@@ -9,8 +9,9 @@ test can set it with ``monkeypatch.setenv``) and validated: a bad value raises
 DEEPINFER_KERNEL_BACKEND  auto | torch | triton  (default auto)
     Which implementation runs the kernels that have both (every function of
     ``kernels/backend.py``: norms, RoPE, KV-cache store, paged/sparse/MLA attention,
-    indexer, MoE routing and experts, hyper-connections, sampling filters). ``torch``: the pure-PyTorch references of
-    ``kernels/reference.py``, on any device. ``triton``: the Triton kernels of
+    indexer, MoE routing and experts, hyper-connections, sampling filters, DeepSeek-V4.1's
+    pair pooling, candidate blocks, engram gate and engram row gather). ``torch``: the
+    pure-PyTorch references of ``kernels/reference.py``, on any device. ``triton``: the Triton kernels of
     ``kernels/``; their tensors must be on CUDA, or on the CPU with
     ``TRITON_INTERPRET=1`` (Triton's interpreter, slow, for tests). ``auto``:
     Triton for CUDA tensors when the ``triton`` package imports, torch otherwise.

@@ -268,13 +268,16 @@ class EngramTable(nn.Module):
 
     @property
     def codes(self) -> torch.Tensor | None:
+        """A host-memory table's E4M3 codes [R, E] (None until loaded or on the device)."""
         return None if self.host is None else self.host.tensors[0]
 
     @property
     def scales(self) -> torch.Tensor | None:
+        """A host-memory table's E8M0 scales [R, E/32] (None until loaded or on the device)."""
         return None if self.host is None else self.host.tensors[1]
 
-    def set_fp8(self, codes: torch.Tensor, scales: torch.Tensor, device: torch.device, name: str = "engram.embed") -> None:
+    def set_fp8(self, codes: torch.Tensor, scales: torch.Tensor, device: torch.device,
+                name: str = "engram.embed") -> None:
         """Keep a host-memory table: codes [R, E] ``float8_e4m3fn``, scales [R, E/32]
         ``float8_e8m0fnu`` (or raw uint8 exponent bytes), both on the CPU, as the checkpoint
         stores them; pinned for ``device``'s kernels when it is CUDA. ``name`` names the table
@@ -289,7 +292,8 @@ class EngramTable(nn.Module):
         groups = (self.num_embeddings, self.head_dim // SCALE_GROUP)
         if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(scales.shape) != groups:
             raise ValueError(f"{name}: its scales must be E8M0 (float8_e8m0fnu or uint8 exponent bytes) of shape "
-                             f"{groups}, one per {SCALE_GROUP} values of a row; got {scales.dtype} {tuple(scales.shape)}")
+                             f"{groups}, one per {SCALE_GROUP} values of a row; got {scales.dtype} "
+                             f"{tuple(scales.shape)}")
         if codes.device.type != "cpu" or scales.device.type != "cpu":
             raise ValueError(f"{name}: a host-memory table must be given on the CPU, got {codes.device}")
         self.host = HostPin([codes, scales], device)
