@@ -108,3 +108,22 @@ def test_launcher_checks_shapes():
         candidate_block_mask(scores.double(), torch.zeros(3, dtype=torch.int64), 4, 2)
     with pytest.raises(ValueError, match="block must be"):
         candidate_block_mask(scores, torch.zeros(3, dtype=torch.int64), 0, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_sizes_in_a_cuda_graph():
+    """The release's 8-key runs and 2048 kept runs over 131072 keys (a ratio-1 stream at 128K
+    tokens: 16 chunks a counting pass), captured once and replayed with new scores."""
+    from tests.kernels.conftest import capture
+    gen = torch.Generator().manual_seed(8)
+    scores, visible = make_scores(4, 131072, gen, visible=[131072, 100000, 16381, 9])
+    scores, visible = scores.cuda(), visible.cuda()
+    graph, out = capture(lambda: candidate_block_mask(scores, visible, 8, 2048))
+    for _ in range(2):
+        new, new_visible = make_scores(4, 131072, gen)
+        scores.copy_(new)
+        visible.copy_(new_visible)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), reference.candidate_block_mask(new, new_visible, 8, 2048))

@@ -68,3 +68,20 @@ def test_launcher_checks_shapes():
         engram_gate(streams, kv, weight.double(), 1e-20)
     with pytest.raises(ValueError, match="streams must be"):
         engram_gate(streams[0], kv, weight, 1e-20)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_sizes_in_a_cuda_graph():
+    """4 streams of 5120 in bf16 (the release), captured once and replayed with new streams."""
+    from tests.kernels.conftest import capture
+    gen = torch.Generator().manual_seed(10)
+    streams, kv, weight = (x.cuda() for x in make_case(16, 4, 5120, torch.bfloat16, gen))
+    graph, out = capture(lambda: engram_gate(streams, kv, weight, 1e-20))
+    for _ in range(2):
+        new = make_case(16, 4, 5120, torch.bfloat16, gen)[0]
+        streams.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.engram_gate(new, kv.cpu(), weight.cpu(), 1e-20)
+        torch.testing.assert_close(out.cpu().float(), want.float(), **TOL[torch.bfloat16])

@@ -94,3 +94,33 @@ def test_launcher_checks_shapes():
         engram_gather(codes, scales, ids.float(), torch.float32)
     with pytest.raises(ValueError, match="codes must be"):
         engram_gather(codes.float(), scales, ids, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gather_reads_pinned_host_tables_in_cuda_graphs(tmp_path):
+    """The release's row (256 values, 8 scales) and 24 columns, the table in host memory, both
+    as a pinned copy and as a registered read-only map of a file (``host_memory``), the ids on
+    the device; captured once and replayed with new ids."""
+    from deepinfer.host_memory import HostPin, map_file
+    from tests.kernels.conftest import capture
+    gen = torch.Generator().manual_seed(7)
+    codes, scales = random_table(5000, 256, 8, gen)
+    path = tmp_path / "table.bin"
+    # Byte 100 on: not page-aligned, as a table inside a safetensors file is not.
+    path.write_bytes(b"\0" * 100 + codes.view(torch.uint8).numpy().tobytes()
+                     + scales.view(torch.uint8).numpy().tobytes())
+    mapped = HostPin([map_file(path, 100, codes.numel(), torch.float8_e4m3fn, (5000, 256)),
+                      map_file(path, 100 + codes.numel(), scales.numel(), torch.float8_e8m0fnu, (5000, 8))],
+                     torch.device("cuda"))
+    copies = (codes.pin_memory(), scales.pin_memory())
+    for table in (mapped.tensors, copies):
+        assert table[0].device.type == "cpu" and table[0].is_pinned()
+        ids = torch.randint(0, 5000, (64, 24), generator=gen).cuda()
+        graph, out = capture(lambda: engram_gather(table[0], table[1], ids, torch.bfloat16))
+        for _ in range(2):
+            new = torch.randint(0, 5000, (64, 24), generator=gen)
+            ids.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), reference.engram_gather(codes, scales, new, torch.bfloat16))

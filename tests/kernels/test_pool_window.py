@@ -92,3 +92,22 @@ def test_launcher_checks_shapes():
         pool_window(state, table, seq, pos[:2], 2)
     with pytest.raises(ValueError, match="ratio must be"):
         pool_window(state, table, seq, pos, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_release_sizes_in_a_cuda_graph():
+    """Ratio 2, 512 channels, bf16 states in 64-token pages; captured once and replayed with
+    new positions."""
+    from tests.kernels.conftest import capture
+    gen = torch.Generator().manual_seed(9)
+    state, table, seq, pos = make_case(2, 512, 64, torch.bfloat16, gen, [300, 129, 64], 33)
+    state, table, seq, pos = state.cuda(), table.cuda(), seq.cuda(), pos.cuda()
+    graph, out = capture(lambda: pool_window(state, table, seq, pos, 2))
+    for _ in range(2):
+        new = torch.randint(0, 64, (33,), generator=gen)
+        pos.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = reference.pool_window(state.cpu(), table.cpu(), seq.cpu(), new, 2)
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)

@@ -169,5 +169,6 @@ def test_mapped_tensors_are_read_only_maps_of_the_file():
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
         address = b.data_ptr()
-        perms = [m[1] for m in maps if int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16)]
+        spans = [(int(lo, 16), int(hi, 16), m[1]) for m in maps for lo, hi in [m[0].split("-")]]
+        perms = [p for lo, hi, p in spans if lo <= address < hi]
         assert perms == ["r--s"], name
