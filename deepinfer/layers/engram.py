@@ -374,6 +374,8 @@ class EngramRows:
         [T, n_engram_layers, C]."""
         overlap = any(e.embed.in_host_memory for e in engrams.values())
         self._side = side_stream.fork(hash_ids, max_tokens=None, lane="engram") if overlap else None
+        # Read by the lane until finish(): held so the allocator cannot hand its block to the
+        # main stream while a gather still reads it.
         self._hash_ids: torch.Tensor | None = hash_ids
         self._rows: dict[int, torch.Tensor] = {}
         self._ready: dict[int, torch.cuda.Event | None] = {}

@@ -24,7 +24,8 @@ and ``candidate_source_layer_id`` (:func:`layer_roles`); no layer index is hard-
 
 Checkpoint: the release layout (``text_config`` flattened by ModelConfig), raw DeepSeek
 names (``layers.L.attn.wq_a``, ``layers.L.ffn.experts.E.w1``, ``hc_attn_fn``, ``embed``,
-``head``, ``norm``), FP8/FP4 weights dequantised on load. Vision tensors are skipped (the
+``head``, ``norm``), FP8/FP4 weights dequantised on load (but for the engram tables kept in
+host memory, which stay FP8: layers/engram.py). Vision tensors are skipped (the
 model is served text-only); ``mtp.*`` tensors (the DSpark drafter) are kept as
 :attr:`DeepseekV41ForCausalLM.drafter_tensors`.
 """
