@@ -9,8 +9,9 @@ test can set it with ``monkeypatch.setenv``) and validated: a bad value raises
 DEEPINFER_KERNEL_BACKEND  auto | torch | triton  (default auto)
     Which implementation runs the kernels that have both (every function of
     ``kernels/backend.py``: norms, RoPE, KV-cache store, paged/sparse/MLA attention,
-    indexer, MoE routing and experts, hyper-connections, sampling filters). ``torch``: the pure-PyTorch references of
-    ``kernels/reference.py``, on any device. ``triton``: the Triton kernels of
+    indexer, MoE routing and experts, hyper-connections, sampling filters, DeepSeek-V4.1's
+    pair pooling, candidate blocks, engram gate and engram row gather). ``torch``: the
+    pure-PyTorch references of ``kernels/reference.py``, on any device. ``triton``: the Triton kernels of
     ``kernels/``; their tensors must be on CUDA, or on the CPU with
     ``TRITON_INTERPRET=1`` (Triton's interpreter, slow, for tests). ``auto``:
     Triton for CUDA tensors when the ``triton`` package imports, torch otherwise.
@@ -24,6 +25,13 @@ DEEPINFER_SIDE_STREAM  1 | 0  (default 1)
     Independent branches of a small-batch DeepSeek-V4 layer (the shared expert beside the
     routed experts, the compressor and indexer beside the query projection) on a second
     CUDA stream (``layers/side_stream.py``). ``0``: everything on one stream.
+
+DEEPINFER_ENGRAM_TABLES  auto | host | device  (default auto)
+    Where DeepSeek-V4.1's engram hash tables live (``layers/engram.py``). ``host``: in host
+    memory (pinned on CUDA) in the checkpoint's FP8 form, the rows a step needs gathered and
+    dequantised on the device. ``device``: dequantised into the compute dtype on the model's
+    device. ``auto``: host for tables of at least ``engram.HOST_TABLE_MIN_BYTES`` in FP8
+    (the release's ~98 GB tables), device below (small models).
 
 DEEPINFER_GLUON_ATTENTION  1 | 0  (default 1)
     Long 16-bit prefill chunks of DeepSeek-V4 sparse attention (64 heads x 512, T >= 2048) on
@@ -48,6 +56,7 @@ import os
 from typing import Literal, get_args
 
 KernelBackend = Literal["auto", "torch", "triton"]
+EngramTablePlacement = Literal["auto", "host", "device"]
 PrefillTruncationMode = Literal["full", "exact", "compact"]
 PREFILL_TRUNCATION_MODES: tuple[str, ...] = get_args(PrefillTruncationMode)
 
@@ -76,6 +85,15 @@ def pdl_enabled() -> bool:
 def side_stream_enabled() -> bool:
     """DEEPINFER_SIDE_STREAM (see the module docstring)."""
     return _switch("DEEPINFER_SIDE_STREAM")
+
+
+def engram_table_placement() -> EngramTablePlacement:
+    """DEEPINFER_ENGRAM_TABLES (see the module docstring)."""
+    value = os.environ.get("DEEPINFER_ENGRAM_TABLES", "auto").strip().lower()
+    if value not in get_args(EngramTablePlacement):
+        raise ValueError(f"DEEPINFER_ENGRAM_TABLES={value!r} is not valid; choose one of "
+                         f"{', '.join(get_args(EngramTablePlacement))}")
+    return value  # type: ignore[return-value]
 
 
 def gluon_attention_enabled() -> bool:

@@ -59,7 +59,8 @@ _V4_HASH_LAYERS = 1
 
 
 # DeepSeek-V4.1-Flash widths: the release's text config (deepseek_v41.md §1), without
-# engram (its two tables are ~98 GB in bf16, the engine keeps them on the device) and
+# engram (its two tables, ~101 GB each in FP8, stay in host memory: dummy ones would take
+# ~203 GB of the benchmark host's RAM) and
 # without the MTP/DSpark layers. The roles come from v41_roles(N). 4 layers are about
 # 56.37B parameters (112.8 GB in bf16), for an H200; 2 layers (57.7 GB) fit an 80 GB card.
 _V41_FLASH: dict[str, Any] = {

@@ -400,3 +400,43 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """[T, n, D], [T, n] -> [T, D] (see :func:`reference.hc_collapse`); DeepSeek-V4.1's final
     collapse, on the rows the runner samples."""
     return reference.hc_collapse(streams, pre)
+
+
+def pool_window(state_cache: torch.Tensor, state_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                ratio: int) -> torch.Tensor:
+    """DeepSeek-V4.1 ratio-r compressor pooling: [M, D] float32 softmax-gated pool of each
+    row's window of states (see :func:`reference.pool_window`). Never synchronises with the host."""
+    if use_triton(state_cache):
+        from deepinfer.kernels.pool_window import pool_window as kernel
+        return kernel(state_cache, state_table, seq, pos, ratio)
+    return reference.pool_window(state_cache, state_table, seq, pos, ratio)
+
+
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
+    """DeepSeek-V4.1 candidate blocks: [T, N] bool mask of each row's ``num_blocks`` best runs of
+    ``block`` keys, the newest pinned (see :func:`reference.candidate_block_mask`; the Triton
+    kernel keeps the earliest runs on a tie at the cut, and never synchronises with the host)."""
+    if use_triton(scores):
+        from deepinfer.kernels.candidate_blocks import candidate_block_mask as kernel
+        return kernel(scores, visible, block, num_blocks)
+    return reference.candidate_block_mask(scores, visible, block, num_blocks)
+
+
+def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V4.1 engram gate: streams [T, n, D], kv [T, (n+1)*D], weight [n, D] float32
+    -> [T, n, D] (see :func:`reference.engram_gate`)."""
+    if use_triton(streams):
+        from deepinfer.kernels.engram_gate import engram_gate as kernel
+        return kernel(streams, kv, weight, eps)
+    return reference.engram_gate(streams, kv, weight, eps)
+
+
+def engram_gather(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` [T, C] of an FP8 engram table (codes [R, E], scales [R, G]) dequantised on
+    the ids' device -> [T, C, E] in ``dtype`` (see :func:`reference.engram_gather`). The backend
+    follows the ids: the table may be in pinned host memory, which the Triton kernel reads in
+    place (zero-copy) while the reference brings the ids to the host and the rows back."""
+    if use_triton(ids):
+        from deepinfer.kernels.engram_gather import engram_gather as kernel
+        return kernel(codes, scales, ids, dtype)
+    return reference.engram_gather(codes, scales, ids, dtype)

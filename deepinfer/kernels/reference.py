@@ -544,6 +544,39 @@ def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, e
     return (h + gate[..., None] * value.float()[:, None, :]).to(streams.dtype)
 
 
+def engram_scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """Engram table scales as float32: ``float8_e8m0fnu`` or raw ``uint8`` exponent bytes
+    (``2 ** (b - 127)``, the byte 255 NaN as in E8M0), or float32 as is."""
+    if scales.dtype == torch.uint8:
+        values = torch.exp2(scales.float() - 127.0)
+        return values.masked_fill(scales == 255, float("nan"))
+    return scales.float()
+
+
+def engram_gather(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of an FP8 engram table, dequantised: each group of ``E / G`` values of a row
+    times its scale, in float32 (exact: an E4M3 value times a power of two), cast to ``dtype``
+    once. An id outside ``[0, R)`` gives a zero row (a table shard's convention for rows it
+    does not hold).
+
+    codes: [R, E] ``float8_e4m3fn`` (or its bytes as uint8); scales: [R, G] E8M0
+    (``float8_e8m0fnu`` or uint8 exponent bytes) or float32; ids: [...] int64/int32
+    -> [..., E] in ``dtype`` on the ids' device. The table may sit on another device than the
+    ids (a host table): the ids go to the table and the rows come back, a host round trip the
+    Triton kernel does not make (it reads the pinned host table in place).
+    """
+    rows, width = codes.shape
+    groups = scales.shape[1]
+    valid = (ids >= 0) & (ids < rows)
+    idx = torch.where(valid, ids, 0).to(codes.device).long()
+    q = codes[idx]
+    if q.dtype == torch.uint8:
+        q = q.view(torch.float8_e4m3fn)
+    values = q.float().unflatten(-1, (groups, width // groups)) * engram_scale_values(scales[idx])[..., None]
+    values = values.flatten(-2).to(ids.device)
+    return torch.where(valid[..., None], values, 0.0).to(dtype)
+
+
 # -- sampling filters (min-p, top-k, top-p) ----------------------------------------------------------
 # Rows of temperature-scaled logits; a filtered-out token gets -inf. Order: min_p, top_k, top_p.
 

@@ -142,7 +142,7 @@ class V41Compressor(nn.Module):
         completing = completing_tokens(ctx, self.ratio)
         if completing is not None:
             seq, pos = completing
-        pooled = reference.pool_window(state.cache, state.meta.block_table, seq, pos, self.ratio)
+        pooled = backend.pool_window(state.cache, state.meta.block_table, seq, pos, self.ratio)
         return self.kv_norm(pooled.to(x.dtype)), seq, pos + 1 - self.ratio
 
     def entry_index(self, pos: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,7 @@ class V41Indexer(nn.Module):
         scores = backend.indexer_scores(q, weights, keys.cache, slots, self.head_dim ** -0.5, groups)  # [T, N]
         if self.role.candidate_source:
             visible = (slots >= 0).sum(dim=1)
-            shared.candidates = reference.candidate_block_mask(scores, visible, self.block, self.num_blocks)
+            shared.candidates = backend.candidate_block_mask(scores, visible, self.block, self.num_blocks)
         elif self.role.restricted:
             if shared.candidates is None:
                 raise RuntimeError(f"reindex layer reads candidate blocks, but no candidate source ran before it")

@@ -10,6 +10,10 @@ in the layer:
 3. each stream gets ``gate * value`` added, the gate a sigmoid of the signed square root of a
    normalised stream-key dot product (:func:`deepinfer.kernels.reference.engram_gate`).
 
+Tables (:class:`EngramTable`): small ones are dequantised onto the device; large ones (the
+release's ~98 GB each) stay in host memory in their FP8 form, and a step gathers only the rows
+it reads (:func:`table_in_host_memory`, :class:`EngramRows`).
+
 Hash ids are a pure function of the token ids at positions p-N+1 .. p of a request, so chunked
 prefill, prefix caching and speculative rollback need nothing but the request's token history
 (the caller builds the [T, N] lookback windows). The static constants live in
@@ -23,6 +27,8 @@ column ``(order-2)*H + head``), E table row width (head_dim), R table rows.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +39,12 @@ import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, normalizers
 from torch import nn
 
-from deepinfer.kernels import reference
+from deepinfer import env
+from deepinfer.host_memory import HostPin
+from deepinfer.kernels import backend
+from deepinfer.layers import side_stream
+
+logger = logging.getLogger(__name__)
 
 # Decides every n < 3.3e24 (so every int64) when used as Miller-Rabin witnesses.
 _MILLER_RABIN_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
@@ -204,38 +215,188 @@ def engram_hash_ids(cids: torch.Tensor, primes: torch.Tensor, offsets: torch.Ten
     return grams % primes + offsets
 
 
+# Table placement (:func:`table_in_host_memory`): a table whose checkpoint form (FP8 codes
+# and scales) takes at least this many bytes stays in host memory, the rows a step reads
+# gathered and dequantised on the device; smaller ones are dequantised onto the device whole.
+# The release's two tables (98.3 GB of codes + 3.1 GB of scales each) are far above it; the
+# tiny test and default models' (tens of KB) far below. DEEPINFER_ENGRAM_TABLES forces either.
+HOST_TABLE_MIN_BYTES = 1 << 30
+# Values of a table row that share one scale (the release's E8M0 scale per 32).
+SCALE_GROUP = 32
+
+
+def table_bytes(num_embeddings: int, head_dim: int) -> int:
+    """Bytes of a table in its checkpoint form: one E4M3 byte a value, one E8M0 byte a group."""
+    return num_embeddings * head_dim * (SCALE_GROUP + 1) // SCALE_GROUP
+
+
+def table_in_host_memory(num_embeddings: int, head_dim: int) -> bool:
+    """Where a table of ``num_embeddings`` rows of ``head_dim`` lives: in host memory (True) or
+    dequantised on the model's device. DEEPINFER_ENGRAM_TABLES=host/device decides; ``auto``
+    (the default) puts tables of at least :data:`HOST_TABLE_MIN_BYTES` on the host."""
+    placement = env.engram_table_placement()
+    if placement == "auto":
+        return table_bytes(num_embeddings, head_dim) >= HOST_TABLE_MIN_BYTES
+    return placement == "host"
+
+
 class EngramTable(nn.Module):
-    """The hash table ``weight`` [R, E] in the compute dtype; the checkpoint's FP8 rows and
-    per-32 scales are dequantised at load (``models/quant.py`` ``dequant_engram_table``)."""
+    """One engram layer's hash table, in one of two places (:func:`table_in_host_memory`):
 
-    def __init__(self, num_embeddings: int, head_dim: int) -> None:
+    - on the device: ``weight`` [R, E] in the compute dtype, the checkpoint's FP8 rows and
+      per-32 scales dequantised at load (``models/quant.py`` ``dequant_engram_table``);
+    - in host memory: the checkpoint's FP8 form as stored, ``codes`` [R, E] E4M3 and
+      ``scales`` [R, E/32] E8M0, set by :meth:`set_fp8` (the loader maps them read-only from
+      the checkpoint file, ``CausalLM.keeps_quantized``), pinned in place on CUDA
+      (``host_memory.HostPin``). A lookup gathers its rows onto the ids' device and
+      dequantises them there (``backend.engram_gather``: a Triton kernel reading the pinned
+      table through its device-mapped address, so only those rows cross PCIe and the ids never
+      leave the device). Not a parameter or buffer: ``Module.to`` and the state dict leave it be.
+
+    Rows come out equal in both places: the E4M3 value times its power-of-two scale is exact in
+    float32 and rounds once to the compute dtype.
+    """
+
+    def __init__(self, num_embeddings: int, head_dim: int, in_host_memory: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, head_dim))
+        self.num_embeddings = num_embeddings
+        self.head_dim = head_dim
+        self.in_host_memory = in_host_memory
+        self.host: HostPin | None = None
+        if not in_host_memory:
+            self.weight = nn.Parameter(torch.empty(num_embeddings, head_dim))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+    @property
+    def codes(self) -> torch.Tensor | None:
+        """A host-memory table's E4M3 codes [R, E] (None until loaded or on the device)."""
+        return None if self.host is None else self.host.tensors[0]
+
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """A host-memory table's E8M0 scales [R, E/32] (None until loaded or on the device)."""
+        return None if self.host is None else self.host.tensors[1]
+
+    def set_fp8(self, codes: torch.Tensor, scales: torch.Tensor, device: torch.device,
+                name: str = "engram.embed") -> None:
+        """Keep a host-memory table: codes [R, E] ``float8_e4m3fn``, scales [R, E/32]
+        ``float8_e8m0fnu`` (or raw uint8 exponent bytes), both on the CPU, as the checkpoint
+        stores them; pinned for ``device``'s kernels when it is CUDA. ``name`` names the table
+        in errors and the log line."""
+        if not self.in_host_memory:
+            raise RuntimeError(f"{name}: the table is on the device; set_fp8 keeps host-memory tables only")
+        shape = (self.num_embeddings, self.head_dim)
+        if codes.dtype != torch.float8_e4m3fn or tuple(codes.shape) != shape:
+            raise ValueError(f"{name}: a host-memory engram table takes the checkpoint's FP8 form, float8_e4m3fn "
+                             f"{shape}; got {codes.dtype} {tuple(codes.shape)} (DEEPINFER_ENGRAM_TABLES=device "
+                             "dequantises any table onto the device instead)")
+        groups = (self.num_embeddings, self.head_dim // SCALE_GROUP)
+        if scales.dtype not in (torch.float8_e8m0fnu, torch.uint8) or tuple(scales.shape) != groups:
+            raise ValueError(f"{name}: its scales must be E8M0 (float8_e8m0fnu or uint8 exponent bytes) of shape "
+                             f"{groups}, one per {SCALE_GROUP} values of a row; got {scales.dtype} "
+                             f"{tuple(scales.shape)}")
+        if codes.device.type != "cpu" or scales.device.type != "cpu":
+            raise ValueError(f"{name}: a host-memory table must be given on the CPU, got {codes.device}")
+        self.host = HostPin([codes, scales], device)
+        logger.info("%s: %.3g GB FP8 table in host memory for %s (%s)", name, table_bytes(*shape) / 1e9,
+                    device, ", ".join(sorted(set(self.host.how))))
+
+    def fill_dummy_(self, generator: torch.Generator, device: torch.device) -> None:
+        """Random weights (``models/dummy.py``) for a host-memory table, values ``N(0, 1/E)`` as
+        dummy embeddings get: E4M3 codes of ``N(0, 8^2)`` times one scale ``2^round(log2(E^-0.5 / 8))``.
+        A device table is a parameter, filled with the others."""
+        if not self.in_host_memory:
+            return
+        codes = torch.empty(self.num_embeddings, self.head_dim, dtype=torch.float8_e4m3fn)
+        flat = codes.view(-1)
+        chunk = 1 << 26
+        for i in range(0, flat.numel(), chunk):
+            n = min(chunk, flat.numel() - i)
+            flat[i:i + n] = (torch.randn(n, generator=generator) * 8.0).to(torch.float8_e4m3fn)
+        exponent = round(math.log2(self.head_dim ** -0.5 / 8.0))
+        scales = torch.full((self.num_embeddings, self.head_dim // SCALE_GROUP), 127 + exponent, dtype=torch.uint8)
+        self.set_fp8(codes, scales.view(torch.float8_e8m0fnu), device)
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [T, C] (on the model's device) -> rows [T, C*E] in ``dtype`` (the device table's
+        own dtype when on the device)."""
+        if not self.in_host_memory:
+            return F.embedding(ids, self.weight).flatten(1)
+        if self.host is None:
+            raise RuntimeError("a host-memory engram table was never loaded (set_fp8): the checkpoint lacks it")
+        return backend.engram_gather(self.codes, self.scales, ids, dtype).flatten(1)
 
 
 class Engram(nn.Module):
-    """One layer's Engram: streams [T, n, D] and hash ids [T, C] -> new streams [T, n, D]."""
+    """One layer's Engram: streams [T, n, D] and the layer's table rows [T, C*E] (:meth:`lookup`
+    of its hash ids) -> new streams [T, n, D]."""
 
     def __init__(self, hidden_size: int, hc_mult: int, n_orders: int, n_heads: int, head_dim: int,
-                 num_embeddings: int, eps: float) -> None:
+                 num_embeddings: int, eps: float, table_in_host: bool = False) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.hc_mult = hc_mult
         self.eps = eps
-        self.embed = EngramTable(num_embeddings, head_dim)
+        self.embed = EngramTable(num_embeddings, head_dim, table_in_host)
         # Output rows: n keys (stream-major, D each), then the value (D).
         self.wkv = nn.Linear(n_orders * n_heads * head_dim, (hc_mult + 1) * hidden_size, bias=False)
         self.q_weight = nn.Parameter(torch.empty(hc_mult, hidden_size))
         self.k_weight = nn.Parameter(torch.empty(hc_mult, hidden_size))
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """streams: [T, n, D] (read only, may be an expanded view); hash_ids: int64 [T, C]
-        -> [T, n, D] in streams.dtype."""
-        rows = self.embed(hash_ids).flatten(1)                                  # [T, C*E]
+    def lookup(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """hash_ids: int64 [T, C] -> the table rows [T, C*E] in the projection's dtype."""
+        return self.embed(hash_ids, self.wkv.weight.dtype)
+
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """streams: [T, n, D] (read only, may be an expanded view); rows: [T, C*E] from
+        :meth:`lookup` -> [T, n, D] in streams.dtype."""
         kv = self.wkv(rows)                                                     # [T, (n+1)*D]
         # The two weights only ever act as their product.
         weight = self.q_weight.float() * self.k_weight.float()                  # [n, D]
-        return reference.engram_gate(streams, kv, weight, self.eps)
+        return backend.engram_gate(streams, kv, weight, self.eps)
+
+
+class EngramRows:
+    """Every engram layer's table rows for one forward, looked up as soon as the hash ids
+    exist: they depend on the tokens only.
+
+    When a table is in host memory the lookups run on the ``"engram"`` side-stream lane
+    (``side_stream``, for any token count: they wait on PCIe, not on the GPU's compute), forked
+    at the top of the forward, so they overlap the layers before each engram layer; each
+    engram layer joins only its own lookup (an event after it). With every table on the device
+    they run inline (an on-device embedding takes microseconds). The hash ids, made on the
+    main stream and read by the lane, are held until :meth:`finish` joins the lane; a row
+    tensor, made on the lane, is handed to the main stream only after its join. ``finish``
+    must run before the forward ends: a CUDA-graph capture must rejoin every stream it forked.
+    """
+
+    def __init__(self, engrams: dict[int, Engram], hash_ids: torch.Tensor) -> None:
+        """engrams: the engram modules by layer index, in hash-index order; hash_ids:
+        [T, n_engram_layers, C]."""
+        overlap = any(e.embed.in_host_memory for e in engrams.values())
+        self._side = side_stream.fork(hash_ids, max_tokens=None, lane="engram") if overlap else None
+        # Read by the lane until finish(): held so the allocator cannot hand its block to the
+        # main stream while a gather still reads it.
+        self._hash_ids: torch.Tensor | None = hash_ids
+        self._rows: dict[int, torch.Tensor] = {}
+        self._ready: dict[int, torch.cuda.Event | None] = {}
+        with side_stream.on(self._side):
+            for k, (layer_idx, engram) in enumerate(engrams.items()):
+                self._rows[layer_idx] = engram.lookup(hash_ids[:, k])
+                self._ready[layer_idx] = side_stream.mark(self._side)
+
+    def pop(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s rows [T, C*E], ready for the current stream."""
+        side_stream.join(self._ready.pop(layer_idx))
+        return self._rows.pop(layer_idx)
+
+    def take(self, rows: torch.Tensor) -> None:
+        """Keep only the token rows ``rows`` [T'] of the lookups not used yet (bounded replay)."""
+        self.finish()
+        self._rows = {i: r.index_select(0, rows) for i, r in self._rows.items()}
+        self._ready = dict.fromkeys(self._rows)
+
+    def finish(self) -> None:
+        """Join the lane (no-op when inline or already joined)."""
+        side_stream.join(self._side)
+        self._side = None
+        self._hash_ids = None

@@ -23,7 +23,15 @@ device-global scratch state between launches (``hc_pre``'s block counters): two 
 would then run concurrently.
 
 Only on CUDA, for at most :data:`MAX_TOKENS` tokens (prefill kernels fill the GPU on their
-own), and unless ``DEEPINFER_SIDE_STREAM=0``.
+own; a branch that waits on something else than the GPU's compute, as DeepSeek-V4.1's
+host-memory engram gathers wait on PCIe, lifts the cap with ``max_tokens=None``), and unless
+``DEEPINFER_SIDE_STREAM=0``.
+
+Lanes: each ``lane`` name is a stream of its own, so a long branch (the engram gathers, started
+at the top of a forward and joined layers later) does not hold up the short ones queued behind
+it. The memory rule above holds per lane. A branch can also be joined in parts:
+``mark(side)`` records an event after what was enqueued so far, and ``join(event)`` waits for
+that part only.
 """
 
 from __future__ import annotations
@@ -37,21 +45,30 @@ from deepinfer import env
 
 MAX_TOKENS = 256
 
-_streams: dict[int, torch.cuda.Stream] = {}
+_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 
 
-def fork(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """The side stream, made to wait for the current stream's work so far; None when
-    ``x`` (the branch's input, [T, ...]) is not on CUDA, has more than :data:`MAX_TOKENS`
-    rows, or the side stream is switched off."""
-    if not x.is_cuda or x.shape[0] > MAX_TOKENS or not env.side_stream_enabled():
+def fork(x: torch.Tensor, max_tokens: int | None = MAX_TOKENS, lane: str = "branch") -> torch.cuda.Stream | None:
+    """The side stream of ``lane``, made to wait for the current stream's work so far; None
+    when ``x`` (the branch's input, [T, ...]) is not on CUDA, has more than ``max_tokens``
+    rows (None: no cap), or the side stream is switched off."""
+    if not x.is_cuda or (max_tokens is not None and x.shape[0] > max_tokens) or not env.side_stream_enabled():
         return None
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    side = _streams.get(index)
+    side = _streams.get((index, lane))
     if side is None:
-        side = _streams[index] = torch.cuda.Stream(device=index)
+        side = _streams[index, lane] = torch.cuda.Stream(device=index)
     side.wait_stream(torch.cuda.current_stream(index))
     return side
+
+
+def mark(side: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event after the work enqueued on ``side`` so far (None when side is None)."""
+    if side is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(side)
+    return event
 
 
 @contextlib.contextmanager
@@ -64,7 +81,10 @@ def on(side: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-def join(side: torch.cuda.Stream | None) -> None:
-    """Make the current stream wait for the branch run on ``side`` (no-op when None)."""
-    if side is not None:
+def join(side: torch.cuda.Stream | torch.cuda.Event | None) -> None:
+    """Make the current stream wait for the branch run on ``side``, or for the part of it
+    before a :func:`mark` event (no-op when None)."""
+    if isinstance(side, torch.cuda.Event):
+        torch.cuda.current_stream().wait_event(side)
+    elif side is not None:
         torch.cuda.current_stream(side.device).wait_stream(side)

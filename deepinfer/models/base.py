@@ -115,6 +115,14 @@ class CausalLM(nn.Module):
         directory: a model that needs more than tensors (e.g. DeepSeek-V4.1's engram token
         map, built from tokenizer.json) reads it here. The default reads nothing."""
 
+    def keeps_quantized(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` reaches :meth:`load_weights` as stored: not
+        dequantised (a quantised weight and its scale both pass), and mapped read-only from its
+        file by ``models.loader`` rather than read, because the model keeps it in host memory
+        as it is (DeepSeek-V4.1's host-memory engram tables). Such a tensor must never be
+        written. The default keeps nothing."""
+        return False
+
     def after_load(self) -> None:
         """Called once by ``models.loader.load_model`` after the weights are in place
         (loaded or dummy), before the first forward: a model may re-lay out its weights

@@ -24,7 +24,8 @@ and ``candidate_source_layer_id`` (:func:`layer_roles`); no layer index is hard-
 
 Checkpoint: the release layout (``text_config`` flattened by ModelConfig), raw DeepSeek
 names (``layers.L.attn.wq_a``, ``layers.L.ffn.experts.E.w1``, ``hc_attn_fn``, ``embed``,
-``head``, ``norm``), FP8/FP4 weights dequantised on load. Vision tensors are skipped (the
+``head``, ``norm``), FP8/FP4 weights dequantised on load (but for the engram tables kept in
+host memory, which stay FP8: layers/engram.py). Vision tensors are skipped (the
 model is served text-only); ``mtp.*`` tensors (the DSpark drafter) are kept as
 :attr:`DeepseekV41ForCausalLM.drafter_tensors`.
 """
@@ -49,7 +50,8 @@ from deepinfer.layers.deepseek_v41_attention import (DeepseekV41Attention, Deeps
 from deepinfer.layers.deepseek_v4_attention import StepCaches
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE
-from deepinfer.layers.engram import Engram, EngramLayout, build_token_map, engram_hash_ids
+from deepinfer.layers.engram import (Engram, EngramLayout, EngramRows, build_token_map, engram_hash_ids,
+                                     table_in_host_memory)
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, remap_block_tensor
@@ -216,8 +218,10 @@ class DeepseekV41DecoderLayer(nn.Module):
         self.engram: Engram | None = None
         if i in args.engram_layer_ids:
             k = args.engram_layer_ids.index(i)
+            rows = int(args.engram_layout.primes[k].sum())
             self.engram = Engram(d, args.hc_mult, args.engram_max_ngram_size - 1, args.engram_n_heads,
-                                 args.engram_head_dim, int(args.engram_layout.primes[k].sum()), eps)
+                                 args.engram_head_dim, rows, eps,
+                                 table_in_host=table_in_host_memory(rows, args.engram_head_dim))
 
     @staticmethod
     def _connect(hc: HyperConnection, streams: torch.Tensor, pre_in: torch.Tensor,
@@ -229,10 +233,11 @@ class DeepseekV41DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
                 ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: StepCaches, shared: V41Shared,
-                hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # streams: [T, n, Hd]; pre_mix: [T, n] float32 (None: stream 0) -> (streams, this layer's FFN pre)
+                engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # streams: [T, n, Hd]; pre_mix: [T, n] float32 (None: stream 0); engram_rows: [T, C*E] this
+        # layer's engram table rows -> (streams, this layer's FFN pre)
         if self.engram is not None:
-            streams = self.engram(streams, hash_ids)
+            streams = self.engram(streams, engram_rows)
         if pre_mix is None:
             # The first layer's input is stream 0: a one-hot collapse, exact in float32.
             pre_mix = torch.zeros(streams.shape[:2], dtype=torch.float32, device=streams.device)
@@ -306,7 +311,12 @@ class DeepseekV41Model(nn.Module):
                                      "cache each sequence must be given whole, from position 0")
         embeds = self.embed_tokens(input_ids)
         caches = StepCaches(ctx, cached, embeds)
-        hash_ids = self._hash_ids(input_ids, ctx, caches) if self.engram_layout is not None else None
+        engram = None
+        if self.engram_layout is not None:
+            # Every engram layer's rows, looked up now (overlapped with the layers before them
+            # when a table is in host memory).
+            engram = EngramRows({i: self.layers[i].engram for i in self.engram_layout.layer_ids},
+                                self._hash_ids(input_ids, ctx, caches))
         streams = embeds[:, None, :].expand(-1, self.hc_mult, -1)                 # [T, n, Hd]
         ropes = {"main": self.rope_main, "compress": self.rope_compress}
         shared, pre_mix = V41Shared(), None
@@ -319,11 +329,13 @@ class DeepseekV41Model(nn.Module):
                 ctx, caches = replay.ctx, StepCaches(replay.ctx, True, streams)
                 replay.full_pre = pre_mix
                 streams, pre_mix, input_ids = replay.take(streams), replay.take(pre_mix), replay.take(input_ids)
-                hash_ids = replay.take(hash_ids)
+                if engram is not None:
+                    engram.take(replay.rows)
                 shared = replay.shared(shared)
-            k = self.engram_layout.layer_ids.index(layer.layer_idx) if layer.engram is not None else 0
             streams, pre_mix = layer(streams, pre_mix, input_ids, ctx, ropes, caches, shared,
-                                     hash_ids[:, k] if layer.engram is not None else None)
+                                     engram.pop(layer.layer_idx) if layer.engram is not None else None)
+        if engram is not None:
+            engram.finish()
         if replay is not None and not replay.empty:
             # Rows the late layers skipped keep the early layers' output: nothing samples them
             # (the last prompt token is always replayed, prompt-logprob requests replay all).
@@ -398,6 +410,7 @@ _LAYER_RENAMES = (
 _TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.weight",
                 "norm.weight": "model.norm.weight"}
 _LAYER_NAME = re.compile(r"^layers\.(?P<idx>\d+)\.(?P<rest>.+)$")
+_ENGRAM_TABLE_NAME = re.compile(r"^layers\.(?P<idx>\d+)\.engram\.embed\.(?P<part>weight|scale|weight_scale_inv)$")
 # Image-only tensors: the engine serves the model text-only.
 _VISION_PREFIXES = ("vision.", "aligner.", "image_")
 _VISION_SUFFIXES = (".gate.bias_vl",)
@@ -489,15 +502,41 @@ class DeepseekV41ForCausalLM(CausalLM):
             return name
         return remap_block_tensor(self, name, f"model.layers.{m['idx']}", m["rest"], _LAYER_RENAMES)
 
+    def _host_table(self, name: str) -> tuple[int, str] | None:
+        """(layer, "codes" or "scales") when checkpoint tensor ``name`` is part of an engram table
+        kept in host memory."""
+        m = _ENGRAM_TABLE_NAME.match(name)
+        if m is None or int(m["idx"]) >= len(self.model.layers):
+            return None
+        engram = self.model.layers[int(m["idx"])].engram
+        if engram is None or not engram.embed.in_host_memory:
+            return None
+        return int(m["idx"]), "codes" if m["part"] == "weight" else "scales"
+
+    def keeps_quantized(self, name: str) -> bool:
+        """The host-memory engram tables and their scales: kept as the checkpoint stores them."""
+        return self._host_table(name) is not None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the release layout: vision tensors skipped (one log line), ``mtp.*`` kept in
-        :attr:`drafter_tensors`, FP8/FP4 tensors dequantised with their scales."""
+        :attr:`drafter_tensors`, FP8/FP4 tensors dequantised with their scales, except the
+        engram tables kept in host memory, which keep their FP8 codes and scales as given
+        (mapped from the file by the loader) and are pinned for the model's device."""
         skipped = 0
+        host_tables: dict[int, dict[str, torch.Tensor]] = {
+            i: {} for i, layer in enumerate(self.model.layers)
+            if layer.engram is not None and layer.engram.embed.in_host_memory}
 
         def text_only() -> Iterable[tuple[str, torch.Tensor]]:
             nonlocal skipped
             for name, tensor in weights:
-                if name.startswith(_VISION_PREFIXES) or name.endswith(_VISION_SUFFIXES):
+                table = self._host_table(name)
+                if table is not None:
+                    if table[1] in host_tables[table[0]]:
+                        raise ValueError(f"checkpoint tensor {name!r}: the {table[1]} of layer {table[0]}'s "
+                                         "engram table are given twice")
+                    host_tables[table[0]][table[1]] = tensor
+                elif name.startswith(_VISION_PREFIXES) or name.endswith(_VISION_SUFFIXES):
                     skipped += 1
                 elif name.startswith("mtp."):
                     self.drafter_tensors[name] = tensor
@@ -507,3 +546,13 @@ class DeepseekV41ForCausalLM(CausalLM):
         super().load_weights(pair_scales(text_only(), fp8_block=32))
         if skipped:
             logger.info("skipped %d vision tensor(s): DeepSeek-V4.1 is served text-only", skipped)
+        device = self.lm_head.weight.device
+        for i, parts in host_tables.items():
+            name = f"layers.{i}.engram.embed"
+            if "codes" not in parts or "scales" not in parts:
+                given = f" (given: {name}.weight, {parts['codes'].dtype})" if "codes" in parts else ""
+                raise ValueError(f"checkpoint is missing the FP8 engram table of layer {i} that "
+                                 f"{type(self).__name__} keeps in host memory: {name}.weight (float8_e4m3fn) "
+                                 f"and {name}.scale (E8M0){given}; DEEPINFER_ENGRAM_TABLES=device dequantises "
+                                 "a table of any dtype onto the device instead")
+            self.model.layers[i].engram.embed.set_fp8(parts["codes"], parts["scales"], device, name)

@@ -13,6 +13,10 @@ and are scaled so activations stay O(1) through the layers:
 - other vectors (attention sinks, hyper-connection bases and scales): ``N(0, 0.5^2)``;
 - token -> expert tables (``tid2eid``, hash routing): K distinct uniform expert ids per row.
 
+Weights a module keeps outside its state dict (DeepSeek-V4.1's host-memory engram tables) are
+filled by the module's own ``fill_dummy_(generator, device)``, with a CPU generator seeded by
+its module name.
+
 Draws are float32, in chunks of ``_CHUNK`` elements (bounded temporary memory on the
 device), cast to the tensor's dtype.
 """
@@ -80,3 +84,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             continue
         seen.add(id(tensor))
         fill_dummy_(tensor.data, name, seed, num_experts)
+    device = next(model.parameters()).device
+    for name, module in model.named_modules():
+        fill = getattr(module, "fill_dummy_", None)
+        if fill is not None:
+            fill(_generator(name, seed, torch.device("cpu")), device)

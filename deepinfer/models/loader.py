@@ -9,7 +9,8 @@ and the models' ``remap_weight_name``).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from deepinfer.config import ModelConfig
+from deepinfer.host_memory import map_file
 from deepinfer.models.base import CausalLM
 from deepinfer.models.dummy import init_dummy_weights
 from deepinfer.models.quant import pair_scales
@@ -46,12 +48,48 @@ def checkpoint_files(path: str) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at ``path``, on the CPU, one file at a time."""
+# safetensors dtype names -> torch dtypes, for tensors mapped straight from a file.
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+
+
+def _mapped_tensor(file: Path, header: dict, data_start: int, name: str) -> torch.Tensor:
+    """Tensor ``name`` of a safetensors file as a read-only shared map of its bytes."""
+    entry = header[name]
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"checkpoint tensor {name!r} in {file} has dtype {entry['dtype']}, which cannot be "
+                         f"mapped; mappable: {', '.join(_SAFETENSORS_DTYPES)}")
+    begin, end = entry["data_offsets"]
+    return map_file(file, data_start + begin, end - begin, _SAFETENSORS_DTYPES[entry["dtype"]],
+                    tuple(entry["shape"]))
+
+
+def _header(file: Path) -> tuple[dict, int]:
+    """(the safetensors header: name -> dtype, shape, data_offsets; where the data starts)."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+
+
+def iter_checkpoint(path: str, mapped: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path``, on the CPU, one file at a time. Tensors
+    named so that ``mapped(name)`` is true come as read-only shared maps of their bytes in the
+    file (``host_memory.map_file``: never read until used, never copied, never to be written)."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names = list(f.keys())
+            header = None
+            for name in names:
+                if mapped is not None and mapped(name):
+                    if header is None:
+                        header = _header(file)
+                    yield name, _mapped_tensor(file, *header, name)
+                else:
+                    yield name, f.get_tensor(name)
 
 
 def fp8_block_size(hf_config: dict) -> int:
@@ -63,10 +101,14 @@ def fp8_block_size(hf_config: dict) -> int:
     return int(block[0])
 
 
-def iter_weights(path: str, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, hf_config: dict,
+                 keep_quantized: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model takes them: FP8/FP4 weights dequantised
-    with their scale tensors (which are consumed), everything else unchanged."""
-    return pair_scales(iter_checkpoint(path), fp8_block=fp8_block_size(hf_config))
+    with their scale tensors (which are consumed), everything else unchanged. Tensors named
+    so that ``keep_quantized(name)`` is true (``CausalLM.keeps_quantized``) pass as stored,
+    mapped from the file (:func:`iter_checkpoint`)."""
+    return pair_scales(iter_checkpoint(path, keep_quantized), fp8_block=fp8_block_size(hf_config),
+                       keep=keep_quantized)
 
 
 @contextmanager
@@ -97,7 +139,7 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_weights(model_config.path, model_config.hf_config))
+        model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized))
     model.after_load()
     model.requires_grad_(False)
     return model.eval()

@@ -19,7 +19,7 @@ matches them in a stream of checkpoint tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -117,9 +117,12 @@ def scale_name_for(weight_name: str, names: Mapping[str, object]) -> str | None:
 
 
 def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], fp8_block: int = 128,
-                fp4_group: int = 32) -> Iterator[tuple[str, torch.Tensor]]:
+                fp4_group: int = 32,
+                keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream checkpoint tensors with each quantised ``X.weight`` replaced by its float32
-    dequantisation and its scale tensor consumed; other tensors pass through.
+    dequantisation and its scale tensor consumed; other tensors pass through, and so do
+    tensors named so that ``keep(name)`` is true (a weight the model keeps quantised, and its
+    scale).
 
     A tensor named like a scale (``X.scale``) is only a scale if a quantised ``X.weight``
     exists: DeepSeek-V4's HF names also use ``.scale`` for plain parameters
@@ -129,6 +132,9 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], fp8_block: int = 12
     weights_waiting: dict[str, tuple[str, torch.Tensor]] = {}   # prefix -> (name, quantised weight)
     scales_waiting: dict[str, tuple[str, torch.Tensor]] = {}    # prefix -> (name, scale)
     for name, tensor in weights:
+        if keep is not None and keep(name):
+            yield name, tensor
+            continue
         suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is not None:
             prefix = name[: -len(suffix)]

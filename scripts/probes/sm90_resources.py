@@ -37,6 +37,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from deepinfer.kernels import fused_moe, hyper_connection, indexer, rms_norm, topk  # noqa: E402
+from deepinfer.kernels import candidate_blocks, engram_gate, engram_gather, pool_window  # noqa: E402
 from deepinfer.kernels import sparse_attention, sparse_attention_gluon  # noqa: E402
 
 
@@ -241,6 +242,53 @@ def _topk(block: int, warps: int) -> Case:
                 warps, 1, options={"launch_pdl": True})
 
 
+# --- DeepSeek-V4.1-Flash's own kernels at the release's shapes ----------------------------------
+
+def _engram_gather() -> Case:
+    # A host table (its pointer not 16-byte aligned inside a safetensors file), 24 columns of
+    # 256 values, 8 E8M0 scales a row, bf16 rows out; 16 rows a program.
+    types = {"codes_ptr": "*u8", "scales_ptr": "*u8", "ids_ptr": "*i64", "out_ptr": "*bf16", "n_pairs": "i32",
+             "num_rows": "i32", "stride_codes_row": "i32", "stride_scales_row": "i32", "stride_ids_t": "i32",
+             "stride_out_t": "i32"}
+    return Case(engram_gather._engram_gather_kernel, types,
+                dict(stride_ids_c=1, COLS=24, WIDTH=256, GROUPS=8, BLOCK_R=16, BLOCK_G=8, GROUP_SIZE=32,
+                     SCALE_BYTES=True, PDL=True),
+                {"ids_ptr", "out_ptr", "stride_codes_row", "stride_ids_t", "stride_out_t"}, 4, 3,
+                options={"launch_pdl": True})
+
+
+def _pool_window() -> Case:
+    # Ratio-2 bf16 states of 512 channels in 64-token pages.
+    types = {"state_ptr": "*bf16", "table_ptr": "*i32", "seq_ptr": "*i32", "pos_ptr": "*i64", "out_ptr": "*fp32",
+             "stride_state_block": "i32", "stride_state_offset": "i32", "stride_state_tensor": "i32",
+             "stride_table_row": "i32", "stride_out_row": "i32"}
+    divisible = {n for n in types if n.endswith("_ptr") or n.startswith("stride")}
+    return Case(pool_window._pool_window_kernel, types,
+                dict(stride_table_col=1, RATIO=2, HEAD_DIM=512, STATE_BS=64, TABLE_COLS=2048, BLOCK_S=2,
+                     BLOCK_D=512, PDL=True), divisible, 4, 3, options={"launch_pdl": True})
+
+
+def _candidate_blocks(keep: bool) -> Case:
+    # Runs of 8 over a ratio-1 stream at 128K tokens; the keep pass's chunks of 1024 runs.
+    types = {"scores_ptr": "*fp32", "visible_ptr": "*i64", "runs_ptr": "*fp32", "out_ptr": "*u8", "n_keys": "i32",
+             "n_runs": "i32", "k": "i32", "stride_scores_t": "i32", "stride_runs_t": "i32", "stride_out_t": "i32"}
+    kernel = candidate_blocks._keep_blocks_kernel if keep else candidate_blocks._block_max_kernel
+    types = {n: t for n, t in types.items() if n in kernel.arg_names}
+    return Case(kernel, types, dict(BLOCK=8, BLOCK_P2=8, BLOCK_B=1024 if keep else 512, PDL=True), set(types),
+                4, 3, options={"launch_pdl": True})
+
+
+def _engram_gate() -> Case:
+    # 4 bf16 streams of 5120 (the first layer's stride-0 expansion has stride_streams_n = 0, not
+    # specialised here), 1024-value tiles.
+    types = {"streams_ptr": "*bf16", "kv_ptr": "*bf16", "weight_ptr": "*fp32", "out_ptr": "*bf16", "eps": "fp32",
+             "inv_sqrt_d": "fp32", "stride_streams_t": "i32", "stride_streams_n": "i32", "stride_kv_t": "i32",
+             "stride_weight_n": "i32", "stride_out_t": "i32", "stride_out_n": "i32"}
+    divisible = {n for n in types if n.endswith("_ptr") or n.startswith("stride")}
+    return Case(engram_gate._engram_gate_kernel, types, dict(N_STREAMS=4, HIDDEN=5120, BLOCK_D=1024, PDL=True),
+                divisible, 4, 3, options={"launch_pdl": True})
+
+
 def _v4_moe(t: int) -> fused_moe.MoEConfig:
     return fused_moe.pick_config(t, 6, 256, 4096, 2048)
 
@@ -281,6 +329,11 @@ CASES: dict[str, Callable[[], Case]] = {
     "hc_post_D4096_copies": lambda: _hc_post(True),
     "hc_collapse_norm_D4096": lambda: _hc_collapse(True),
     "hc_rms_norm_D4096": _rms_norm_row,
+    "v41_engram_gather_C24_E256": _engram_gather,
+    "v41_pool_window_r2_D512": _pool_window,
+    "v41_candidate_block_max": lambda: _candidate_blocks(False),
+    "v41_candidate_keep_blocks": lambda: _candidate_blocks(True),
+    "v41_engram_gate_D5120": _engram_gate,
 }
 
 

@@ -79,10 +79,25 @@ def test_siblings_fork_from_the_prompt(expected):
         assert [c.token_ids for c in o.outputs] == [expected["greedy_noquant"][i, :12].tolist()] * 3
 
 
+def test_host_memory_engram_tables_match_the_official_reference(expected, monkeypatch):
+    # The release's placement (FP8 tables in host memory, rows gathered per step) through
+    # chunked prefill and prefix-cache hits.
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", "host")
+    llm = make_llm(max_num_batched_tokens=16, block_size=4)
+    assert llm.engine.model.model.layers[1].engram.embed.in_host_memory
+    ps = prompts(expected)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+        assert got == expected["greedy_noquant"].tolist()
+
+
 def test_triton_kernels_match_the_official_reference(expected, monkeypatch):
     # The CUDA path's kernels (sparse attention, rope, kv norm, store, indexer scores and
-    # top-k, fused MoE, hyper-connections) in Triton's CPU interpreter: same tokens.
+    # top-k, pair pooling, candidate blocks, fused MoE, hyper-connections, the engram gate and
+    # the engram row gather from host-memory tables, the release's placement) in Triton's CPU
+    # interpreter: same tokens.
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("DEEPINFER_ENGRAM_TABLES", "host")
     llm = make_llm(max_num_batched_tokens=16, block_size=4)
     picked = [2, 7]
     ps = [prompts(expected)[i] for i in picked]

@@ -216,7 +216,7 @@ def test_engram_matches_fp32_transcription(dtype):
     streams = torch.randn(t, n, d, generator=g).to(dtype)
     hash_ids = torch.randint(0, 660, (t, 6), generator=g)
     with torch.no_grad():
-        got = module(streams, hash_ids)
+        got = module(streams, module.lookup(hash_ids))
     assert got.dtype == dtype and got.shape == (t, n, d)
     want = engram_fp32(streams, hash_ids, module.embed.weight, module.wkv.weight, module.q_weight,
                        module.k_weight, 1e-20, kv_dtype=dtype)
@@ -236,8 +236,8 @@ def test_engram_reads_expanded_streams_and_zero_dot_gate():
     streams = x[:, None, :].expand(5, 4, 64)      # the first layer's stride-0 streams
     hash_ids = torch.randint(0, 660, (5, 6), generator=g)
     with torch.no_grad():
-        got = module(streams, hash_ids)
-        value = module.wkv(module.embed(hash_ids).flatten(1))[:, 4 * 64:]
+        got = module(streams, module.lookup(hash_ids))
+        value = module.wkv(module.lookup(hash_ids))[:, 4 * 64:]
     assert torch.equal(streams, x[:, None, :].expand(5, 4, 64))
     large = value.abs() > 0.5                     # where the gate is well determined by (out - x) / value
     gate = ((got[:, 2] - x) / value)[large]
@@ -290,7 +290,7 @@ def test_engram_with_reference_checkpoint_tensors(token_map):
     g = torch.Generator().manual_seed(2)
     streams = torch.randn(len(hash_ids), n, d, generator=g)
     with torch.no_grad():
-        got = module(streams, hash_ids)
+        got = module(streams, module.lookup(hash_ids))
     want = engram_fp32(streams, hash_ids, module.embed.weight, module.wkv.weight, module.q_weight,
                        module.k_weight, c["rms_norm_eps"])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

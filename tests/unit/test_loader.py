@@ -150,3 +150,25 @@ def test_unknown_architecture_lists_supported(llama, tmp_path):
     assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
             "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"} == set(supported_architectures())
     assert get_model_class("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"
+
+
+def test_mapped_tensors_are_read_only_maps_of_the_file():
+    """``iter_checkpoint(mapped=...)``: the named tensors come as read-only shared maps of their
+    bytes in the file (what the host-memory engram tables keep), equal to the loaded ones."""
+    path = Path(__file__).resolve().parents[1] / "data" / "v41_reference" / "checkpoint"
+    loaded = dict(iter_checkpoint(str(path)))
+    mapped = dict(iter_checkpoint(str(path), mapped=lambda name: ".engram." in name or name.startswith("embed")))
+    assert loaded.keys() == mapped.keys()
+    names = [n for n in loaded if ".engram." in n or n.startswith("embed")]
+    assert {str(loaded[n].dtype) for n in names} >= {"torch.float8_e4m3fn", "torch.float8_e8m0fnu",
+                                                      "torch.bfloat16"}
+    with open("/proc/self/maps") as f:
+        maps = [line.split() for line in f]
+    for name in names:
+        a, b = loaded[name], mapped[name]
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), name
+        address = b.data_ptr()
+        spans = [(int(lo, 16), int(hi, 16), m[1]) for m in maps for lo, hi in [m[0].split("-")]]
+        perms = [p for lo, hi, p in spans if lo <= address < hi]
+        assert perms == ["r--s"], name

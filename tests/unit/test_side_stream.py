@@ -29,3 +29,8 @@ def test_bad_switch_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("DEEPINFER_SIDE_STREAM", "on")
     with pytest.raises(ValueError, match="DEEPINFER_SIDE_STREAM='on'"):
         env.side_stream_enabled()
+
+
+def test_lanes_and_marks_run_inline_off_cuda():
+    assert side_stream.fork(torch.randn(1000, 8), max_tokens=None, lane="engram") is None
+    assert side_stream.mark(None) is None
