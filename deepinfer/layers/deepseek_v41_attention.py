@@ -32,12 +32,13 @@ forward passes a :class:`V41Shared` through the layers: a source layer publishes
 entry and key caches, an index layer its selection (and the candidate source its mask),
 and later layers read them.
 
-KV cache per layer: ``window_cache`` (sliding W, D); a ratio-2 source adds a
-``state_cache`` (sliding W: each token's projected kv and raw gate, so the open pair is
-recomputed exactly after chunking, preemption or a prefix hit) and ``entry_cache``
-(compressed, ratio 2); a ratio-1 source's ``entry_cache`` is a full cache (one entry per
-token); key owners add ``key_cache`` beside the entries, in the same group, so a key's
-slot is its entry's slot.
+KV cache per layer: ``window_cache`` (sliding W, D; an MXFP8 record a row when packed); a
+ratio-2 source adds a ``state_cache`` (sliding W: each token's projected kv and raw gate, so
+the open pair is recomputed exactly after chunking, preemption or a prefix hit) and
+``entry_cache`` (compressed, ratio 2; NVFP4 records when packed); a ratio-1 source's ``entry_cache`` is a
+full cache (one entry per token); key owners add ``key_cache`` (MXFP4 records when packed)
+beside the entries, in the same group, so a key's slot is its entry's slot. The state
+cache is always values of the cache dtype.
 
 Shapes: T tokens, Hd hidden, H heads, D head_dim, R rope dims, W window, N entry slots
 per token (``ceil(max_seq_len / ratio)``), K selected entries, Hi/Di index heads/dim.
@@ -117,6 +118,9 @@ class DeepseekV41AttentionConfig:
                            num_tensors=1, **kw)
 
 
+_ROUND = {"mxfp8": reference.round_mxfp8, "nvfp4": reference.round_nvfp4, "mxfp4": reference.round_mxfp4}
+
+
 def store_rows(view: PagedView, slot_mapping: torch.Tensor, x: torch.Tensor, fmt: str, round_kv: bool) -> None:
     """Store rows x [T, C] at their slots (-1: none) of a one-tensor cache: encoded as ``fmt``
     records in a record cache, else (rounded to ``fmt`` with ``round_kv``) as values."""
@@ -128,9 +132,6 @@ def store_rows(view: PagedView, slot_mapping: torch.Tensor, x: torch.Tensor, fmt
     if round_kv:
         x = _ROUND[fmt](x)
     backend.store_kv(view.cache, slot_mapping, x[:, None].to(view.cache.dtype))
-
-
-_ROUND = {"mxfp8": reference.round_mxfp8, "nvfp4": reference.round_nvfp4, "mxfp4": reference.round_mxfp4}
 
 
 @dataclass
