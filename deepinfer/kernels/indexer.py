@@ -32,7 +32,7 @@ the kernel's tail.
 
 Packed keys (DeepSeek-V4.1's MXFP4 index keys, ``kv_records.py``): with ``key_format`` the
 key cache holds uint8 records of ``record_bytes(fmt, Di)`` bytes, decoded in registers on
-load (float32 values times their scales) and cast to q's dtype, which holds them exactly.
+load (float32 values times their scales) and cast to q's dtype (exactly, in bfloat16 or float32).
 """
 
 from __future__ import annotations

@@ -263,7 +263,8 @@ def _source_formats(sources: list, formats: list[str | None] | None) -> list[str
     return list(formats)
 
 
-def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None,
+                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(valid [..] bool, float32 rows [.., dim]) of the entries at flat slots (tensor 0, head 0),
     records decoded; rows without a slot are 0 (garbage, even NaN, at the clamped slot never leaks)."""
     ok, blk, off = _slot_rows(cache, slots)

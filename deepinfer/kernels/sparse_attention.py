@@ -36,8 +36,9 @@ P @ V product (the flash-attention convention; exact for float32 caches).
 Packed sources (DeepSeek-V4.1's KV records, ``kv_records.py``): a source given a record
 format (``formats``) is a uint8 cache of ``record_bytes(fmt, D)``-byte rows; each gathered
 tile is decoded in registers (values times their block scales, float32) and cast to q's
-dtype, which holds every record value exactly (at most 6 significant bits). The format is a
-constexpr per source, so a plain source compiles to the load above.
+dtype; bfloat16 and float32 hold every record value exactly (at most 6 significant bits, an
+8-bit exponent). The format is a constexpr per source, so a plain source compiles to the
+load above.
 """
 
 from __future__ import annotations
