@@ -30,9 +30,11 @@ import triton.language as tl
 from deepinfer.kernels import pdl
 from deepinfer.kv_spec import record_block, record_bytes
 
-# Kernel constexpr ids of the cache formats: plain values, then the records.
-PLAIN, MXFP8, NVFP4, MXFP4 = 0, 1, 2, 3
-FORMAT_IDS: dict[str | None, int] = {None: PLAIN, "mxfp8": MXFP8, "nvfp4": NVFP4, "mxfp4": MXFP4}
+# Kernel constexpr ids of the cache formats: plain values, then the records (constexpr globals,
+# which compiled kernels may read; plain ints work only in the interpreter).
+PLAIN, MXFP8, NVFP4, MXFP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+FORMAT_IDS: dict[str | None, int] = {None: PLAIN.value, "mxfp8": MXFP8.value, "nvfp4": NVFP4.value,
+                                     "mxfp4": MXFP4.value}
 
 
 def format_id(fmt: str | None) -> int:
