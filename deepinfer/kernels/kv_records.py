@@ -16,9 +16,10 @@ from zero in the CPU interpreter, and its ``log2`` is approximate on the GPU. Di
 IEEE (``div_rn``), as the reference's.
 
 Store grid: one program per token, which encodes its whole row (the D/B scale blocks as
-the rows of a [D/B, B] tile, padded to a power of two) and writes it to ``cache[slot // bs, slot % bs, 0, 0]``; a slot
-of -1 writes nothing. FP4 formats load the even and odd channels of each block as two
-[D/B, B/2] tiles, whose codes pair up into bytes without a reshape.
+the rows of a [D/B, B] tile, padded to a power of two) and writes it to
+``cache[slot // bs, slot % bs, 0, 0]``; a slot of -1 writes nothing. FP4 formats load the even
+and odd channels of each block as two [D/B, B/2] tiles, whose codes pair up into bytes
+without a reshape.
 """
 
 from __future__ import annotations
