@@ -24,12 +24,17 @@ expert FLOPs (prefill is compute bound), eager and CUDA-graph times, and a sweep
 tile configs beside the one :func:`fused_moe.pick_config` chooses. The router logits
 (E=256, H=4096, bf16 x) are timed against ``F.linear(x.float(), W)``, eagerly and as
 CUDA-graph replays, with a sweep of launch configs beside :func:`router.pick_config`'s.
+DeepSeek-V4.1's packed KV records (``kv_records``): the record store against
+``reference.store_record`` (bytes equal) and timed beside ``store_kv`` of the bf16 rows; sparse
+attention over MXFP8 window records + NVFP4 entry records and the indexer over MXFP4 key records,
+each checked against the reference on the records' values and timed beside the same kernel on
+bf16 caches of those values (bytes gathered at the record sizes).
 Exit status 1 if any check fails.
 
 Run:  python scripts/gpu_kernel_check.py [SECTION ...]   (all: a few minutes on an H200;
       sections: rms_norm rope store_kv paged_decode paged_prefill sparse_attention indexer
       mla_decode router moe_routing fused_moe hyper_connection v4_rope sampling greedy compressor
-      topk)
+      topk kv_records)
 """
 
 from __future__ import annotations
@@ -57,8 +62,10 @@ from deepinfer.kernels.router import pick_config as router_config
 from deepinfer.kernels.rope import apply_rope_qk_
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
 from deepinfer.kernels.sampling import sampling_filters_
+from deepinfer.kernels.kv_records import store_records
 from deepinfer.kernels.store_kv import store_kv
 from deepinfer.kernels.topk import topk_slots
+from deepinfer.kv_spec import record_bytes
 from deepinfer.layers.deepseek_v4_common import yarn_inv_freq
 
 H200_COPY_GBPS = 4300.0
@@ -601,6 +608,119 @@ def _indexer() -> None:
     torch.cuda.empty_cache()
 
 
+def v41_record_caches(num_blocks: int, bs: int, specs: list[tuple[int, str]],
+                      layers: int = 3) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One middle layer's record caches [NB, bs, 1, 1, record_bytes(fmt, D)] of each (D, fmt) in
+    ``specs``, views into byte pages shared by ``layers`` layers, holding the records of random
+    rows; and bf16 caches [NB, bs, 1, 1, D] of the same values."""
+    rows = [record_bytes(fmt, d) for d, fmt in specs]
+    sizes = [bs * r for r in rows]
+    buffer = torch.randint(0, 256, (num_blocks, layers * sum(sizes)), dtype=torch.uint8, device=DEV)
+    off = sum(sizes)
+    records, values = [], []
+    for (d, fmt), n, r in zip(specs, sizes, rows):
+        view = buffer[:, off:off + n].view(num_blocks, bs, 1, 1, r)
+        for lo in range(0, num_blocks, 4096):               # bounded temporaries of the reference
+            x = torch.randn(min(4096, num_blocks - lo), bs, 1, 1, d, device=DEV) * 2
+            view[lo:lo + x.shape[0]] = reference.pack_record(x, fmt)
+        records.append(view)
+        values.append(reference.unpack_record(view, fmt, d, BF16))
+        off += n
+    return records, values
+
+
+def record_store_case(t: int, d: int, fmt: str, bs: int = 16) -> None:
+    num_blocks = -(-t // bs) + 1
+    (cache,), _ = v41_record_caches(num_blocks, bs, [(d, fmt)])
+    expected = cache.clone()
+    x = torch.randn(t, d, device=DEV, dtype=BF16) * 3
+    slots = torch.randperm(num_blocks * bs, device=DEV)[:t]
+    slots[::7] = -1
+    store_records(cache, slots, x, fmt)
+    reference.store_record(expected, slots, x, fmt)
+    name = f"{fmt} T={t} D={d}"
+    ok = torch.equal(cache, expected)
+    if not ok:
+        failures.append(name)
+    print(f"  check {name}: bytes equal to reference.store_record: {ok}")
+    bench(name + " store_records", lambda: store_records(cache, slots, x, fmt),
+          lambda: reference.store_record(expected, slots, x, fmt), t * (d * 2 + record_bytes(fmt, d)))
+    plain = torch.zeros(num_blocks, bs, 1, 1, d, device=DEV, dtype=BF16)
+    bench(name + " store_kv of the bf16 rows", lambda: store_kv(plain, slots, x[:, None]), None, t * d * 4)
+
+
+def record_attention_case(t: int, decode: bool, context: int = 8192, h: int = 64, d: int = 512,
+                          bs: int = 16) -> None:
+    """A V4.1 ratio-2 layer: window 128 MXFP8 records + top-512 NVFP4 entry records. Decode: t
+    sequences of ``context`` tokens; prefill: one sequence's first t tokens."""
+    if decode:
+        positions = torch.full((t,), context - 1, device=DEV)
+        seq_of = torch.arange(t, device=DEV)
+    else:
+        positions = torch.arange(t, device=DEV)
+        seq_of = torch.zeros(t, dtype=torch.long, device=DEV)
+    blocks_per_seq = -(-(int(positions.max()) + 1) // bs)
+    win, top, _ = v4_slots(positions, seq_of, 128, 2, 512, bs, blocks_per_seq)
+    records, values = v41_record_caches(int(seq_of.max() + 1) * blocks_per_seq, bs, [(d, "mxfp8"), (d, "nvfp4")])
+    formats = ["mxfp8", "nvfp4"]
+    packed = [(records[0], win), (records[1], top)]
+    plain = [(values[0], win), (values[1], top)]
+    q = torch.randn(t, h, d, device=DEV, dtype=BF16)
+    sinks = torch.randn(h, device=DEV)
+    scale = d ** -0.5
+    rows = win.shape[1] * record_bytes("mxfp8", d) + top.shape[1] * record_bytes("nvfp4", d)
+    gathered = t * rows + 2 * q.numel() * 2
+    flops = 4 * t * h * (win.shape[1] + top.shape[1]) * d
+    name = f"{'decode' if decode else 'prefill'} T={t} K=128+512 records"
+    check(name, sparse_attention(q, packed, sinks, scale, formats=formats),
+          reference.sparse_attention(q, plain, sinks, scale), 2e-2, 1e-2)
+    bench(name + " packed", lambda: sparse_attention(q, packed, sinks, scale, formats=formats), None, gathered, flops)
+    bench(name + " bf16 caches", lambda: sparse_attention(q, plain, sinks, scale), None, gathered, flops)
+
+
+def record_indexer_case(t: int, n: int, decode: bool, hi: int = 64, di: int = 128, bs: int = 16) -> None:
+    """The V4.1 indexer over every visible ratio-2 MXFP4 key record (as :func:`indexer_case`)."""
+    if decode:
+        positions = torch.full((t,), 2 * n - 1, device=DEV)
+        seq_of = torch.arange(t, device=DEV)
+    else:
+        positions = torch.arange(t, device=DEV)
+        seq_of = torch.zeros(t, dtype=torch.long, device=DEV)
+    blocks_per_seq = -(-(int(positions.max()) + 1) // bs)
+    _, _, slots = v4_slots(positions, seq_of, 128, 2, 512, bs, blocks_per_seq)
+    (records,), (values,) = v41_record_caches(int(seq_of.max() + 1) * blocks_per_seq, bs, [(di, "mxfp4")])
+    q = torch.randn(t, hi, di, device=DEV, dtype=BF16)
+    w = torch.randn(t, hi, device=DEV)
+    scale = di ** -0.5
+    groups = None if decode else seq_of.int()
+    gathered = t * slots.shape[1] * record_bytes("mxfp4", di) + q.numel() * 2 + w.numel() * 4 + t * n * 4
+    flops = 2 * t * slots.shape[1] * hi * di
+    name = f"{'decode' if decode else 'prefill'} T={t} N={slots.shape[1]} key records"
+    out = indexer_scores(q, w, records, slots, scale, groups=groups, key_format="mxfp4")
+    ref = reference.indexer_scores(q, w, values, slots, scale)
+    none = ref.isneginf()
+    check(name, out.masked_fill(none, 0.0), ref.masked_fill(none, 0.0), 1e-3, 1e-3)
+    bench(name + " packed", lambda: indexer_scores(q, w, records, slots, scale, groups=groups, key_format="mxfp4"),
+          None, gathered, flops)
+    bench(name + " bf16 keys", lambda: indexer_scores(q, w, values, slots, scale, groups=groups), None, gathered,
+          flops)
+
+
+def _kv_records() -> None:
+    print("DeepSeek-V4.1 packed KV records (MXFP8 window 528 B, NVFP4 entries 288 B, MXFP4 keys 68 B; "
+          "bytes at the record sizes)")
+    for fmt, d in (("mxfp8", 512), ("nvfp4", 512), ("mxfp4", 128)):
+        record_store_case(8192, d, fmt)
+        record_store_case(64, d, fmt)
+    for t in (1, 16, 64):
+        record_attention_case(t, decode=True)
+    record_attention_case(4096, decode=False)
+    record_indexer_case(1, 8192, decode=True)
+    record_indexer_case(64, 8192, decode=True)
+    record_indexer_case(4096, 2048, decode=False)
+    torch.cuda.empty_cache()
+
+
 def _mla_decode() -> None:
     print("DeepSeek-V3 MLA decode, absorbed (bf16, Nh 128, R 512, Dr 64, bs 64; 2*B*Nh*L*(R+Dr+R) flops)")
     mla_decode_case(1, 32768)
@@ -851,6 +971,7 @@ SECTIONS: dict[str, Callable[[], None]] = {
     "greedy": _greedy,
     "compressor": _compressor,
     "topk": _topk,
+    "kv_records": _kv_records,
 }
 
 

@@ -25,8 +25,8 @@ Sinkhorn) is left out, so the floors stay lower bounds.
 
 DeepSeek-V4.1 (:class:`DeepseekV41Cost`) counts the same way, by layer role
 (models/deepseek_v41.py ``layer_roles``), with the KV cache in the release's packed
-records (what any engine serving the release's formats must move; ours stores them
-unpacked in the compute dtype today, so it moves more than the floor counts):
+records (what any engine serving the release's formats must move; ours stores them so on
+CUDA with ``kv_cache_dtype="auto"``, kv_spec.py ``record_bytes``):
 
 - per layer, the window's ``min(s, W)`` rows of ``D + D/32`` B (MXFP8: 528 B);
 - a compressed layer (ratio r) attends to ``min(topk, s // r)`` selected entries of
@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kv_spec import record_bytes
 from deepinfer.layers.deepseek_v4_attention import CSA, HCA
 from deepinfer.models.deepseek_v4 import DeepseekV4Args
 from deepinfer.models.deepseek_v41 import DeepseekV41Args
@@ -348,23 +349,6 @@ class DeepseekV4Cost(DeepseekCost):
         return total * self.c
 
 
-# The release's packed KV records (deepseek_v41.md §4-6), bytes per row of ``dim`` channels:
-# one byte per FP8 value or half a byte per FP4 value, plus one byte per scale.
-def mxfp8_record_bytes(dim: int) -> int:
-    """E4M3 values, a power-of-two (E8M0) scale per 32: the window row (528 B at D = 512)."""
-    return dim + -(-dim // 32)
-
-
-def nvfp4_record_bytes(dim: int) -> int:
-    """E2M1 values, an E4M3 scale per 16: the compressed entry (288 B at D = 512)."""
-    return -(-dim // 2) + -(-dim // 16)
-
-
-def mxfp4_record_bytes(dim: int) -> int:
-    """E2M1 values, a power-of-two scale per 32: the index key (68 B at Di = 128)."""
-    return -(-dim // 2) + -(-dim // 32)
-
-
 class DeepseekV41Cost(DeepseekCost):
     """Bytes and FLOPs of DeepSeek-V4.1's main layers by role (the module docstring says what
     is counted). ``cache_bytes`` is the compute dtype's size, for what the release keeps
@@ -379,9 +363,11 @@ class DeepseekV41Cost(DeepseekCost):
                                                               args.vocab_size)
         self.n_experts, self.top_k, self.expert_width = (args.n_routed_experts, args.num_experts_per_tok,
                                                          args.moe_intermediate_size)
-        self.window_record = mxfp8_record_bytes(args.head_dim)
-        self.entry_record = nvfp4_record_bytes(args.head_dim)
-        self.key_record = mxfp4_record_bytes(args.index_head_dim)
+        # The release's packed records (deepseek_v41.md §4-6): MXFP8 window rows (528 B at
+        # D = 512), NVFP4 entries (288 B), MXFP4 index keys (68 B at Di = 128).
+        self.window_record = record_bytes("mxfp8", args.head_dim)
+        self.entry_record = record_bytes("nvfp4", args.head_dim)
+        self.key_record = record_bytes("mxfp4", args.index_head_dim)
         super().__init__(weight_bytes, cache_bytes, tie_word_embeddings=False)
 
     # -- the parameter table ----------------------------------------------------------

@@ -41,7 +41,7 @@ from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
-from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups
+from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups, kv_bytes_per_token, page_bytes
 from deepinfer.scheduler.plan import StepPlan
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
@@ -128,8 +128,10 @@ class Engine:
         # Requests refused at add_request (prompt can never fit): reported by the next step.
         self._rejected: set[str] = set()
         self.stats = EngineStats()
-        logger.info("KV cache: %d blocks, groups %s", num_blocks,
-                    [(g.kind, len(g.layer_ids), g.block_size) for g in groups])
+        per_token, per_sequence = kv_bytes_per_token(groups)
+        logger.info("KV cache: %d blocks of %d B, groups %s; %.1f B per token of context, plus up to "
+                    "%.1f KiB per sequence in sliding windows", num_blocks, page_bytes(groups),
+                    [(g.kind, len(g.layer_ids), g.block_size) for g in groups], per_token, per_sequence / 1024)
 
     # -- intake -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -83,6 +83,17 @@ def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Te
     reference.store_kv(cache, slot_mapping, *tensors)
 
 
+def store_record(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor, fmt: str) -> None:
+    """Encode each row of x [T, D] as a ``fmt`` KV record and store it at its slot of the record
+    cache [NB, bs, 1, 1, record_bytes(fmt, D)] uint8; slots of -1 store nothing (see
+    :func:`reference.store_record`)."""
+    if use_triton(cache):
+        from deepinfer.kernels.kv_records import store_records as kernel
+        kernel(cache, slot_mapping, x, fmt)
+        return
+    reference.store_record(cache, slot_mapping, x, fmt)
+
+
 def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: list[int], seq_lens: list[int], scale: float,
                     sliding_window: int | None = None,
@@ -96,13 +107,15 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
-                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; sources: (cache [NB, bs, nt, 1, D], slots [T, K]) pairs -> [T, H, D]
-    (see :func:`reference.sparse_attention`)."""
+                     sinks: torch.Tensor, scale: float,
+                     formats: list[str | None] | None = None) -> torch.Tensor:
+    """q: [T, H, D]; sources: (cache [NB, bs, nt, 1, D], slots [T, K]) pairs -> [T, H, D]; a source
+    whose ``formats`` entry names a record format is a packed record cache (uint8 rows of
+    ``record_bytes(fmt, D)``), read as its values (see :func:`reference.sparse_attention`)."""
     if use_triton(q):
         from deepinfer.kernels.sparse_attention import sparse_attention as kernel
-        return kernel(q, sources, sinks, scale)
-    return reference.sparse_attention(q, sources, sinks, scale)
+        return kernel(q, sources, sinks, scale, formats=formats)
+    return reference.sparse_attention(q, sources, sinks, scale, formats)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
@@ -117,13 +130,15 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor, slots: torch.Tensor,
-                   scale: float, groups: torch.Tensor | None = None) -> torch.Tensor:
+                   scale: float, groups: torch.Tensor | None = None,
+                   key_format: str | None = None) -> torch.Tensor:
     """[T, N] float32 lightning-indexer scores, -inf where the slot is -1 (see
-    :func:`reference.indexer_scores`; ``groups`` as in :func:`indexer_topk`)."""
+    :func:`reference.indexer_scores`; ``groups`` as in :func:`indexer_topk`; ``key_format``: the
+    keys are packed records of that format)."""
     if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
-        return kernel(q, weights, key_cache, slots, scale, groups=groups)
-    return reference.indexer_scores(q, weights, key_cache, slots, scale)
+        return kernel(q, weights, key_cache, slots, scale, groups=groups, key_format=key_format)
+    return reference.indexer_scores(q, weights, key_cache, slots, scale, key_format)
 
 
 def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Tensor:

@@ -29,6 +29,10 @@ largest, -1 being smaller than any slot); token t scores it only where its own s
 slots; ids are read on the device (no host synchronisation). Blocks run last first:
 later tokens of a prompt see more keys, and starting the longest ones first shortens
 the kernel's tail.
+
+Packed keys (DeepSeek-V4.1's MXFP4 index keys, ``kv_records.py``): with ``key_format`` the
+key cache holds uint8 records of ``record_bytes(fmt, Di)`` bytes, decoded in registers on
+load (float32 values times their scales) and cast to q's dtype (exactly, in bfloat16 or float32).
 """
 
 from __future__ import annotations
@@ -41,6 +45,17 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.kv_records import PLAIN, format_id, load_record_rows
+from deepinfer.kv_spec import record_bytes
+
+
+@triton.jit
+def _load_keys(cache_ptr, row, dims, mask, head_dim, q, KEY_FMT: tl.constexpr):
+    """The key tile [N, BLOCK_D] at element offsets ``row`` [N], in q's dtype: the cache's values
+    (PLAIN), or its records decoded (kv_records.py)."""
+    if KEY_FMT == PLAIN:
+        return tl.load(cache_ptr + row[:, None] + dims[None, :], mask=mask, other=0.0)
+    return load_record_rows(cache_ptr, row, dims, mask, head_dim, KEY_FMT).to(q.dtype)
 
 
 @triton.jit
@@ -50,7 +65,7 @@ def _indexer_kernel(
     stride_q_t, stride_q_h, stride_w_t, stride_w_h, stride_slots_t, stride_slots_n,
     stride_cache_block, stride_cache_offset, stride_out_t,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, KEY_FMT: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -79,8 +94,8 @@ def _indexer_kernel(
         valid = slot >= 0
         slot = tl.where(valid, slot, 0)
         row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
-        k = tl.load(cache_ptr + row[:, None] + dims[None, :],
-                    mask=valid[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = _load_keys(cache_ptr, row, dims, valid[:, None] & (dims[None, :] < head_dim), head_dim, q,
+                       KEY_FMT)                                                  # [BLOCK_N, BLOCK_D]
         dots = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)             # [BLOCK_N, BLOCK_HI]
         score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)               # [BLOCK_N]
         score = tl.where(valid, score, float("-inf"))
@@ -99,7 +114,7 @@ def _indexer_block_kernel(
     stride_q_t, stride_q_h, stride_w_t, stride_w_h, stride_slots_t, stride_slots_n,
     stride_cache_block, stride_cache_offset, stride_out_t,
     BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HI: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, KEY_FMT: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     block = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)          # the last block first
@@ -145,8 +160,8 @@ def _indexer_block_kernel(
             valid = slot >= 0
             slot = tl.where(valid, slot, 0)
             row = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_offset
-            k = tl.load(cache_ptr + row[:, None] + dims[None, :],
-                        mask=valid[:, None] & (dims[None, :] < head_dim), other=0.0)  # [BLOCK_N, BLOCK_D]
+            k = _load_keys(cache_ptr, row, dims, valid[:, None] & (dims[None, :] < head_dim), head_dim, q,
+                           KEY_FMT)                                              # [BLOCK_N, BLOCK_D]
             dots = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)      # [BLOCK_N, BLOCK_T * BLOCK_HI]
             dots = tl.maximum(dots, 0.0) * w[None, :]
             score = tl.sum(tl.reshape(dots, [BLOCK_N, BLOCK_T, BLOCK_HI]), axis=2)   # [BLOCK_N, BLOCK_T]
@@ -234,9 +249,11 @@ def indexer_scores(
     scale: float,
     config: IndexerConfig | None = None,
     groups: torch.Tensor | None = None,   # [T] int ids: rows of one id agree where both are >= 0
+    key_format: str | None = None,        # None (values of q's dtype) or the keys' record format
 ) -> torch.Tensor:                 # [T, N] float32, -inf where slot is -1
     """Lightning-indexer scores (see the module docstring); ``config`` overrides
-    :func:`default_config`. ``groups`` lets tokens of one id share key loads (token blocks);
+    :func:`default_config`. With ``key_format`` the key cache is a packed record cache (uint8
+    ``[NB, bs, nt, 1, record_bytes(key_format, Di)]``). ``groups`` lets tokens of one id share key loads (token blocks);
     the caller vouches that their candidate rows agree wherever both are >= 0 (the rows of
     one sequence's tokens from :func:`paged_slots.paged_slots` do), else the scores are
     wrong. No host synchronisation: the launch depends only on shapes."""
@@ -247,14 +264,18 @@ def indexer_scores(
     if weights.shape != (t, hi) or weights.dtype != torch.float32:
         raise ValueError(f"indexer_scores: weights must be [T={t}, Hi={hi}] float32, got "
                          f"{weights.dtype} of shape {tuple(weights.shape)}")
-    if key_cache.dim() != 5 or key_cache.shape[3] != 1 or key_cache.shape[4] != di:
-        raise ValueError(f"indexer_scores: key_cache must be [NB, bs, nt, 1, Di={di}], got "
+    format_id(key_format)
+    row, dtype = (di, q.dtype) if key_format is None else (record_bytes(key_format, di), torch.uint8)
+    what = f"Di={di}" if key_format is None else f"{key_format} record of Di={di}: {row} bytes"
+    if key_cache.dim() != 5 or key_cache.shape[3] != 1 or key_cache.shape[4] != row:
+        raise ValueError(f"indexer_scores: key_cache must be [NB, bs, nt, 1, {what}], got "
                          f"{tuple(key_cache.shape)}")
     if key_cache.stride(4) != 1:
-        raise ValueError(f"indexer_scores: key_cache's last dim (Di) must be contiguous, got strides "
+        raise ValueError(f"indexer_scores: key_cache's last dim must be contiguous, got strides "
                          f"{key_cache.stride()}")
-    if key_cache.dtype != q.dtype:
-        raise ValueError(f"indexer_scores: q is {q.dtype} but key_cache is {key_cache.dtype}")
+    if key_cache.dtype != dtype:
+        raise ValueError(f"indexer_scores: key_cache is {key_cache.dtype}; with q {q.dtype} and "
+                         f"key_format={key_format} it must be {dtype}")
     if slots.dim() != 2 or slots.shape[0] != t or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indexer_scores: slots must be [T={t}, N] int32/int64, got {slots.dtype} "
                          f"of shape {tuple(slots.shape)}")
@@ -284,7 +305,7 @@ def indexer_scores(
     num_splits = triton.cdiv(tiles, tiles_per_split)       # no split left without a tile
     common = dict(BLOCK_SIZE=key_cache.shape[1], BLOCK_N=config.block_n, BLOCK_HI=_block_hi(hi),
                   BLOCK_D=max(16, triton.next_power_of_2(di)), DOT_PRECISION=_dot_precision(q.dtype),
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  KEY_FMT=format_id(key_format), num_warps=config.num_warps, num_stages=config.num_stages)
     strides = (q.stride(0), q.stride(1), weights.stride(0), weights.stride(1),
                slots.stride(0), slots.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0))
     if config.block_t > 1:

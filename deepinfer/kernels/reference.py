@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kv_spec import record_bytes, record_value_bytes
+
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
     """Write new entries: ``cache[slot // bs, slot % bs, i] = tensors[i]`` for each token
@@ -253,11 +255,30 @@ def _slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, 
     return valid, torch.div(s, bs, rounding_mode="floor"), s % bs
 
 
+def _source_formats(sources: list, formats: list[str | None] | None) -> list[str | None]:
+    if formats is None:
+        return [None] * len(sources)
+    if len(formats) != len(sources):
+        raise ValueError(f"formats has {len(formats)} entries for {len(sources)} sources")
+    return list(formats)
+
+
+def _gather_rows(cache: torch.Tensor, slots: torch.Tensor, fmt: str | None,
+                 dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [..] bool, float32 rows [.., dim]) of the entries at flat slots (tensor 0, head 0),
+    records decoded; rows without a slot are 0 (garbage, even NaN, at the clamped slot never leaks)."""
+    ok, blk, off = _slot_rows(cache, slots)
+    rows = cache[blk, off, 0, 0]
+    rows = rows.float() if fmt is None else unpack_record(rows, fmt, dim, torch.float32)
+    return ok, torch.where(ok[..., None], rows, 0)
+
+
 def sparse_attention(
     q: torch.Tensor,                                   # [T, H, D]
-    sources: list[tuple[torch.Tensor, torch.Tensor]],  # (cache [NB, bs, nt, 1, D], slots [T, K_i])
+    sources: list[tuple[torch.Tensor, torch.Tensor]],  # (cache [NB, bs, nt, 1, D or R], slots [T, K_i])
     sinks: torch.Tensor,                               # [H] float32 sink logits
     scale: float,
+    formats: list[str | None] | None = None,           # per source: None (values) or its record format
 ) -> torch.Tensor:                                     # [T, H, D]
     """DeepSeek-V4 attention over keys picked per query token from paged caches.
 
@@ -266,14 +287,15 @@ def sparse_attention(
     both K and V). Softmax in float32 over every visible key of every source
     plus a per-head sink logit that takes probability mass and adds no value;
     a token with no visible key gets zeros. Slots of one row must be distinct.
+    A source with a record format holds packed records (uint8 rows of
+    ``record_bytes(fmt, D)``), read as their values (:func:`unpack_record`).
     """
     keys, valid = [], []
-    for cache, slots in sources:
-        ok, blk, off = _slot_rows(cache, slots)
-        # Zeroed where there is no key, so garbage (even NaN) at the clamped slot never leaks.
-        keys.append(torch.where(ok[..., None], cache[blk, off, 0, 0], 0))       # [T, K_i, D]
+    for (cache, slots), fmt in zip(sources, _source_formats(sources, formats)):
+        ok, rows = _gather_rows(cache, slots, fmt, q.shape[-1])                 # [T, K_i, D]
+        keys.append(rows)
         valid.append(ok)
-    kv = torch.cat(keys, dim=1).float()                                          # [T, K, D]
+    kv = torch.cat(keys, dim=1)                                                  # [T, K, D]
     ok = torch.cat(valid, dim=1)                                                 # [T, K]
     scores = torch.einsum("thd,tkd->thk", q.float(), kv) * scale                 # [T, H, K]
     scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
@@ -285,13 +307,13 @@ def sparse_attention(
 def indexer_scores(
     q: torch.Tensor,               # [T, Hi, Di] indexer queries
     weights: torch.Tensor,         # [T, Hi] float32 per-head weights
-    key_cache: torch.Tensor,       # [NB, bs, nt, 1, Di] indexer keys (tensor 0)
+    key_cache: torch.Tensor,       # [NB, bs, nt, 1, Di or R] indexer keys (tensor 0)
     slots: torch.Tensor,           # [T, N] candidate entry slots, -1 = none
     scale: float,
+    key_format: str | None = None,  # None (values) or the keys' record format
 ) -> torch.Tensor:                 # [T, N] float32, -inf where slot is -1
     """Lightning-indexer scores ``sum_h weights[t,h] * relu(q[t,h] . k_s) * scale`` (float32)."""
-    ok, blk, off = _slot_rows(key_cache, slots)
-    keys = key_cache[blk, off, 0, 0].float()                                     # [T, N, Di]
+    ok, keys = _gather_rows(key_cache, slots, key_format, q.shape[-1])           # [T, N, Di]
     dots = torch.relu(torch.einsum("thd,tnd->thn", q.float(), keys)) * scale     # [T, Hi, N]
     scores = (dots * weights.float()[:, :, None]).sum(dim=1)                     # [T, N]
     return scores.masked_fill(~ok, float("-inf"))
@@ -1033,3 +1055,31 @@ def unpack_mxfp4(packed: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -
     codes = _unpack_nibbles(packed)
     blocks = codes.reshape(*exps.shape, 32)
     return _decode_mxfp4(blocks, exps[..., None]).reshape(codes.shape).to(dtype)
+
+
+# One record a row: the values' bytes, then the scale bytes (kv_spec.py ``record_bytes``).
+_PACKERS = {"mxfp8": (pack_mxfp8, unpack_mxfp8), "nvfp4": (pack_nvfp4, unpack_nvfp4),
+            "mxfp4": (pack_mxfp4, unpack_mxfp4)}
+
+
+def pack_record(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., C] -> uint8 records [..., record_bytes(fmt, C)]: :func:`pack_mxfp8` /
+    :func:`pack_nvfp4` / :func:`pack_mxfp4`'s values, then their scales."""
+    record_bytes(fmt, x.shape[-1])
+    values, scales = _PACKERS[fmt][0](x)
+    return torch.cat([values, scales], dim=-1)
+
+
+def unpack_record(records: torch.Tensor, fmt: str, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 records [..., record_bytes(fmt, dim)] from :func:`pack_record` -> [..., dim] in ``dtype``."""
+    if records.dtype != torch.uint8 or records.shape[-1] != record_bytes(fmt, dim):
+        raise ValueError(f"{fmt} records of {dim} channels are uint8 rows of {record_bytes(fmt, dim)} bytes, "
+                         f"got {records.dtype} rows of {records.shape[-1]}")
+    n = record_value_bytes(fmt, dim)
+    return _PACKERS[fmt][1](records[..., :n], records[..., n:], dtype)
+
+
+def store_record(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tensor, fmt: str) -> None:
+    """Pack each row of x [T, D] (:func:`pack_record`) and store it at its slot of the record
+    cache [NB, bs, 1, 1, record_bytes(fmt, D)] (:func:`store_kv`; slots of -1 store nothing)."""
+    store_kv(cache, slot_mapping, pack_record(x, fmt)[:, None])

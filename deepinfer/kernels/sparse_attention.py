@@ -32,6 +32,13 @@ are only T * H / BLOCK_H programs. With several, each split writes its partial
 
 Scores and softmax run in float32; P is rounded to the cache dtype before the
 P @ V product (the flash-attention convention; exact for float32 caches).
+
+Packed sources (DeepSeek-V4.1's KV records, ``kv_records.py``): a source given a record
+format (``formats``) is a uint8 cache of ``record_bytes(fmt, D)``-byte rows; each gathered
+tile is decoded in registers (values times their block scales, float32) and cast to q's
+dtype; bfloat16 and float32 hold every record value exactly (at most 6 significant bits, an
+8-bit exponent). The format is a constexpr per source, so a plain source compiles to the
+load above.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ import triton.language as tl
 
 from deepinfer import env
 from deepinfer.kernels import pdl
+from deepinfer.kernels.kv_records import PLAIN, format_id, load_record_rows
+from deepinfer.kv_spec import record_bytes
 
 _LOG2E = math.log2(math.e)
 
@@ -55,8 +64,10 @@ _LOG2E = math.log2(math.e)
 def _attend_source(q, m, l, acc, cache_ptr, slots_ptr, token, k_lo, k_hi, dims, head_dim, qk_scale,
                    stride_slots_t, stride_slots_k, stride_cache_block, stride_cache_offset,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SCAN: tl.constexpr,
-                   ONE_SCAN: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Fold keys ``k_lo .. k_hi - 1`` of one source's slot row into the running (m, l, acc)."""
+                   ONE_SCAN: tl.constexpr, SPLIT: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   FMT: tl.constexpr):
+    """Fold keys ``k_lo .. k_hi - 1`` of one source's slot row into the running (m, l, acc);
+    FMT: the source's cache format (kv_records.py ids; PLAIN reads values of q's dtype)."""
     # Trim the leading and trailing runs of -1 (window slots before position 0, top-k
     # padding while a sequence has fewer entries than k): their tiles would cost two
     # products on nothing. ONE_SCAN: the range fits one BLOCK_SCAN-wide load (a prefill
@@ -90,7 +101,10 @@ def _attend_source(q, m, l, acc, cache_ptr, slots_ptr, token, k_lo, k_hi, dims, 
         row = ((slot // BLOCK_SIZE).to(tl.int64) * stride_cache_block
                + (slot % BLOCK_SIZE).to(tl.int32) * stride_cache_offset)
         kv_mask = valid[:, None] & (dims[None, :] < head_dim) if not EVEN_D else valid[:, None]
-        kv = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if FMT == PLAIN:
+            kv = tl.load(cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            kv = load_record_rows(cache_ptr, row, dims, kv_mask, head_dim, FMT).to(q.dtype)
         s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_H, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -120,7 +134,7 @@ def _sparse_attention_kernel(
     BLOCK_SIZE0: tl.constexpr, BLOCK_SIZE1: tl.constexpr, TWO_SOURCES: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SCAN: tl.constexpr, ONE_SCAN: tl.constexpr, EVEN_H: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, FMT0: tl.constexpr = 0, FMT1: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -158,12 +172,13 @@ def _sparse_attention_kernel(
     m, l, acc = _attend_source(q, m, l, acc, cache0_ptr, slots0_ptr, token, lo0, hi0,
                                dims, head_dim, qk_scale, stride_slots0_t, stride_slots0_k,
                                stride_cache0_block, stride_cache0_offset,
-                               BLOCK_SIZE0, BLOCK_N, BLOCK_SCAN, ONE_SCAN, SPLIT, EVEN_D, DOT_PRECISION)
+                               BLOCK_SIZE0, BLOCK_N, BLOCK_SCAN, ONE_SCAN, SPLIT, EVEN_D, DOT_PRECISION, FMT0)
     if TWO_SOURCES:
         m, l, acc = _attend_source(q, m, l, acc, cache1_ptr, slots1_ptr, token, lo1, hi1,
                                    dims, head_dim, qk_scale, stride_slots1_t, stride_slots1_k,
                                    stride_cache1_block, stride_cache1_offset,
-                                   BLOCK_SIZE1, BLOCK_N, BLOCK_SCAN, ONE_SCAN, SPLIT, EVEN_D, DOT_PRECISION)
+                                   BLOCK_SIZE1, BLOCK_N, BLOCK_SCAN, ONE_SCAN, SPLIT, EVEN_D, DOT_PRECISION,
+                                   FMT1)
 
     if SPLIT:
         # Partials [T, H, splits(, BLOCK_D)]; a split that saw nothing leaves max -inf, sum 0.
@@ -294,24 +309,37 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _source_formats(sources: list[tuple[torch.Tensor, torch.Tensor]],
+                    formats: list[str | None] | None) -> list[str | None]:
+    if formats is None:
+        return [None] * len(sources)
+    if len(formats) != len(sources):
+        raise ValueError(f"sparse_attention: formats has {len(formats)} entries for {len(sources)} sources")
+    for fmt in formats:
+        format_id(fmt)
+    return list(formats)
+
+
 def _check_inputs(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
-                  sinks: torch.Tensor) -> None:
+                  sinks: torch.Tensor, formats: list[str | None]) -> None:
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"sparse_attention: q must be [T, H, D] with D contiguous, got shape "
                          f"{tuple(q.shape)} strides {q.stride()}")
     t, h, d = q.shape
     if not 1 <= len(sources) <= 2:
         raise ValueError(f"sparse_attention: takes 1 or 2 (cache, slots) sources, got {len(sources)}")
-    for i, (cache, slots) in enumerate(sources):
-        if cache.dim() != 5 or cache.shape[3] != 1 or cache.shape[4] != d:
-            raise ValueError(f"sparse_attention: sources[{i}] cache must be [NB, bs, nt, 1, D={d}], "
+    for i, ((cache, slots), fmt) in enumerate(zip(sources, formats)):
+        row, dtype = (d, q.dtype) if fmt is None else (record_bytes(fmt, d), torch.uint8)
+        what = f"D={d}" if fmt is None else f"{fmt} record of D={d}: {row} bytes"
+        if cache.dim() != 5 or cache.shape[3] != 1 or cache.shape[4] != row:
+            raise ValueError(f"sparse_attention: sources[{i}] cache must be [NB, bs, nt, 1, {what}], "
                              f"got {tuple(cache.shape)}")
         if cache.stride(4) != 1:
-            raise ValueError(f"sparse_attention: sources[{i}] cache's last dim (D) must be contiguous, "
+            raise ValueError(f"sparse_attention: sources[{i}] cache's last dim must be contiguous, "
                              f"got strides {cache.stride()}")
-        if cache.dtype != q.dtype or cache.device != q.device:
-            raise ValueError(f"sparse_attention: sources[{i}] cache is {cache.dtype} on {cache.device} "
-                             f"but q is {q.dtype} on {q.device}")
+        if cache.dtype != dtype or cache.device != q.device:
+            raise ValueError(f"sparse_attention: sources[{i}] cache is {cache.dtype} on {cache.device}; it "
+                             f"must be {dtype} on q's device {q.device}")
         if slots.dim() != 2 or slots.shape[0] != t or slots.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"sparse_attention: sources[{i}] slots must be [T={t}, K] int32/int64, "
                              f"got {slots.dtype} of shape {tuple(slots.shape)}")
@@ -322,11 +350,16 @@ def _check_inputs(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tenso
                          f"shape {tuple(sinks.shape)}")
 
 
-def _takes_gluon(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def _takes_gluon(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]],
+                 formats: list[str | None] | None = None) -> bool:
     """Long 16-bit prefill chunks at 64 heads x 512 on Hopper go to the Gluon kernel
     (``sparse_attention_gluon.py``: the two warpgroups split the score tile; H200, T=4096,
-    window 128 + top-512: 1,653 -> 982 us), unless DEEPINFER_GLUON_ATTENTION=0."""
+    window 128 + top-512: 1,653 -> 982 us), unless DEEPINFER_GLUON_ATTENTION=0. Packed record
+    sources stay here: the Gluon kernel copies bf16 rows into shared memory as they are and has
+    no decode step (nor a CPU interpreter to test one in)."""
     if not (q.is_cuda and q.shape[0] >= _LONG_PREFILL_T and env.gluon_attention_enabled()):
+        return False
+    if formats is not None and any(fmt is not None for fmt in formats):
         return False
     from deepinfer.kernels import sparse_attention_gluon
     return sparse_attention_gluon.supported(q, sources)
@@ -338,19 +371,23 @@ def sparse_attention(
     sinks: torch.Tensor,                               # [H] float32 sink logits
     scale: float,
     config: SparseAttentionConfig | None = None,
+    formats: list[str | None] | None = None,           # per source: None (values) or its record format
 ) -> torch.Tensor:                                     # [T, H, D]
     """Softmax attention of each token over the keys its slot rows name (see the module
-    docstring); ``config`` overrides :func:`default_config`. No host synchronisation: the
-    launch depends only on shapes, so it can be captured in a CUDA graph."""
-    _check_inputs(q, sources, sinks)
+    docstring); ``config`` overrides :func:`default_config`; a source with a record format in
+    ``formats`` is a packed record cache (uint8 ``[NB, bs, nt, 1, record_bytes(fmt, D)]``). No
+    host synchronisation: the launch depends only on shapes, so it can be captured in a CUDA graph."""
+    formats = _source_formats(sources, formats)
+    _check_inputs(q, sources, sinks, formats)
     t, h, d = q.shape
     out = torch.empty_like(q)
     if t == 0:
         return out
-    sources = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
+    live = [i for i, (_, slots) in enumerate(sources) if slots.shape[1] > 0]
+    sources, formats = [sources[i] for i in live], [formats[i] for i in live]
     if not sources:
         return out.zero_()
-    if config is None and _takes_gluon(q, sources):
+    if config is None and _takes_gluon(q, sources, formats):
         from deepinfer.kernels.sparse_attention_gluon import sparse_attention_prefill
         return sparse_attention_prefill(q, sources, sinks, scale)
     lens = [slots.shape[1] for _, slots in sources]
@@ -384,8 +421,8 @@ def sparse_attention(
         SPLIT=split, BLOCK_H=config.block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
         BLOCK_SCAN=triton.next_power_of_2(min(scan, _MAX_SCAN)), ONE_SCAN=scan <= _MAX_SCAN,
         EVEN_H=h % config.block_h == 0, EVEN_D=block_d == d,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages, **pdl.flags(q.device))
+        DOT_PRECISION=_dot_precision(q.dtype), FMT0=format_id(formats[0]), FMT1=format_id(formats[-1]),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.flags(q.device))
     if split:
         merge_splits(part_acc, part_max, part_sum, out)
     return out
@@ -404,7 +441,7 @@ def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     if (_QUERY_PROLOGUE and live and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2
             and _takes_gluon(q, live)):
         from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
-        _check_inputs(q, sources, sinks)
+        _check_inputs(q, sources, sinks, [None] * len(sources))
         out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))
     else:
         out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)

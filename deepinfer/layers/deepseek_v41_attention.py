@@ -19,21 +19,26 @@ What differs from V4 (layers/deepseek_v4_attention.py), following mlx-lm's
   (index sources without keys) select only inside them;
 - a query sees its layer's last ``sliding_window`` rows and its selected entries (no
   deduplication: at ratio 1 a recent token is both a window row and an entry);
-- release KV rounding (``round_kv``): window rows on the FP8 grid with a power-of-two
-  scale per 32 channels, entries NVFP4 (E2M1, E4M3 scale per 16), index keys and index
-  queries MXFP4 (E2M1, power-of-two scale per 32); stored unpacked in the cache dtype.
+- release KV formats (``round_kv``): window rows MXFP8 (the FP8 grid with a power-of-two
+  scale per 32 channels), entries NVFP4 (E2M1, E4M3 scale per 16), index keys and index
+  queries MXFP4 (E2M1, power-of-two scale per 32). With ``packed_kv`` the caches hold the
+  release's packed records (uint8, kv_spec.py ``record_bytes``: 528 / 288 / 68 bytes at the
+  release's sizes), encoded by the store (``backend.store_record``) and decoded by the kernels
+  that read them; without, the rounded values are stored unpacked in the cache dtype (the CPU
+  reference path). The queries are never cached: they are rounded in place.
 
 The roles come from the config alone (:class:`V41LayerRole`, built by the model). One
 forward passes a :class:`V41Shared` through the layers: a source layer publishes its
 entry and key caches, an index layer its selection (and the candidate source its mask),
 and later layers read them.
 
-KV cache per layer: ``window_cache`` (sliding W, D); a ratio-2 source adds a
-``state_cache`` (sliding W: each token's projected kv and raw gate, so the open pair is
-recomputed exactly after chunking, preemption or a prefix hit) and ``entry_cache``
-(compressed, ratio 2); a ratio-1 source's ``entry_cache`` is a full cache (one entry per
-token); key owners add ``key_cache`` beside the entries, in the same group, so a key's
-slot is its entry's slot.
+KV cache per layer: ``window_cache`` (sliding W, D; an MXFP8 record a row when packed); a
+ratio-2 source adds a ``state_cache`` (sliding W: each token's projected kv and raw gate, so
+the open pair is recomputed exactly after chunking, preemption or a prefix hit) and
+``entry_cache`` (compressed, ratio 2; NVFP4 records when packed); a ratio-1 source's ``entry_cache`` is a
+full cache (one entry per token); key owners add ``key_cache`` (MXFP4 records when packed)
+beside the entries, in the same group, so a key's slot is its entry's slot. The state
+cache is always values of the cache dtype.
 
 Shapes: T tokens, Hd hidden, H heads, D head_dim, R rope dims, W window, N entry slots
 per token (``ceil(max_seq_len / ratio)``), K selected entries, Hi/Di index heads/dim.
@@ -97,6 +102,36 @@ class DeepseekV41AttentionConfig:
     candidate_topk_blocks: int
     cache_dtype: torch.dtype
     round_kv: bool
+    packed_kv: bool = False         # round_kv stored as packed records (window, entries, keys)
+
+    def __post_init__(self) -> None:
+        if self.packed_kv and not self.round_kv:
+            raise ValueError("packed_kv needs round_kv: the records hold the release's rounded formats")
+
+    def kv_spec(self, kind: str, head_size: int, record: str, **kw) -> KVCacheSpec:
+        """A one-tensor cache of ``head_size``-channel rows: ``record``s when packed, else values
+        of the cache dtype."""
+        if self.packed_kv:
+            return KVCacheSpec(kind=kind, num_kv_heads=1, head_size=head_size, dtype=torch.uint8,
+                               num_tensors=1, record=record, **kw)
+        return KVCacheSpec(kind=kind, num_kv_heads=1, head_size=head_size, dtype=self.cache_dtype,
+                           num_tensors=1, **kw)
+
+
+_ROUND = {"mxfp8": reference.round_mxfp8, "nvfp4": reference.round_nvfp4, "mxfp4": reference.round_mxfp4}
+
+
+def store_rows(view: PagedView, slot_mapping: torch.Tensor, x: torch.Tensor, fmt: str, round_kv: bool) -> None:
+    """Store rows x [T, C] at their slots (-1: none) of a one-tensor cache: encoded as ``fmt``
+    records in a record cache, else (rounded to ``fmt`` with ``round_kv``) as values."""
+    if view.record is not None:
+        if view.record != fmt:
+            raise RuntimeError(f"a {view.record} record cache was handed {fmt} rows")
+        backend.store_record(view.cache, slot_mapping, x, fmt)
+        return
+    if round_kv:
+        x = _ROUND[fmt](x)
+    backend.store_kv(view.cache, slot_mapping, x[:, None].to(view.cache.dtype))
 
 
 @dataclass
@@ -171,10 +206,10 @@ class V41Indexer(nn.Module):
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, first: torch.Tensor, rope: InterleavedRope) -> torch.Tensor:
-        """Index keys [M, Di] of latents [M, D] whose groups start at ``first`` [M]."""
-        k = backend.interleaved_rope(self.k_norm(self.k_proj(latent))[:, None], first, rope.inv_freq,
-                                     rope.scaling)[:, 0]
-        return reference.round_mxfp4(k) if self.round else k
+        """Index keys [M, Di] of latents [M, D] whose groups start at ``first`` [M], before the
+        MXFP4 rounding (the store applies it)."""
+        return backend.interleaved_rope(self.k_norm(self.k_proj(latent))[:, None], first, rope.inv_freq,
+                                        rope.scaling)[:, 0]
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, ctx: ForwardContext, rope: InterleavedRope,
                keys: PagedView, slots: torch.Tensor, shared: V41Shared) -> torch.Tensor:
@@ -191,7 +226,8 @@ class V41Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.num_heads ** -0.5                # [T, Hi]
         # A decode_only context has one token a sequence: no keys to share between tokens.
         groups = None if ctx.decode_only else ctx.token_seq
-        scores = backend.indexer_scores(q, weights, keys.cache, slots, self.head_dim ** -0.5, groups)  # [T, N]
+        scores = backend.indexer_scores(q, weights, keys.cache, slots, self.head_dim ** -0.5, groups,
+                                        keys.record)                                    # [T, N]
         if self.role.candidate_source:
             visible = (slots >= 0).sum(dim=1)
             shared.candidates = backend.candidate_block_mask(scores, visible, self.block, self.num_blocks)
@@ -225,17 +261,13 @@ class DeepseekV41Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32))
         self.compressor = V41Compressor(cfg) if cfg.role.kv_source else None
         self.indexer = V41Indexer(cfg) if cfg.role.index_source else None
-        self.window_cache = CacheSlot(KVCacheSpec(
-            kind="sliding", num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype,
-            num_tensors=1, sliding_window=cfg.sliding_window))
+        self.window_cache = CacheSlot(cfg.kv_spec("sliding", cfg.head_dim, "mxfp8",
+                                                  sliding_window=cfg.sliding_window))
         if cfg.role.kv_source:
             kind, ratio = ("full", 1) if cfg.role.ratio == 1 else ("compressed", cfg.role.ratio)
-            self.entry_cache = CacheSlot(KVCacheSpec(
-                kind=kind, num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype, num_tensors=1,
-                compress_ratio=ratio))
-            self.key_cache = CacheSlot(KVCacheSpec(
-                kind=kind, num_kv_heads=1, head_size=cfg.index_head_dim, dtype=cfg.cache_dtype,
-                num_tensors=1, compress_ratio=ratio)) if cfg.role.key_owner else None
+            self.entry_cache = CacheSlot(cfg.kv_spec(kind, cfg.head_dim, "nvfp4", compress_ratio=ratio))
+            self.key_cache = CacheSlot(cfg.kv_spec(kind, cfg.index_head_dim, "mxfp4", compress_ratio=ratio)
+                                       ) if cfg.role.key_owner else None
 
     def _publish(self, x: torch.Tensor, ctx: ForwardContext, caches: StepCaches, rope: InterleavedRope,
                  shared: V41Shared) -> None:
@@ -247,13 +279,11 @@ class DeepseekV41Attention(nn.Module):
         slot = reference.table_slots(entries.meta.block_table, entries.cache.shape[1], seq.long(),
                                       index[:, None])[:, 0]                       # [M]
         entry = backend.interleaved_rope(latent[:, None].clone(), first, rope.inv_freq, rope.scaling)[:, 0]
-        if self.round:
-            entry = reference.round_nvfp4(entry)
-        backend.store_kv(entries.cache, slot, entry[:, None].to(entries.cache.dtype))
+        store_rows(entries, slot, entry, "nvfp4", self.round)
         shared.entries[self.layer_idx] = entries
         if self.key_cache is not None:
             keys = caches.bind(self.key_cache)
-            backend.store_kv(keys.cache, slot, self.indexer.keys(latent, first, rope)[:, None].to(keys.cache.dtype))
+            store_rows(keys, slot, self.indexer.keys(latent, first, rope), "mxfp4", self.round)
             shared.keys[self.layer_idx] = keys
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, ropes: dict[str, InterleavedRope],
@@ -267,16 +297,14 @@ class DeepseekV41Attention(nn.Module):
         window = caches.bind(self.window_cache)
         kv = backend.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
                                   self.kv_norm.eps)                               # [T, D]
-        if self.round:
-            kv = reference.round_mxfp8(kv)
-        backend.store_kv(window.cache, window.meta.slot_mapping, kv[:, None])
+        store_rows(window, window.meta.slot_mapping, kv, "mxfp8", self.round)
         window_slots = window.slots(ctx, self.sliding_window, 1, sliding=True)     # [T, W]
         if ctx.window_floor is not None:
             # Column i holds position p - W + 1 + i; rows before the floor were never computed.
             first = pos - self.sliding_window + 1
             cols = torch.arange(self.sliding_window, device=pos.device)
             window_slots = window_slots.masked_fill(first[:, None] + cols[None, :] < ctx.window_floor[:, None], -1)
-        sources = [(window.cache, window_slots)]
+        sources, formats = [(window.cache, window_slots)], [window.record]
         if role.ratio:
             if role.kv_source:
                 self._publish(x, ctx, caches, rope, shared)
@@ -291,7 +319,8 @@ class DeepseekV41Attention(nn.Module):
             else:
                 selection = shared.selection[role.topk_from]
             sources.append((entries.cache, selection))
-        out = backend.sparse_attention(q, sources, self.sinks, self.scale)         # [T, H, D]
+            formats.append(entries.record)
+        out = backend.sparse_attention(q, sources, self.sinks, self.scale, formats)  # [T, H, D]
         out = backend.interleaved_rope(out, pos, rope.inv_freq, rope.scaling, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.view(t, self.o_groups, -1)).flatten(1))
 

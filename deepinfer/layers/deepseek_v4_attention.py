@@ -135,10 +135,12 @@ class GroupedLinear(nn.Linear):
 
 @dataclass
 class PagedView:
-    """One cache as this step sees it: the tensor [NB, bs, nt, 1, C] and its group's metadata."""
+    """One cache as this step sees it: the tensor [NB, bs, nt, 1, C] and its group's metadata;
+    ``record``: the format of a packed record cache (C is then the record's bytes), else None."""
 
     cache: torch.Tensor
     meta: GroupMetadata
+    record: str | None = None
 
     def slots(self, ctx: ForwardContext, width: int, ratio: int, sliding: bool) -> torch.Tensor:
         """[T, width] int64 flat slots (``block_table[seq, i // bs] * bs + i % bs``) of what each
@@ -172,13 +174,14 @@ class StepCaches:
                                          slot_mapping=torch.arange(self.num_tokens, device=x.device))
 
     def bind(self, slot: CacheSlot) -> PagedView:
+        spec = slot.kv_spec
         if self.scratch is None:
-            return PagedView(slot.kv_cache, slot.meta(self.ctx))
+            return PagedView(slot.kv_cache, slot.meta(self.ctx), spec.record)
         if id(slot) not in self.bound:
-            spec = slot.kv_spec
-            cache = torch.zeros(self.num_tokens, 1, spec.num_tensors, 1, spec.head_size,
-                                dtype=self.dtype, device=self.device)
-            self.bound[id(slot)] = PagedView(cache, self.scratch)
+            # Scratch values in the compute dtype; packed records as bytes.
+            cache = torch.zeros(self.num_tokens, 1, spec.num_tensors, 1, spec.row_size,
+                                dtype=self.dtype if spec.record is None else spec.dtype, device=self.device)
+            self.bound[id(slot)] = PagedView(cache, self.scratch, spec.record)
         return self.bound[id(slot)]
 
 

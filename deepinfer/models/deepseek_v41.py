@@ -192,22 +192,24 @@ class DeepseekV41Args:
         return {"main": {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": prf},
                 "compress": compress}
 
-    def attention_config(self, i: int, cache_dtype: torch.dtype, round_kv: bool) -> DeepseekV41AttentionConfig:
+    def attention_config(self, i: int, cache_dtype: torch.dtype, round_kv: bool,
+                         packed_kv: bool) -> DeepseekV41AttentionConfig:
         return DeepseekV41AttentionConfig(
             layer_idx=i, role=self.roles[i], hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
             head_dim=self.head_dim, q_lora_rank=self.q_lora_rank, o_groups=self.o_groups,
             o_lora_rank=self.o_lora_rank, rms_norm_eps=self.rms_norm_eps, sliding_window=self.sliding_window,
             index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim, index_topk=self.index_topk,
             candidate_block_size=self.candidate_block_size, candidate_topk_blocks=self.candidate_topk_blocks,
-            cache_dtype=cache_dtype, round_kv=round_kv)
+            cache_dtype=cache_dtype, round_kv=round_kv, packed_kv=packed_kv)
 
 
 class DeepseekV41DecoderLayer(nn.Module):
-    def __init__(self, args: DeepseekV41Args, i: int, cache_dtype: torch.dtype, round_kv: bool) -> None:
+    def __init__(self, args: DeepseekV41Args, i: int, cache_dtype: torch.dtype, round_kv: bool,
+                 packed_kv: bool) -> None:
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
         self.layer_idx = i
-        self.self_attn = DeepseekV41Attention(args.attention_config(i, cache_dtype, round_kv))
+        self.self_attn = DeepseekV41Attention(args.attention_config(i, cache_dtype, round_kv, packed_kv))
         self.mlp = DeepseekV4MoE(d, args.moe_intermediate_size, args.n_routed_experts, args.num_experts_per_tok,
                                  args.scoring_func, args.routed_scaling_factor, args.swiglu_limit, None,
                                  gate_temp=float(args.gate_temp))
@@ -252,11 +254,11 @@ class DeepseekV41DecoderLayer(nn.Module):
 
 
 class DeepseekV41Model(nn.Module):
-    def __init__(self, args: DeepseekV41Args, cache_dtype: torch.dtype, round_kv: bool) -> None:
+    def __init__(self, args: DeepseekV41Args, cache_dtype: torch.dtype, round_kv: bool, packed_kv: bool) -> None:
         super().__init__()
         self.hc_mult = args.hc_mult
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV41DecoderLayer(args, i, cache_dtype, round_kv)
+        self.layers = nn.ModuleList(DeepseekV41DecoderLayer(args, i, cache_dtype, round_kv, packed_kv)
                                     for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         ropes = args.rope_params()
@@ -430,12 +432,16 @@ class DeepseekV41ForCausalLM(CausalLM):
                              f"supported: {', '.join(KV_CACHE_DTYPES)}")
         self.args = DeepseekV41Args.from_hf(hf_config)
         a = self.args
-        # "auto": the release's KV formats (rounded values, stored unpacked in the compute dtype);
+        # "auto": the release's KV formats. Where the Triton kernels run (CUDA, or the CPU
+        # interpreter) the window rows, entries and index keys are the release's packed records;
+        # on the torch reference path the same rounded values are stored unpacked in the compute
+        # dtype. The decision follows the device the model is built on (loader: torch.device).
         # "bfloat16" / "float32": unrounded values in that dtype.
         round_kv = kv_cache_dtype == "auto"
+        self.packed_kv = round_kv and backend.use_triton(torch.empty(0))
         cache_dtype = dtype if round_kv else getattr(torch, kv_cache_dtype)
         self.kv_cache_dtype = kv_cache_dtype
-        self.model = DeepseekV41Model(a, cache_dtype, round_kv)
+        self.model = DeepseekV41Model(a, cache_dtype, round_kv, self.packed_kv)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
         self.drafter_tensors: dict[str, torch.Tensor] = {}
 

@@ -150,22 +150,21 @@ class ModelRunner:
         return max(0, budget)
 
     def allocate_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
-        """One buffer of ``num_blocks`` pages; each layer gets a strided view
-        ``[num_blocks, block_size, num_tensors, H_kv, D]`` into its group's part of a page."""
+        """One byte buffer of ``num_blocks`` pages; each layer gets a strided view
+        ``[num_blocks, block_size, num_tensors, H_kv, row]`` in its spec's dtype into its group's
+        part of a page (row: ``head_size`` values, or a packed record's bytes). A group's layers
+        with wider elements come first in the page, so each layer's part starts aligned to its
+        element size (pages are a multiple of ``PAGE_ALIGN`` bytes). Block copies (forks) copy
+        page bytes, whatever the layers' dtypes."""
         layers = self.model.kv_cache_layers()
-        dtypes = {s.dtype for g in groups for s in g.specs}
-        if len(dtypes) != 1:
-            raise NotImplementedError(f"KV caches of mixed dtypes {dtypes} are not supported yet")
-        dtype = dtypes.pop()
-        elem = torch.empty((), dtype=dtype).element_size()
-        page_elems = page_bytes(groups) // elem
-        self.kv_buffer = torch.zeros(num_blocks, page_elems, dtype=dtype, device=self.device)
+        self.kv_buffer = torch.zeros(num_blocks, page_bytes(groups), dtype=torch.uint8, device=self.device)
         for gid, group in enumerate(groups):
             offset = 0
-            for layer_id, spec in zip(group.layer_ids, group.specs):
-                n = group.block_size * spec.entry_numel
-                view = self.kv_buffer[:, offset:offset + n].view(
-                    num_blocks, group.block_size, spec.num_tensors, spec.num_kv_heads, spec.head_size)
+            members = sorted(zip(group.layer_ids, group.specs), key=lambda m: -m[1].dtype.itemsize)
+            for layer_id, spec in members:
+                n = group.block_size * spec.entry_bytes
+                view = self.kv_buffer[:, offset:offset + n].view(spec.dtype).view(
+                    num_blocks, group.block_size, spec.num_tensors, spec.num_kv_heads, spec.row_size)
                 layers[layer_id].kv_cache = view
                 layers[layer_id].group_id = gid
                 offset += n

@@ -98,8 +98,30 @@ def build_groups(specs: Sequence[KVCacheSpec], block_size: int) -> list[KVCacheG
     return groups
 
 
+# Pages are a whole number of this many bytes: a page buffer holds layers of several dtypes
+# (packed uint8 records beside float states), each viewed in its own dtype, which needs every
+# page (and every layer's part, runner/model_runner.py) aligned to its element size.
+PAGE_ALIGN = 16
+
+
 def page_bytes(groups: Sequence[KVCacheGroup]) -> int:
-    return max(g.bytes_per_block for g in groups)
+    page = max(g.bytes_per_block for g in groups)
+    return -(-page // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def kv_bytes_per_token(groups: Sequence[KVCacheGroup]) -> tuple[float, int]:
+    """What the cache costs: (bytes per token of context in the groups that keep every entry:
+    a full group's entry a token, a compressed group's one per ``ratio`` tokens; bytes one
+    sequence holds at most in the sliding groups, ``window`` entries each). Entry bytes are the
+    specs' own: packed records count their record bytes."""
+    per_token, per_sequence = 0.0, 0
+    for g in groups:
+        entry = sum(s.entry_bytes for s in g.specs)
+        if g.kind == "sliding":
+            per_sequence += g.sliding_window * entry
+        else:
+            per_token += entry / g.compress_ratio
+    return per_token, per_sequence
 
 
 def hash_block(parent: bytes | None, group_id: int, token_bytes: bytes) -> bytes:

@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from deepinfer.kernels import fused_moe, hyper_connection, indexer, rms_norm, topk  # noqa: E402
+from deepinfer.kernels import fused_moe, hyper_connection, indexer, kv_records, rms_norm, topk  # noqa: E402
 from deepinfer.kernels import candidate_blocks, engram_gate, engram_gather, pool_window  # noqa: E402
 from deepinfer.kernels import sparse_attention, sparse_attention_gluon  # noqa: E402
 
@@ -106,16 +106,19 @@ _SPARSE_TYPES = {
 
 
 def _sparse(two_sources: bool, block_n: int, stages: int, split: bool, block_h: int = 64,
-            warps: int = 8, scan: int = 512) -> Case:
+            warps: int = 8, scan: int = 512, packed: bool = False) -> Case:
     # Slot rows are read with unit stride (stride_slots*_k == 1: a constant at run time);
-    # every other integer is a multiple of 16 at 64 heads x 512, window 128, top-512.
+    # every other integer is a multiple of 16 at 64 heads x 512, window 128, top-512 (``packed``:
+    # DeepSeek-V4.1's uint8 records, MXFP8 window rows of 528 B and NVFP4 entries of 288 B).
     divisible = {n for n in _SPARSE_TYPES if n.endswith("_ptr") or n.startswith("stride")
                  or n in ("k0", "k1", "num_heads", "head_dim")}
-    return Case(sparse_attention._sparse_attention_kernel, _SPARSE_TYPES,
+    types = dict(_SPARSE_TYPES, cache0_ptr="*u8", cache1_ptr="*u8") if packed else _SPARSE_TYPES
+    formats = dict(FMT0=1, FMT1=2) if packed else {}
+    return Case(sparse_attention._sparse_attention_kernel, types,
                 dict(stride_slots0_k=1, stride_slots1_k=1, BLOCK_SIZE0=16, BLOCK_SIZE1=16,
                      TWO_SOURCES=two_sources, SPLIT=split, BLOCK_H=block_h, BLOCK_N=block_n,
                      BLOCK_D=512, BLOCK_SCAN=scan, ONE_SCAN=True, EVEN_H=True, EVEN_D=True,
-                     DOT_PRECISION="tf32", PDL=True),
+                     DOT_PRECISION="tf32", PDL=True, **formats),
                 divisible, warps, stages, options={"launch_pdl": True})
 
 
@@ -219,15 +222,20 @@ _INDEXER_TYPES = {
 }
 
 
-def _indexer(block_t: int, block_n: int, warps: int, stages: int) -> Case:
+def _indexer(block_t: int, block_n: int, warps: int, stages: int, packed: bool = False) -> Case:
     # The model's call at T=4096: q [T, 64, 128] from the rope (contiguous), weights [T, 64]
     # float32 (stride_w_h == 1), paged_slots' int64 rows [T, 1024] (stride_slots_n == 1).
+    # ``packed``: DeepSeek-V4.1's MXFP4 key records, uint8 rows of 68 B (not a multiple of 16).
     kernel = indexer._indexer_block_kernel if block_t > 1 else indexer._indexer_kernel
     types = {k: v for k, v in _INDEXER_TYPES.items() if k in kernel.arg_names}
     divisible = {k for k in types if k.endswith("_ptr") or k.startswith("stride")
                  or k in ("t", "n", "num_heads", "head_dim")}
     constants = dict(stride_w_h=1, stride_slots_n=1, BLOCK_SIZE=16, BLOCK_N=block_n, BLOCK_HI=64,
                      BLOCK_D=128, DOT_PRECISION="tf32", PDL=True)
+    if packed:
+        types["cache_ptr"] = "*u8"
+        divisible.discard("stride_cache_offset")
+        constants["KEY_FMT"] = 3
     if block_t > 1:
         constants["BLOCK_T"] = block_t
     return Case(kernel, types, constants, divisible, warps, stages, options={"launch_pdl": True})
@@ -289,11 +297,25 @@ def _engram_gate() -> Case:
                 divisible, 4, 3, options={"launch_pdl": True})
 
 
+def _record_store(fmt: str, d: int) -> Case:
+    # DeepSeek-V4.1's record store: bf16 rows [T, D] (contiguous) to a uint8 record cache.
+    types = {"x_ptr": "*bf16", "slot_ptr": "*i64", "cache_ptr": "*u8", "stride_x": "i32",
+             "stride_cache_block": "i32", "stride_cache_offset": "i32"}
+    block = {"mxfp8": 32, "nvfp4": 16, "mxfp4": 32}[fmt]
+    return Case(kv_records._store_records_kernel, types,
+                dict(FMT=kv_records.FORMAT_IDS[fmt], HEAD_DIM=d, BLOCK=block, NUM_BLOCKS_P2=d // block,
+                     BLOCK_SIZE=16, PDL=True), {"x_ptr", "slot_ptr", "cache_ptr", "stride_x"}, 4, 1,
+                options={"launch_pdl": True})
+
+
 def _v4_moe(t: int) -> fused_moe.MoEConfig:
     return fused_moe.pick_config(t, 6, 256, 4096, 2048)
 
 
 CASES: dict[str, Callable[[], Case]] = {
+    "kv_records_store_mxfp8_D512": lambda: _record_store("mxfp8", 512),
+    "kv_records_store_nvfp4_D512": lambda: _record_store("nvfp4", 512),
+    "kv_records_store_mxfp4_D128": lambda: _record_store("mxfp4", 128),
     "topk_prefill_N1024_w2": lambda: _topk(1024, 2),
     "indexer_prefill_per_token_N64_w4_s3": lambda: _indexer(1, 64, 4, 3),
     "indexer_prefill_T4_N64_w8_s2": lambda: _indexer(4, 64, 8, 2),
@@ -301,6 +323,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "indexer_prefill_T4_N64_w4_s3": lambda: _indexer(4, 64, 4, 3),
     "indexer_prefill_T2_N64_w4_s3": lambda: _indexer(2, 64, 4, 3),
     "indexer_prefill_T4_N64_w16_s3": lambda: _indexer(4, 64, 16, 3),
+    "indexer_prefill_T4_N64_w4_s3_records": lambda: _indexer(4, 64, 4, 3, packed=True),
+    "indexer_decode_per_token_N64_w4_s3_records": lambda: _indexer(1, 64, 4, 3, packed=True),
     "gluon_sparse_prefill_window_top512_rope": lambda: _gluon_sparse(True, True),
     "gluon_sparse_prefill_window_top512": lambda: _gluon_sparse(True, False),
     "gluon_sparse_prefill_window_rope": lambda: _gluon_sparse(False, True),
@@ -308,6 +332,10 @@ CASES: dict[str, Callable[[], Case]] = {
     "sparse_prefill_window_N64_s2": lambda: _sparse(False, 64, 2, False, scan=128),
     "sparse_prefill_window_top512_N32_s3": lambda: _sparse(True, 32, 3, False),
     "sparse_decode_H16_N16_split": lambda: _sparse(True, 16, 2, True, block_h=16, warps=4, scan=16),
+    "sparse_prefill_window_top512_N64_s2_records": lambda: _sparse(True, 64, 2, False, packed=True),
+    "sparse_prefill_window_top512_N32_s3_records": lambda: _sparse(True, 32, 3, False, packed=True),
+    "sparse_decode_H16_N16_split_records": lambda: _sparse(True, 16, 2, True, block_h=16, warps=4, scan=16,
+                                                           packed=True),
     "moe_gate_up_prefill_T4096": lambda: _moe_gate_up(_v4_moe(4096)),
     "moe_gate_up_prefill_T4096_packed": lambda: _moe_gate_up(_v4_moe(4096), packed=True),
     "moe_gate_up_medium_T1024": lambda: _moe_gate_up(_v4_moe(1024)),

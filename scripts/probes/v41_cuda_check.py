@@ -1,10 +1,20 @@
 """DeepSeek-V4.1 on CUDA: the tiny reference checkpoint (tests/data/v41_reference) through the
 engine, float32 with unrounded KV (greedy must equal the official reference's `_noquant`
-continuations) and bf16 with the release KV rounding (runs; greedy agreement reported); then
-its engram tables forced into host memory (DEEPINFER_ENGRAM_TABLES=host: FP8 tables mapped from
-the file, pinned in place, rows gathered by the Triton kernel through their device-mapped
+continuations) and bf16 with the release KV rounding (runs; greedy agreement reported).
+
+Then the packed KV records: with ``kv_cache_dtype="auto"`` on CUDA the window rows, compressed
+entries and index keys are uint8 records (66 / 36 / 17 bytes at the checkpoint's D = 64 and
+Di = 32), stored and read by the Triton kernels (decode steps in CUDA graphs). The same model on
+the torch backend (``DEEPINFER_KERNEL_BACKEND=torch``, chosen before the engine is built) stores
+the same rounded values unpacked: in float32 the greedy tokens must be equal (bf16: agreement
+reported, a bf16 model is chaotic under rounding differences). Repeats (prefix-cache hits) are
+reported.
+
+Then its engram tables forced into host memory (DEEPINFER_ENGRAM_TABLES=host: FP8 tables mapped
+from the file, pinned in place, rows gathered by the Triton kernel through their device-mapped
 address) against tables on the device: full-forward logits must be bit-identical, and the
-engine's greedy (CUDA graphs, the gathers on their side-stream lane) must equal the reference's."""
+engine's greedy (CUDA graphs, the gathers on their side-stream lane) must equal the reference's.
+Exit status 1 on a failure; the last line says OK or FAILED."""
 
 from __future__ import annotations
 
@@ -21,11 +31,15 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig
 from deepinfer.forward_context import ForwardContext
 from deepinfer.models.loader import load_model
+from deepinfer.scheduler.kv_cache import kv_bytes_per_token
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "v41_reference"
+RECORDS = {("mxfp8", 66), ("nvfp4", 36), ("mxfp4", 17)}
 
 
-def free_device_memory() -> None:
+def release(llm: LLM) -> None:
+    """Each engine takes most of the device's free memory for its KV cache: free it first."""
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -48,7 +62,8 @@ def check_host_tables(prompts: list[list[int]], expected: np.ndarray, params: Sa
                                                             ForwardContext.no_cache([len(p)], device)))
                                  for p in prompts]
         del model
-        free_device_memory()
+        gc.collect()
+        torch.cuda.empty_cache()
     same = [torch.equal(a, b) for a, b in zip(logits["device"], logits["host"])]
     diff = max(float((a - b).abs().max()) for a, b in zip(logits["device"], logits["host"]))
     print(f"host vs device tables, full forwards: bit-identical logits {sum(same)}/{len(same)} "
@@ -65,16 +80,13 @@ def check_host_tables(prompts: list[list[int]], expected: np.ndarray, params: Sa
               f"{time.perf_counter() - t:.1f} s", flush=True)
         failures += equal != len(got)
         del llm
-        free_device_memory()
+        gc.collect()
+        torch.cuda.empty_cache()
     del os.environ["DEEPINFER_ENGRAM_TABLES"]
     return failures
 
 
-def main() -> int:
-    e = np.load(DATA / "expected.npz")
-    ids, off = e["prompt_ids"], e["prompt_offsets"]
-    prompts = [ids[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+def check_reference(prompts: list[list[int]], e: dict, params: SamplingParams) -> int:
     failures = 0
     for dtype, kv, key in (("float32", "float32", "greedy_noquant"), ("bfloat16", "auto", "greedy_bf16_decode")):
         for settings in ({}, {"max_num_batched_tokens": 16, "block_size": 4}):
@@ -87,10 +99,61 @@ def main() -> int:
                   f"repeat equal: {again == got}; {time.perf_counter() - t:.1f} s", flush=True)
             if dtype == "float32" and not all(same):
                 failures += 1
-            # Each engine takes most of the device's free memory for its KV cache: free it first.
-            del llm
-            free_device_memory()
+            release(llm)
+    return failures
+
+
+def check_packed(prompts: list[list[int]], params: SamplingParams) -> int:
+    failures = 0
+    saved = os.environ.get("DEEPINFER_KERNEL_BACKEND")
+    try:
+        for dtype in ("float32", "bfloat16"):
+            for settings in ({}, {"max_num_batched_tokens": 16, "block_size": 4}):
+                runs = {}
+                for choice in ("torch", "auto"):
+                    os.environ["DEEPINFER_KERNEL_BACKEND"] = choice
+                    t = time.perf_counter()
+                    llm = LLM(model=str(DATA / "checkpoint"), device="cuda", dtype=dtype, kv_cache_dtype="auto",
+                              **settings)
+                    model = llm.engine.model
+                    records = {(s.kv_spec.record, s.kv_cache.shape[-1]) for s in model.kv_cache_layers()
+                               if s.kv_spec.record is not None}
+                    uint8 = all(s.kv_cache.dtype == torch.uint8 for s in model.kv_cache_layers()
+                                if s.kv_spec.record is not None)
+                    packed_ok = (model.packed_kv and records == RECORDS and uint8) if choice == "auto" \
+                        else (not model.packed_kv and not records)
+                    per_token = kv_bytes_per_token(llm.engine.kv.groups)[0]
+                    runs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                    print(f"{dtype} auto backend={choice} {settings}: packed={model.packed_kv} layout ok: "
+                          f"{packed_ok}; {per_token:.1f} B per token of context; repeat (prefix hits) equal: "
+                          f"{again == runs[choice]}; {time.perf_counter() - t:.1f} s", flush=True)
+                    if not packed_ok:
+                        failures += 1
+                    release(llm)
+                same = [a == b for a, b in zip(runs["auto"], runs["torch"])]
+                first = [next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+                         for a, b in zip(runs["auto"], runs["torch"]) if a != b]
+                print(f"{dtype} {settings}: packed (Triton) greedy equal to unpacked rounded (torch): "
+                      f"{sum(same)}/{len(same)}; first divergent positions {first}", flush=True)
+                if dtype == "float32" and not all(same):
+                    failures += 1
+    finally:
+        if saved is None:
+            os.environ.pop("DEEPINFER_KERNEL_BACKEND", None)
+        else:
+            os.environ["DEEPINFER_KERNEL_BACKEND"] = saved
+    return failures
+
+
+def main() -> int:
+    e = np.load(DATA / "expected.npz")
+    ids, off = e["prompt_ids"], e["prompt_offsets"]
+    prompts = [ids[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    failures = check_reference(prompts, e, params) + check_packed(prompts, params)
     failures += check_host_tables(prompts, e["greedy_noquant"], params)
+    print("FAILED" if failures else "OK", flush=True)
     return 1 if failures else 0
 
 

@@ -2,7 +2,8 @@
 tests/data/v41_reference: greedy tokens and prompt logprobs equal what DeepSeek's official
 V4.1 reference produced (its unrounded variant, ``kv_cache_dtype="float32"`` here), through
 batching, chunked prefill, small pages, prefix-cache hits, preemption and ``n`` > 1, and
-every block returns to the pool."""
+every block returns to the pool; with the release's KV formats (``kv_cache_dtype="auto"``) the
+Triton path's packed records give the torch path's tokens."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.scheduler.kv_cache import kv_bytes_per_token
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "v41_reference"
 
@@ -104,3 +107,33 @@ def test_triton_kernels_match_the_official_reference(expected, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     assert got == [expected["greedy_noquant"][i, :6].tolist() for i in picked]
+
+
+@pytest.mark.slow
+def test_packed_kv_records_match_the_rounded_torch_path(expected, monkeypatch):
+    # kv_cache_dtype="auto" on the Triton kernels (the CUDA path, here in Triton's CPU
+    # interpreter) stores the release's packed records: uint8 rows of 66 (MXFP8 window, D = 64),
+    # 36 (NVFP4 entries) and 17 (MXFP4 keys, Di = 32) bytes, stored and read by the kernels. The
+    # torch path stores the same rounded values unpacked: the same greedy tokens, also through a
+    # prefix-cache hit on packed pages.
+    settings = {"max_num_batched_tokens": 16, "block_size": 4}
+    ps = [prompts(expected)[i] for i in (2, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rounded = LLM(model=str(DATA / "checkpoint"), device="cpu", dtype="float32", kv_cache_dtype="auto", **settings)
+    assert not rounded.engine.model.packed_kv
+    want = [o.outputs[0].token_ids for o in rounded.generate(ps, params, use_tqdm=False)]
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    llm = LLM(model=str(DATA / "checkpoint"), device="cpu", dtype="float32", kv_cache_dtype="auto", **settings)
+    model = llm.engine.model
+    assert model.packed_kv
+    records = {(s.kv_spec.record, s.kv_cache.dtype, s.kv_cache.shape[-1]) for s in model.kv_cache_layers()
+               if s.kv_spec.record is not None}
+    assert records == {("mxfp8", torch.uint8, 66), ("nvfp4", torch.uint8, 36), ("mxfp4", torch.uint8, 17)}
+    # The compressor state and engram's token history stay in the compute dtype.
+    assert {s.kv_cache.dtype for s in model.kv_cache_layers() if s.kv_spec.record is None} == {torch.float32}
+    # Per token of context: layer 2's entry + key per 2 tokens, layer 4's every token.
+    assert kv_bytes_per_token(llm.engine.kv.groups)[0] == (36 + 17) / 2 + 36 + 17
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+    assert got == want
+    again = llm.generate(ps[1:], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert again[0].num_cached_tokens >= 32 and again[0].outputs[0].token_ids == want[1][:3]

@@ -9,7 +9,7 @@ import torch
 from deepinfer.kernels import backend, reference
 from deepinfer.kernels import topk as topk_kernel
 from deepinfer.kernels.indexer import IndexerConfig, indexer_scores
-from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, page_buffer_records, random_slots
 
 # float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
 # Kernel and reference multiply the same rounded inputs in float32, so even low-precision
@@ -266,3 +266,69 @@ def test_triton_indexer_gpu_configs(block_n, num_warps, poison_empty):
     out = indexer_scores(q, w, cache, slots, 128 ** -0.5, IndexerConfig(block_n, 4, num_warps, 3))
     torch.testing.assert_close(out, reference.indexer_scores(q, w, cache, slots, 128 ** -0.5),
                                **KERNEL_TOL[torch.bfloat16])
+
+
+# -- packed keys (DeepSeek-V4.1's MXFP4 index keys) ----------------------------------------------------
+def record_keys(num_blocks, bs, nt, di, dtype, device, gen, fmt="mxfp4"):
+    """(a record key cache, its keys decoded as float32 values, and as values of ``dtype``)."""
+    (cache,), (values,) = page_buffer_records(num_blocks, [(bs, nt, di, fmt)], torch.float32, device, gen)
+    return cache, values, values.to(dtype)
+
+
+PACKED_CASES = [
+    # t, hi, di, n, bs, nt, dtype, config
+    (4, 4, 32, 40, 8, 1, torch.float32, None),
+    (5, 6, 64, 37, 4, 2, torch.float32, IndexerConfig(16, 2, 4, 2)),
+    (4, 8, 96, 50, 8, 1, torch.float16, IndexerConfig(16, 3, 4, 2)),            # Di not a power of two
+]
+
+
+@pytest.mark.parametrize("t,hi,di,n,bs,nt,dtype,config", PACKED_CASES)
+def test_triton_indexer_reads_packed_keys(t, hi, di, n, bs, nt, dtype, config, device, poison_empty):
+    """MXFP4 key records decoded in the kernel score as the kernel on their values, bit for bit,
+    close to the reference, which scores the records exactly as their values; the top-k picks
+    the same keys."""
+    gen = torch.Generator().manual_seed(n + di)
+    num_blocks = 10
+    cache, values, q_values = record_keys(num_blocks, bs, nt, di, dtype, device, gen)
+    slots = random_slots(t, n, num_blocks * bs, gen, 0.25, (1,)).to(device)
+    q = torch.randn(t, hi, di, generator=gen).to(dtype).to(device)
+    w = torch.randn(t, hi, generator=gen).to(device)
+    ref = reference.indexer_scores(q, w, values, slots, 0.3)
+    assert torch.equal(reference.indexer_scores(q, w, cache, slots, 0.3, "mxfp4"), ref)
+    out = indexer_scores(q, w, cache, slots, 0.3, config, key_format="mxfp4")
+    assert torch.equal(out, indexer_scores(q, w, q_values, slots, 0.3, config))
+    assert torch.equal(out.isneginf(), slots < 0)
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+    for row, ref_row in zip(reference.topk_slots(out, slots, 8).tolist(),
+                            reference.topk_slots(ref, slots, 8).tolist()):
+        assert sorted(row) == sorted(ref_row)
+
+
+def test_triton_indexer_token_blocks_read_packed_keys(device, poison_empty):
+    """The token-block kernel (prefill: groups = each token's sequence) on MXFP4 key records."""
+    gen = torch.Generator().manual_seed(21)
+    q, w, plain, slots, seq = sequence_inputs([13, 6, 1, 9], [30, 6, 40, 9], 4, 32, 2, 4, torch.float32,
+                                              device, gen)
+    cache, values, _ = record_keys(plain.shape[0], 4, 1, 32, torch.float32, device, gen)
+    config = IndexerConfig(16, 2, 4, 2, block_t=4)
+    out = indexer_scores(q, w, cache, slots, 0.3, config, groups=seq, key_format="mxfp4")
+    assert torch.equal(out, indexer_scores(q, w, values, slots, 0.3, config, groups=seq))
+    torch.testing.assert_close(out, reference.indexer_scores(q, w, values, slots, 0.3), **KERNEL_TOL[torch.float32])
+
+
+def test_backend_indexer_scores_pass_the_key_format(monkeypatch, device):
+    gen = torch.Generator().manual_seed(22)
+    cache, values, _ = record_keys(6, 4, 1, 32, torch.float32, device, gen)
+    slots = random_slots(3, 12, 24, gen).to(device)
+    q = torch.randn(3, 4, 32, generator=gen).to(device)
+    w = torch.randn(3, 4, generator=gen).to(device)
+    ref = reference.indexer_scores(q, w, values, slots, 0.3)
+    for choice in ("triton", "torch"):
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", choice)
+        out = backend.indexer_scores(q, w, cache, slots, 0.3, key_format="mxfp4")
+        torch.testing.assert_close(out, ref, **KERNEL_TOL[torch.float32])
+    with pytest.raises(ValueError, match=r"mxfp4 record of Di=64: 34 bytes\], got \(6, 4, 1, 1, 17\)"):
+        indexer_scores(torch.randn(3, 4, 64).to(device), w, cache, slots, 0.3, key_format="mxfp4")
+    with pytest.raises(ValueError, match=r"Di=32\], got \(6, 4, 1, 1, 17\)"):
+        indexer_scores(q, w, cache, slots, 0.3)

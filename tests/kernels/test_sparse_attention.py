@@ -10,7 +10,7 @@ import torch
 from deepinfer.kernels import backend, reference
 from deepinfer.kernels import sparse_attention as sparse_attention_module
 from deepinfer.kernels.sparse_attention import SparseAttentionConfig, sparse_attention
-from tests.kernels.paged_sources import pad_runs, page_buffer_caches, random_slots
+from tests.kernels.paged_sources import pad_runs, page_buffer_caches, page_buffer_records, random_slots
 
 # float16 stands in for bfloat16 on the CPU: the interpreter cannot multiply bfloat16 tiles.
 KERNEL_TOL = {torch.float32: {"rtol": 1e-4, "atol": 1e-5},
@@ -222,5 +222,102 @@ def test_triton_sparse_attention_gpu_configs(block_h, block_n, num_warps, t, dec
     config = SparseAttentionConfig(block_h, block_n, splits, num_warps, num_stages=2)
     out = sparse_attention(q, sources, sinks, 512 ** -0.5, config)
     ref = reference.sparse_attention(q, sources, sinks, 512 ** -0.5)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[torch.bfloat16])
+
+
+# -- packed record sources (DeepSeek-V4.1's KV records) ---------------------------------------------
+def packed_inputs(t, h, d, specs, dtype, device, gen, num_blocks=12):
+    """q [t, h, d], sinks [h], and the sources of ``specs`` = [(bs, nt, K, fmt or None)] three times:
+    as the kernel reads them (record caches for a format, value caches of ``dtype`` for None), and
+    as value caches of the same numbers (the records decoded) in float32 and in ``dtype``. Row 1
+    sees no key."""
+    sources, values, q_values, formats = [], [], [], []
+    for bs, nt, k, fmt in specs:
+        if fmt is None:
+            (cache,) = page_buffer_caches(num_blocks, [(bs, nt, d)], dtype, device, gen)
+            plain = cache.float()
+        else:
+            (cache,), (plain,) = page_buffer_records(num_blocks, [(bs, nt, d, fmt)], torch.float32, device, gen)
+        slots = random_slots(t, k, num_blocks * bs, gen, 0.25, (1,)).to(device)
+        sources.append((cache, slots))
+        values.append((plain, slots))
+        q_values.append((plain.to(dtype), slots))
+        formats.append(fmt)
+    q = (torch.randn(t, h, d, generator=gen) * 2).to(dtype).to(device)
+    sinks = torch.randn(h, generator=gen).to(device)
+    return q, sinks, sources, values, q_values, formats
+
+
+PACKED_CASES = [
+    # t, h, d, sources [(bs, nt, K, fmt)], dtype, config
+    (4, 4, 64, [(8, 1, 40, "mxfp8"), (4, 1, 17, "nvfp4")], torch.float32, None),     # window + entries
+    (5, 4, 64, [(8, 1, 24, "mxfp8"), (4, 2, 17, "nvfp4")], torch.float32,
+     SparseAttentionConfig(16, 16, 3, 4, 2)),                                         # splits
+    (3, 6, 32, [(4, 1, 20, "nvfp4")], torch.float16, None),                           # one source
+    (4, 16, 96, [(8, 1, 21, None), (4, 1, 33, "mxfp8")], torch.float16,
+     SparseAttentionConfig(16, 16, 1, 4, 2)),                  # D not a power of two; a plain source beside
+    (3, 4, 64, [(8, 1, 9, "mxfp4"), (8, 2, 30, "mxfp8")], torch.float32, None),
+]
+
+
+@pytest.mark.parametrize("t,h,d,specs,dtype,config", PACKED_CASES)
+def test_triton_sparse_attention_reads_packed_records(t, h, d, specs, dtype, config, device, poison_empty):
+    """Record sources decoded in the kernel: the kernel's result on the records' values, bit for
+    bit (the decode is exact in q's dtype here), and so the reference's; the reference on the
+    records equals it on those values exactly."""
+    gen = torch.Generator().manual_seed(sum(k for _, _, k, _ in specs) + d)
+    q, sinks, sources, values, q_values, formats = packed_inputs(t, h, d, specs, dtype, device, gen)
+    ref = reference.sparse_attention(q, values, sinks, 0.2)
+    assert torch.equal(reference.sparse_attention(q, sources, sinks, 0.2, formats), ref)
+    out = sparse_attention(q, sources, sinks, 0.2, config, formats=formats)
+    assert not out.isnan().any()
+    assert torch.equal(out, sparse_attention(q, q_values, sinks, 0.2, config))
+    torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))       # row 1 has no key in any source
+
+
+def test_backend_passes_record_formats(monkeypatch, device):
+    gen = torch.Generator().manual_seed(12)
+    q, sinks, sources, values, _, formats = packed_inputs(3, 4, 32, [(8, 1, 12, "mxfp8"), (4, 1, 9, "nvfp4")],
+                                                          torch.float32, device, gen)
+    ref = reference.sparse_attention(q, values, sinks, 0.2)
+    for choice in ("triton", "torch"):
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", choice)
+        torch.testing.assert_close(backend.sparse_attention(q, sources, sinks, 0.2, formats), ref,
+                                   **KERNEL_TOL[torch.float32])
+
+
+def test_triton_sparse_attention_rejects_bad_record_sources(device):
+    gen = torch.Generator().manual_seed(13)
+    q, sinks, sources, _, _, formats = packed_inputs(2, 4, 32, [(4, 1, 5, "mxfp8")], torch.float32, device, gen)
+    with pytest.raises(ValueError, match=r"nvfp4 record of D=32: 18 bytes\], got \(12, 4, 1, 1, 33\)"):
+        sparse_attention(q, sources, sinks, 1.0, formats=["nvfp4"])
+    with pytest.raises(ValueError, match=r"D=32\], got \(12, 4, 1, 1, 33\)"):
+        sparse_attention(q, sources, sinks, 1.0)            # records read as values
+    with pytest.raises(ValueError, match="formats has 2 entries for 1 sources"):
+        sparse_attention(q, sources, sinks, 1.0, formats=formats * 2)
+    with pytest.raises(ValueError, match="'fp8' is not one of"):
+        sparse_attention(q, sources, sinks, 1.0, formats=["fp8"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,decode", [(1, True), (16, True), (64, True), (4096, False)])
+def test_triton_sparse_attention_gpu_packed_records(t, decode, poison_empty):
+    """DeepSeek-V4.1 sizes: 64 bf16 heads x 512 over MXFP8 window rows and NVFP4 entries; long
+    prefill chunks stay on the Triton kernel (the Gluon kernel reads no records)."""
+    from deepinfer.kernels import sparse_attention as sa
+    gen = torch.Generator().manual_seed(t)
+    q, plain_sources, sinks = v4_inputs(t, decode, torch.bfloat16, gen)
+    n_blocks = plain_sources[0][0].shape[0]
+    caches, values = page_buffer_records(n_blocks, [(16, 1, 512, "mxfp8"), (16, 1, 512, "nvfp4")],
+                                         torch.float32, torch.device("cuda"), gen)
+    formats = ["mxfp8", "nvfp4"]
+    sources = [(cache, slots) for cache, (_, slots) in zip(caches, plain_sources)]
+    assert not sa._takes_gluon(q, sources, formats)
+    out = sparse_attention(q, sources, sinks, 512 ** -0.5, formats=formats)
+    ref = reference.sparse_attention(q, [(v, slots) for v, (_, slots) in zip(values, plain_sources)], sinks,
+                                     512 ** -0.5)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **KERNEL_TOL[torch.bfloat16])

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from deepinfer.bench.common import model_cost
-from deepinfer.bench.floors import (DeepseekV41Cost, mxfp4_record_bytes, mxfp8_record_bytes,
-                                    nvfp4_record_bytes)
+from deepinfer.bench.floors import DeepseekV41Cost
 from deepinfer.bench.model_shapes import DEFAULT_LAYERS, resolve_config, v41_roles, with_num_layers
 from deepinfer.config import flatten_text_config
 from deepinfer.entrypoints.cli import main
+from deepinfer.kv_spec import record_bytes
 from deepinfer.models.deepseek_v41 import DeepseekV41Args, DeepseekV41ForCausalLM, layer_roles
 
 PRESET = "deepseek-v4.1-flash"
@@ -139,9 +139,9 @@ def test_with_num_layers_refuses_an_invalid_v41_config():
 
 # -- the accounting --------------------------------------------------------------------------
 def test_release_record_sizes():
-    assert mxfp8_record_bytes(512) == 528        # window row: 512 E4M3 + 16 scales
-    assert nvfp4_record_bytes(512) == 288        # entry: 256 B of E2M1 pairs + 32 scales
-    assert mxfp4_record_bytes(128) == 68         # index key: 64 B + 4 scales
+    assert record_bytes("mxfp8", 512) == 528        # window row: 512 E4M3 + 16 scales
+    assert record_bytes("nvfp4", 512) == 288        # entry: 256 B of E2M1 pairs + 32 scales
+    assert record_bytes("mxfp4", 128) == 68         # index key: 64 B + 4 scales
 
 
 def test_kv_bytes_and_attention_flops_by_hand():
@@ -167,9 +167,9 @@ def test_kv_bytes_and_attention_flops_by_hand():
 
 
 def test_kv_writes_are_the_models_caches():
-    """With the records at their unpacked size (what the engine stores), a token's writes are
-    one row of each of the model's sliding and full caches and 1/r of each compressed one:
-    the accounting counts exactly the caches the model has, engram's history included."""
+    """With the records at their unpacked size (what the torch reference path stores), a token's
+    writes are one row of each of the model's sliding and full caches and 1/r of each compressed
+    one: the accounting counts exactly the caches the model has, engram's history included."""
     for cfg in (resolve_config(PRESET, 4)[1], with_num_layers(json.loads(REFERENCE_CONFIG.read_text()), 8)):
         model = build(cfg, torch.bfloat16)
         cost = DeepseekV41Cost(DeepseekV41Args.from_hf(cfg), 2, 2)
@@ -256,3 +256,25 @@ def test_prefill_and_curve_run_v41_under_the_harness(tiny_v41_config, tmp_path):
     c = run(["bench", "curve", "--config", tiny_v41_config, *COMMON, "--batch-sizes", "1,2", "--context-len", "12",
              "--steps", "2", "--no-hf"], tmp_path / "c.json")
     assert c["num_layers"] == 4 and [p["engine"]["tokens_committed"] for p in c["points"]] == [2, 4]
+
+
+def test_packed_caches_are_the_release_records(monkeypatch):
+    """Built for the Triton kernels (CUDA; here the interpreter), ``kv_cache_dtype="auto"``
+    declares the release's packed records: a token's writes are what the floors count, and the
+    release config's compressed caches hold 890 B per token of context."""
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    for cfg in (resolve_config(PRESET, 4)[1], with_num_layers(json.loads(REFERENCE_CONFIG.read_text()), 8)):
+        model = build(cfg, torch.bfloat16)
+        assert model.packed_kv
+        specs = [m.kv_spec for m in model.kv_cache_layers()]
+        assert {(s.record, s.entry_bytes) for s in specs if s.record} == {
+            ("mxfp8", record_bytes("mxfp8", cfg["head_dim"])), ("nvfp4", record_bytes("nvfp4", cfg["head_dim"])),
+            ("mxfp4", record_bytes("mxfp4", cfg["index_head_dim"]))}
+        cost = DeepseekV41Cost(DeepseekV41Args.from_hf(cfg), 2, 2)
+        assert cost.kv_write_bytes() == pytest.approx(sum(s.entry_bytes / s.compress_ratio for s in specs))
+    # The release's 40 layers (deepseek_v41.md §2): ratio-2 sources 2, 8, 14, ratio-1 source 20.
+    _, release = resolve_config(PRESET, 40)
+    release.update(compress_ratios=[0, 0] + [2] * 18 + [1] * 20, kv_source_layer_ids=[2, 8, 14, 20],
+                   index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36], candidate_source_layer_id=20)
+    specs = [m.kv_spec for m in build(release, torch.bfloat16).kv_cache_layers()]
+    assert sum(s.entry_bytes / s.compress_ratio for s in specs if s.kind != "sliding") == 890
