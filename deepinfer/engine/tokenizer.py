@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -67,15 +68,19 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like transformers: sandboxed, trim_blocks/lstrip_blocks, loop controls,
-    and the helpers templates on the Hub call."""
+def _template_environment() -> jinja2.Environment:
+    """Like transformers: sandboxed, trim_blocks/lstrip_blocks, loop controls, and the
+    helpers templates on the Hub call."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    return _template_environment().from_string(source)
 
 
 class Tokenizer:
@@ -161,6 +166,16 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     # -- chat ---------------------------------------------------------------------
+    def chat_template_variables(self, with_tools: bool = False) -> frozenset[str]:
+        """The variables the chat template reads (the template used when tools are given,
+        for ``with_tools``); empty when the checkpoint has none. Lets a caller tell
+        whether the template renders ``tools`` or a ``thinking`` flag itself."""
+        name = "tool_use" if with_tools and "tool_use" in self._chat_templates else "default"
+        source = self._chat_templates.get(name)
+        if source is None:
+            return frozenset()
+        return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(source)))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """Render a conversation with the checkpoint's chat template.
