@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
-import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -166,15 +165,11 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     # -- chat ---------------------------------------------------------------------
-    def chat_template_variables(self, with_tools: bool = False) -> frozenset[str]:
-        """The variables the chat template reads (the template used when tools are given,
-        for ``with_tools``); empty when the checkpoint has none. Lets a caller tell
-        whether the template renders ``tools`` or a ``thinking`` flag itself."""
+    def chat_template_source(self, with_tools: bool = False) -> str | None:
+        """The chat template's Jinja source (the one used when tools are given, for
+        ``with_tools``), or None when the checkpoint has none."""
         name = "tool_use" if with_tools and "tool_use" in self._chat_templates else "default"
-        source = self._chat_templates.get(name)
-        if source is None:
-            return frozenset()
-        return frozenset(jinja2.meta.find_undeclared_variables(_template_environment().parse(source)))
+        return self._chat_templates.get(name)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import re
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import jinja2
+import jinja2.meta
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
@@ -211,7 +213,7 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
                 for j, call in enumerate(message.tool_calls)]
         conversation.append(entry)
     kwargs = dict(chat_template_kwargs or {})
-    if "tools" in tokenizer.chat_template_variables(with_tools=tools is not None):
+    if template_knows_tools(tokenizer.chat_template_source(with_tools=tools is not None)):
         kwargs["tools"] = tools
     elif tool_format is not None:
         conversation = _deepseek_tool_conversation(conversation, tools, tool_format)
@@ -221,17 +223,28 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
         raise APIError(400, f"cannot render the chat template: {exc}", param="messages") from exc
 
 
+@functools.lru_cache(maxsize=8)
+def template_knows_tools(source: str | None) -> bool:
+    """Whether a chat template renders tools itself: it reads the ``tools`` variable or
+    a message's ``tool_calls``."""
+    if source is None:
+        return False
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source)) or "tool_calls" in source
+
+
 def _arguments_text(arguments: str | dict[str, Any]) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
 def _deepseek_tool_conversation(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                                 fmt: ToolCallFormat) -> list[dict[str, Any]]:
-    """The conversation with tools, calls and tool outputs written as DeepSeek's text."""
+    """The conversation with tools, calls and tool outputs written as DeepSeek's text (the
+    messages keep their fields: the template may still read them)."""
     out = []
     for entry in conversation:
         entry = dict(entry)
-        calls = entry.pop("tool_calls", None)
+        calls = entry.get("tool_calls")
         if calls:
             entry["content"] = (entry.get("content") or "") + fmt.render_calls(
                 [(c["function"]["name"], c["function"]["arguments"]) for c in calls])

@@ -39,6 +39,10 @@ OUTPUT_END = "<｜tool▁output▁end｜>"
 
 # OpenAI's limit on function names; a longer header than this cannot be a call.
 MAX_NAME_LEN = 64
+# The most whitespace characters in a row a forced call's arguments may hold: enough for
+# pretty-printed JSON several levels deep, and a bound on how long a weak model can
+# drift before the grammar makes it write the next token of the document.
+MAX_ARGUMENT_WHITESPACE = 8
 
 
 def make_tool_call_id() -> str:
@@ -90,7 +94,8 @@ class ToolCallFormat:
         (only one unless ``parallel``) calls to ``functions`` ((name, parameters schema)
         pairs), each call's arguments satisfying its schema."""
         tags = [{"type": "tag", "begin": CALL_BEGIN + self.header_prefix + name + self.header_suffix,
-                 "content": {"type": "json_schema", "json_schema": schema},
+                 "content": {"type": "json_schema", "json_schema": schema,
+                             "max_whitespace_cnt": MAX_ARGUMENT_WHITESPACE},
                  "end": self.args_end} for name, schema in functions]
         calls = {"type": "tags_with_separator", "tags": tags, "separator": self.separator,
                  "at_least_one": True, "stop_after_first": not parallel}
