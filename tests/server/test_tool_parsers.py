@@ -244,3 +244,28 @@ def test_tools_prompt_describes_each_function_and_the_format():
         assert f"Parameters: {json.dumps(SCHEMA, ensure_ascii=False)}" in prompt
         assert "### noop\nDescription: \n\nParameters: {}" in prompt
         assert fmt.render_call("tool_call_name", "tool_call_arguments") in prompt
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    ({"json": SCHEMA}, '{"city": "Paris", "days": 2}', '{"city": "Rome", "days": 2}'),
+    ({"json_object": True}, '{"any": [1, 2]}', "[1, 2]"),
+    ({"regex": "[ab]{3}"}, "aba", "abc"),
+    ({"choice": ["yes", "no"]}, "no", "maybe"),
+    ({"grammar": 'root ::= "x"+'}, "xxx", "xy"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}}, "hi", "ho"),
+])
+def test_constraints_start_after_reasoning(backend, tokenizer, spec, good, bad):
+    """A thinking request's output constraint applies after </think>: the reasoning is free."""
+    from types import SimpleNamespace
+
+    from deepinfer.entrypoints.openai.chat import _grammar
+
+    state = SimpleNamespace(tool_format=V31, reasoning=get_reasoning_parser("deepseek_v3"))
+    params = _grammar(state, None, True, StructuredOutputsParams(**spec), "structured_outputs")
+    tag = params.structural_tag
+    assert _accepts(backend, tokenizer, tag["format"], "Any {thought}: [here]</think>" + good)
+    assert not _accepts(backend, tokenizer, tag["format"], "Any thought</think>" + bad)
+    assert not _accepts(backend, tokenizer, tag["format"], good)          # the block must close first
+    # Without thinking the request's own grammar is used as it is.
+    assert _grammar(state, None, False, StructuredOutputsParams(**spec), "structured_outputs").kind == \
+        next(iter(spec))
