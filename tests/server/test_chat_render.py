@@ -20,8 +20,9 @@ from deepinfer.entrypoints.openai.serving import render_chat
 from deepinfer.entrypoints.openai.tool_parsers import OUTPUT_BEGIN, OUTPUT_END, TOOL_CALL_FORMATS
 
 V31 = TOOL_CALL_FORMATS["deepseek_v31"]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},

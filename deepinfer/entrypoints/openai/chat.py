@@ -132,6 +132,8 @@ def _constraint_format(params: StructuredOutputsParams, field: str) -> dict[str,
     if kind == "choice":
         return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in params.choice]}
     tag = params.structural_tag if isinstance(params.structural_tag, dict) else json.loads(params.structural_tag)
+    if not isinstance(tag.get("format"), dict):
+        raise APIError(400, f"{field}: a structural tag needs a \"format\" object", param=field)
     return tag["format"]
 
 
@@ -141,7 +143,7 @@ def _grammar(state: ServerState, tools: _Tools | None, thinking: bool,
     after a free reasoning block when the request thinks."""
     if tools is not None and tools.forced:
         if constraint is not None:
-            raise APIError(400, f"tool_choice={tools.choice} and {field} both constrain the output: set one",
+            raise APIError(400, f"tool_choice ({tools.choice}) and {field} both constrain the output: set one",
                            param=field)
         fmt = state.tool_format.calls_format(tools.forced, parallel=tools.max_calls is None)
     elif constraint is None:
@@ -263,9 +265,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     state.check_length([ids], max_tokens, length_field)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     rename = dict(_RENAME)
-    if constraint_field is not None:
+    if grammar is not None:
         # The engine names the grammar it could not compile after SamplingParams' field.
-        rename["structured_outputs"] = constraint_field
+        rename["structured_outputs"] = constraint_field or "tools"
     params = build_sampling_params(req, max_tokens=max_tokens, logprobs=top_n, structured=grammar,
                                    rename=rename)
     markers = (state.tool_format.markers if tools is not None else ()) + (

@@ -12,7 +12,8 @@ DeepSeek vocabulary's tool tokens)::
       <｜tool▁call▁begin｜>...<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
     deepseek_v31  (DeepSeek-V3.1, V3.2-Exp)
-      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜><｜tool▁call▁begin｜>...<｜tool▁calls▁end｜>
+      <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>
+      <｜tool▁call▁begin｜>...<｜tool▁calls▁end｜>     (no newline between calls)
 
 Both are "calls-begin, calls joined by a separator, calls-end", each call being
 "call-begin, header prefix, NAME, header suffix, ARGS (a JSON object), arguments end",
