@@ -49,20 +49,61 @@ def _check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_required_call_then_agent_loop(client):
-    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
-                                           seed=1, max_tokens=400)
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _streamed_calls(chunks) -> tuple[list[tuple[str, str, str]], list]:
+    """(id, name, arguments) of each streamed call, checking the delta shapes on the way,
+    and the finish reasons."""
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert all(not d.content for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for piece in (t for d in deltas for t in (d.tool_calls or [])):
+        if piece.index not in calls:      # a call's first delta: id, type and name
+            assert piece.id.startswith("call_") and piece.type == "function" and piece.function.name
+            calls[piece.index] = [piece.id, piece.function.name, piece.function.arguments or ""]
+        else:                             # then argument fragments only
+            assert piece.id is None and piece.function.name is None
+            calls[piece.index][2] += piece.function.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in sorted(calls)], [c.choices[0].finish_reason for c in chunks if c.choices]
+
+
+@pytest.mark.parametrize("tool_choice, stream", [("required", False), ("required", True), (NAMED, True)])
+def test_forced_calls(client, tool_choice, stream):
+    """The grammar makes even the random model write valid calls: a calls block of calls
+    to the given functions, arguments that satisfy their schemas."""
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, seed=2, max_tokens=400)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls, finishes = _streamed_calls(chunks)
+        assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
+        assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks if c.choices) > 2   # in pieces
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert all(c.type == "function" for c in choice.message.tool_calls)
+    assert calls and len({c[0] for c in calls}) == len(calls)
+    for call_id, name, arguments in calls:
+        assert call_id.startswith("call_")
+        _check_call(name, arguments)
+    if tool_choice == NAMED:
+        assert {name for _, name, _ in calls} == {"get_weather"}
+
+
+def test_agent_loop(client):
+    """A named call, its result back in the conversation as a tool message, a final answer."""
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                           parallel_tool_calls=False, seed=1, max_tokens=400)
     choice = first.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = choice.message.tool_calls
-    assert calls and len({c.id for c in calls}) == len(calls)
-    for c in calls:
-        assert c.type == "function" and c.id.startswith("call_")
-        _check_call(c.function.name, c.function.arguments)
-    # The loop: the call and its result go back in the conversation; the model answers.
-    results = [{"role": "tool", "tool_call_id": c.id, "content": json.dumps({"result": "sunny, 21 C"})}
-               for c in calls]
-    conversation = MESSAGES + [choice.message.model_dump(exclude_none=True)] + results
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    _check_call(call.function.name, call.function.arguments)
+    result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"weather": "sunny, 21 C"})}
+    conversation = MESSAGES + [choice.message.model_dump(exclude_none=True), result]
     final = client.chat.completions.create(model=MODEL, messages=conversation, tools=TOOLS, tool_choice="auto",
                                            seed=1, max_tokens=8)
     answer = final.choices[0]
@@ -70,25 +111,6 @@ def test_required_call_then_agent_loop(client):
     assert isinstance(answer.message.content, str) and answer.message.content
     # The call and the tool output are in the prompt (DeepSeek's format): it grew by more than them.
     assert final.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
-
-
-def test_named_call_streamed(client):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=named,
-                                                 parallel_tool_calls=False, seed=2, max_tokens=400, stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert deltas[0].role == "assistant"
-    assert all(not d.content for d in deltas)
-    pieces = [t for d in deltas for t in (d.tool_calls or [])]
-    assert len(pieces) > 2                           # the arguments arrive in several deltas
-    head, rest = pieces[0], pieces[1:]
-    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
-    assert head.function.name == "get_weather"
-    assert all(p.index == 0 and p.id is None and p.function.name is None for p in rest)
-    arguments = (head.function.arguments or "") + "".join(p.function.arguments for p in rest)
-    _check_call("get_weather", arguments)
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
 
 
 def test_auto_and_none_give_content(client):
