@@ -76,7 +76,7 @@ def unknown_keyword_error(owner: str, name: str, known: list[str]) -> ValueError
     return ValueError(f"{owner} got an unknown keyword argument {name!r}{hint}")
 
 
-_GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -89,6 +89,10 @@ class StructuredOutputsParams:
     - ``choice``: the output is exactly one of these strings.
     - ``grammar``: an EBNF grammar (xgrammar / GBNF syntax, start rule ``root``).
     - ``json_object``: any JSON object or array.
+    - ``structural_tag``: an xgrammar structural tag (``{"type": "structural_tag",
+      "format": {...}}``, as a dict or a JSON string): a sequence of fixed strings, free
+      text, JSON Schemas, regexes and grammars. The server builds one for forced tool
+      calls and for grammars that start after a reasoning block.
 
     ``disable_any_whitespace`` (JSON only) allows no whitespace between JSON
     tokens beyond single spaces after separators, which keeps small models from
@@ -101,6 +105,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -121,6 +126,20 @@ class StructuredOutputsParams:
         elif self.json is not None:
             raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON Schema as a dict "
                              "or a JSON string")
+        if isinstance(self.structural_tag, str):
+            try:
+                tag = _json.loads(self.structural_tag)
+            except _json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {exc}") from None
+        else:
+            tag = self.structural_tag
+            try:
+                _json.dumps(tag)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"structured_outputs.structural_tag is not JSON-serialisable: {exc}") from None
+        if tag is not None and not isinstance(tag, dict):
+            raise ValueError(f"structured_outputs.structural_tag={self.structural_tag!r} must be a JSON "
+                             "object (a dict or a JSON string)")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -138,7 +157,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which of json / regex / choice / grammar / json_object is set."""
+        """Which of json / regex / choice / grammar / json_object / structural_tag is set."""
         return next(k for k in _GRAMMAR_KINDS if getattr(self, k) not in (None, False))
 
     @classmethod

@@ -67,15 +67,19 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile like transformers: sandboxed, trim_blocks/lstrip_blocks, loop controls,
-    and the helpers templates on the Hub call."""
+def _template_environment() -> jinja2.Environment:
+    """Like transformers: sandboxed, trim_blocks/lstrip_blocks, loop controls, and the
+    helpers templates on the Hub call."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    return _template_environment().from_string(source)
 
 
 class Tokenizer:
@@ -179,6 +183,12 @@ class Tokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     # -- chat ---------------------------------------------------------------------
+    def chat_template_source(self, with_tools: bool = False) -> str | None:
+        """The chat template's Jinja source (the one used when tools are given, for
+        ``with_tools``), or None when the checkpoint has none."""
+        name = "tool_use" if with_tools and "tool_use" in self._chat_templates else "default"
+        return self._chat_templates.get(name)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             *, chat_template: str | None = None, continue_final_message: bool = False,
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:

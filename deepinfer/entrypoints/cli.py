@@ -10,6 +10,8 @@ from typing import Sequence
 from deepinfer import env
 from deepinfer.bench import args as bench_args
 from deepinfer.bench.serve import args as serve_bench_args
+from deepinfer.entrypoints.openai.reasoning import REASONING_PARSERS
+from deepinfer.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS as TOOL_CALL_PARSERS
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -157,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on every route except /health")
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="model name(s) clients use; the first is reported (default: the --model value)")
+    srv.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                     help="the format the model writes tool calls in (DeepSeek-V3: deepseek_v3, V3.1: "
+                          "deepseek_v31); tool_choice required/named force it (default format: deepseek_v3)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                     help="split a thinking model's reasoning into reasoning_content: deepseek_v3 when "
+                          'chat_template_kwargs {"thinking": true} asks for it, deepseek_r1 always')
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")

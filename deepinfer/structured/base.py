@@ -37,19 +37,21 @@ class GrammarSpec:
 
     ``spec`` is the JSON Schema text (dicts serialised with their key order, which
     fixes the order of generated properties), the regex, the EBNF text, the choices
-    as a JSON list, or "" for ``json_object``. ``any_whitespace`` only matters for
-    the JSON kinds and is True for the others, so it never splits their cache entries.
+    as a JSON list, the structural tag as JSON text, or "" for ``json_object``.
+    ``any_whitespace`` only matters for the JSON kinds and is True for the others, so
+    it never splits their cache entries.
     """
 
-    kind: str                  # json | regex | choice | grammar | json_object
+    kind: str                  # json | regex | choice | grammar | json_object | structural_tag
     spec: str
     any_whitespace: bool = True
 
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
         kind = params.kind
-        if kind == "json":
-            spec = params.json if isinstance(params.json, str) else json.dumps(params.json, ensure_ascii=False)
+        if kind in ("json", "structural_tag"):
+            value = getattr(params, kind)
+            spec = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         elif kind == "choice":
             spec = json.dumps(params.choice, ensure_ascii=False)
         elif kind == "json_object":

@@ -62,6 +62,21 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _tag_json_schemas(node: object) -> Iterable[dict]:
+    """The JSON Schemas inside a structural tag (its ``json_schema`` formats), which must
+    pass the same check as ``structured_outputs.json``; ``true`` (any JSON) needs none."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            if isinstance(node.get("json_schema"), dict):
+                yield node["json_schema"]
+            return
+        for value in node.values():
+            yield from _tag_json_schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _tag_json_schemas(value)
+
+
 class XGrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
         self._m = matcher
@@ -93,8 +108,9 @@ class XGrammarBackend(StructuredOutputBackend):
     JSON Schemas are first checked by ``json_schema.check_json_schema`` (schemas whose
     constraints xgrammar would silently drop are refused), then compile in xgrammar's
     strict mode (properties and items the schema does not list are not generated);
-    ``json_object`` is any JSON object. xgrammar's own cache is off:
-    ``StructuredOutputBackend`` keeps the LRU cache.
+    ``json_object`` is any JSON object. Structural tags compile with xgrammar's
+    ``compile_structural_tag``; the JSON Schemas inside them pass the same check.
+    xgrammar's own cache is off: ``StructuredOutputBackend`` keeps the LRU cache.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, compile_timeout_s: float = 30.0,
@@ -121,11 +137,15 @@ class XGrammarBackend(StructuredOutputBackend):
             "regex": lambda: c.compile_regex(text),
             "grammar": lambda: c.compile_grammar(text),
             "choice": lambda: c.compile_grammar(choice_grammar(json.loads(text))),
+            "structural_tag": lambda: c.compile_structural_tag(text),
         }
         if spec.kind not in compilers:
             raise ValueError(f"structured_outputs: unknown grammar kind {spec.kind!r}")
         if spec.kind == "json":
             check_json_schema(json.loads(text))
+        elif spec.kind == "structural_tag":
+            for schema in _tag_json_schemas(json.loads(text)):
+                check_json_schema(schema)
         try:
             return XGrammarCompiled(compilers[spec.kind]())
         except Exception as exc:  # xgrammar reports a malformed spec as a RuntimeError

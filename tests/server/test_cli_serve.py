@@ -10,6 +10,7 @@ import time
 
 import httpx2
 import openai
+import pytest
 
 
 def _free_port() -> int:
@@ -22,7 +23,8 @@ def test_serve_command():
     port = _free_port()
     cmd = [sys.executable, "-m", "deepinfer.entrypoints.cli", "serve", "--device", "cpu",
            "--host", "127.0.0.1", "--port", str(port), "--api-key", "k1",
-           "--served-model-name", "my-model", "alias", "--max-model-len", "128"]
+           "--served-model-name", "my-model", "alias", "--max-model-len", "128",
+           "--tool-call-parser", "deepseek_v31", "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_v3"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -42,8 +44,22 @@ def test_serve_command():
         resp = client.completions.create(model="alias", prompt="The list type", max_tokens=4,
                                          extra_body={"ignore_eos": True})
         assert resp.model == "my-model" and resp.usage.completion_tokens == 4
+        # The reasoning and tool flags reached the server: thinking splits off reasoning, and
+        # tool_choice "auto" is accepted (its tool section then overflows --max-model-len 128).
+        chat = client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=3, extra_body={"chat_template_kwargs": {"thinking": True}})
+        assert chat.choices[0].message.model_extra["reasoning_content"] and chat.choices[0].message.content is None
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
+            client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                           tools=[{"type": "function", "function": {"name": "f"}}])
         assert httpx2.get(url + "/v1/models").status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)
         out = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, out
+
+
+def test_serve_auto_tool_choice_needs_a_parser():
+    proc = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "serve", "--enable-auto-tool-choice"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in proc.stderr

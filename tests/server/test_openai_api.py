@@ -250,6 +250,18 @@ def test_bad_parameters_are_400(client, kwargs, param):
     assert err.status_code == 400 and err.param == param and err.type == "invalid_request_error"
 
 
+def test_auto_tool_choice_needs_the_server_flags(client):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for kwargs in (dict(tools=tools), dict(tools=tools, tool_choice="auto")):
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice") as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert info.value.param == "tool_choice"
+    # "none" needs no flag: the model gets no tools.
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, tools=tools,
+                                          tool_choice="none")
+    assert resp.choices[0].message.tool_calls is None
+
+
 def test_bad_chat_parameters_are_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=30)

@@ -23,7 +23,7 @@ from .conftest import TOKENIZER_JSON
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(), "set exactly one of json, regex, choice, grammar, json_object; got none"),
+    (dict(), "set exactly one of json, regex, choice, grammar, json_object, structural_tag; got none"),
     (dict(regex="a", choice=["a"]), "got regex, choice"),
     (dict(json_object=False), "got none"),
     (dict(json="{"), "structured_outputs.json is not valid JSON"),
@@ -36,6 +36,9 @@ from .conftest import TOKENIZER_JSON
     (dict(choice=["a", 1]), "every choice must be a str"),
     (dict(json_object="yes"), "structured_outputs.json_object='yes' must be True or False"),
     (dict(regex="a", disable_any_whitespace=1), "disable_any_whitespace=1 must be True or False"),
+    (dict(structural_tag="{"), "structured_outputs.structural_tag is not valid JSON"),
+    (dict(structural_tag="[1]"), "structured_outputs.structural_tag='\\[1\\]' must be a JSON object"),
+    (dict(structural_tag={"x": {1, 2}}), "structured_outputs.structural_tag is not JSON-serialisable"),
 ])
 def test_params_validation(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -156,6 +159,35 @@ def test_compilation_time_limit(tokenizer):
 def test_invalid_specs_raise_value_error(backend, params, message):
     with pytest.raises(ValueError, match=message):
         backend.compile(params)
+
+
+def test_structural_tag(backend, tokenizer):
+    """A structural tag: free text up to a marker, then a JSON Schema; the schemas inside a
+    tag pass the same support check as structured_outputs.json."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"},
+        {"type": "tag", "begin": "<call>", "content": {"type": "json_schema", "json_schema": schema},
+         "end": "</call>"}]}}
+    compiled = backend.compile(StructuredOutputsParams(structural_tag=tag))
+    assert backend.compile(StructuredOutputsParams(structural_tag=json.dumps(tag))) is compiled
+
+    def accepts(text: str) -> bool:
+        m = compiled.new_matcher()
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(m.accept_token(t) for t in ids) and m.accept_token(min(tokenizer.eos_token_ids))
+
+    assert accepts('some thought</think><call>{"n": 12}</call>')
+    assert not accepts('some thought</think><call>{"n": "x"}</call>')        # the schema holds
+    assert not accepts('<call>{"n": 1}</call>')                               # reasoning must close first
+    assert not accepts('x</think><call>{"n": 1}</call>tail')
+    bad = {"type": "structural_tag", "format": {"type": "json_schema",
+                                                "json_schema": {"type": "integer", "not": {"const": 1}}}}
+    with pytest.raises(ValueError, match=r'keyword "not" \(at #/not\)'):
+        backend.compile(StructuredOutputsParams(structural_tag=bad))
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag cannot be compiled"):
+        backend.compile(StructuredOutputsParams(structural_tag={"type": "structural_tag",
+                                                                "format": {"type": "no-such-format"}}))
 
 
 # -- the JSON Schema support check ----------------------------------------------------------------------

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -38,7 +39,9 @@ from deepinfer.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                                    TokenizeChatRequest, TokenizeCompletionRequest,
                                                    TokenizeResponse)
-from deepinfer.entrypoints.openai.serving import APIError, ServerState, error_body, render_chat
+from deepinfer.entrypoints.openai.reasoning import get_reasoning_parser
+from deepinfer.entrypoints.openai.serving import APIError, ServerState, error_body, ignored_fields, render_chat
+from deepinfer.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, get_tool_call_format
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +74,25 @@ def default_model_name(engine: Engine) -> str:
 
 
 def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None,
-              api_key: str | None = None, health_timeout_s: float = 30.0) -> FastAPI:
+              api_key: str | None = None, health_timeout_s: float = 30.0,
+              tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The server app for ``engine``. The engine thread starts and stops with the
     app's lifespan; ``app.state.async_engine`` reaches it (tests read engine state
-    through ``async_engine.call``)."""
+    through ``async_engine.call``). ``tool_call_parser``, ``enable_auto_tool_choice``
+    and ``reasoning_parser`` are ``deepinfer serve``'s flags of the same names (vLLM's):
+    the tool-call format, whether the model may choose to call tools, and how a
+    thinking model's reasoning is split off."""
+    _check_tool_flags(tool_call_parser, enable_auto_tool_choice)
     names = list(served_model_names or [default_model_name(engine)])
     metrics = ServerMetrics(names[0])
     async_engine = AsyncEngine(engine, metrics)
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
                         max_model_len=engine.config.model.max_model_len,
-                        vocab_size=engine.config.model.vocab_size)
+                        vocab_size=engine.config.model.vocab_size,
+                        tool_format=get_tool_call_format(tool_call_parser or "deepseek_v3"),
+                        auto_tool_choice=enable_auto_tool_choice,
+                        reasoning=get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,12 +129,12 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
 
     @app.post("/v1/completions", responses=_ok(CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        _log_ignored(req.model_extra)
+        _log_ignored(req)
         return await create_completion(state, req, raw)
 
     @app.post("/v1/chat/completions", responses=_ok(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        _log_ignored(req.model_extra)
+        _log_ignored(req)
         return await create_chat_completion(state, req, raw)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
@@ -130,7 +142,7 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
         state.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
             text = render_chat(state.tokenizer, req.messages, req.add_generation_prompt is not False,
-                               req.chat_template_kwargs)
+                               req.chat_template_kwargs, tool_format=state.tool_format)
             add_special = bool(req.add_special_tokens)
         else:
             text = req.prompt
@@ -157,6 +169,12 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
     return app
 
 
+def _check_tool_flags(tool_call_parser: str | None, enable_auto_tool_choice: bool) -> None:
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+                         f"calls in: {', '.join(sorted(TOOL_CALL_FORMATS))})")
+
+
 def _ok(model: type) -> dict:
     """OpenAPI responses of a generating route: JSON, or server-sent events when streamed."""
     return {200: {"model": model, "content": {"text/event-stream": {}}}, **_ERRORS}
@@ -176,9 +194,11 @@ def _openapi_without_422(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def _log_ignored(extra: dict | None) -> None:
-    if extra:
-        logger.warning("ignoring unsupported request fields: %s", ", ".join(sorted(extra)))
+def _log_ignored(req: BaseModel) -> None:
+    """Unknown fields are accepted and ignored, as vLLM does; the log names them."""
+    ignored = ignored_fields(req)
+    if ignored:
+        logger.warning("ignoring request fields this server does not know: %s", ", ".join(sorted(ignored)))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -218,8 +238,11 @@ def run_server(args: argparse.Namespace) -> None:
     from deepinfer.entrypoints.cli import engine_kwargs
     from deepinfer.entrypoints.llm import build_engine_config
 
+    _check_tool_flags(args.tool_call_parser, args.enable_auto_tool_choice)   # before the slow part
     engine = Engine(build_engine_config(**engine_kwargs(args)))
     freeze_heap()   # the engine lives as long as the process
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key)
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    reasoning_parser=args.reasoning_parser)
     logger.warning("serving %s on http://%s:%d", app.state.server_state.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

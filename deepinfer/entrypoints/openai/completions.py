@@ -3,7 +3,8 @@
 A request with several prompts becomes one engine request per prompt; with
 ``n`` sequences each, choice ``i * n + j`` is prompt i's sequence j. ``echo``
 prepends the prompt (and, with ``logprobs``, its prompt logprobs: the shape
-lm-evaluation-harness reads for loglikelihood).
+lm-evaluation-harness reads for loglikelihood). Output constraints
+(``response_format``, ``structured_outputs``, ``guided_*``) work as on chat.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from deepinfer.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
                                                    PromptLogprob, UsageInfo)
 from deepinfer.entrypoints.openai.serving import (SSE_DONE, APIError, EngineStreamingResponse, ServerState,
-                                                  Submission, build_sampling_params, clamp_logprob,
-                                                  completion_logprobs, output_error,
-                                                  request_structured_outputs, sse, stream_error, submit,
-                                                  unless_disconnected)
+                                                  Submission, build_sampling_params, check_fields,
+                                                  clamp_logprob, completion_logprobs, output_constraint,
+                                                  output_error, sse, stream_error, submit, unless_disconnected)
 from deepinfer.outputs import RequestOutput
 
 _FIELDS = list(CompletionRequest.model_fields)
@@ -38,21 +38,20 @@ class _Prompt:
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
-    if req.suffix is not None:
-        raise APIError(400, "suffix is not supported", param="suffix")
+    check_fields(req)
     n = req.n or 1
-    if req.best_of is not None and req.best_of != n:
-        raise APIError(400, f"best_of={req.best_of} is not supported; it must be unset or equal n={n}",
-                       param="best_of")
+    structured, structured_field = output_constraint(req)
     prompts = _prompts(state, req)
     state.check_length([p.ids for p in prompts], req.max_tokens, "max_tokens")
     echo_logprobs = bool(req.echo) and req.logprobs is not None
+    # The engine names the grammar it could not compile after SamplingParams' field.
+    rename = {"structured_outputs": structured_field} if structured_field is not None else None
     params = build_sampling_params(
         req, max_tokens=req.max_tokens, logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if echo_logprobs else req.prompt_logprobs,
-        structured=request_structured_outputs(req.structured_outputs))
+        structured=structured, rename=rename)
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    sub = await submit(state.engine, request_id, [p.ids for p in prompts], params, _FIELDS)
+    sub = await submit(state.engine, request_id, [p.ids for p in prompts], params, _FIELDS, rename)
     if req.stream:
         return EngineStreamingResponse(_stream(state, req, request_id, prompts, n, sub), sub)
     try:

@@ -5,8 +5,16 @@ sampling fields (``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
 ``min_tokens``, ``structured_outputs``, ...) so that clients written for vLLM
 work unchanged. Requests carry only types here; ranges are checked where the
 values are used (``SamplingParams`` names the field and its limit), except the
-caps that protect the server itself (``n``). Unknown request fields are kept
-and ignored with a log line, as vLLM does.
+caps that protect the server itself (``n``).
+
+Field policy: every field a request model declares is honoured, or refused with a
+400 naming it when set (``REFUSED_FIELDS``), or handed as it is to the tokenizer or
+the chat template (``PASSTHROUGH_FIELDS``: the checkpoint decides its effect), or
+listed in ``NO_OP_FIELDS`` with the reason it changes nothing
+(tests/server/test_field_policy.py holds every field to this). Unknown fields are
+accepted and ignored with a warning naming them, as vLLM does (clients written for
+OpenAI send fields of its platform, such as ``store`` or ``metadata``); a message's
+unknown fields are template variables, like its declared ones.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # The most sequences one request may ask for (OpenAI's limit for ``n``).
 MAX_N = 128
@@ -47,7 +55,7 @@ class StreamOptions(_Request):
 
 class StructuredOutputsRequest(_Body):
     """vLLM's ``structured_outputs`` body field: exactly one of json, regex, choice,
-    grammar, json_object (see ``StructuredOutputsParams``)."""
+    grammar, json_object, structural_tag (see ``StructuredOutputsParams``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -56,11 +64,26 @@ class StructuredOutputsRequest(_Body):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool | None = None
 
     def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``StructuredOutputsParams`` (vLLM names)."""
         return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class UsageInfo(BaseModel):
@@ -93,7 +116,14 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Output constraints: at most one of these (response_format of type "text" constrains nothing).
+    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured_outputs.json / regex / choice / grammar.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # -- /v1/completions -----------------------------------------------------------------------------
@@ -150,24 +180,52 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    # A JSON object as text (OpenAI's shape); an object is accepted and serialised.
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
+    """One message. Every field, and any field not declared here, is a variable of the
+    chat template (``tool_calls`` and ``tool`` messages are also rendered in DeepSeek's
+    format when the template has no tool support)."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
-class JsonSchemaFormat(_Body):
-    name: str | None = None
+class FunctionDefinition(_Request):
+    name: str
     description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+class ChatCompletionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -176,10 +234,21 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # Unset: "auto" when tools are given, as in OpenAI and vLLM.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    # A chat template variable (DeepSeek-V4's templates read it).
+    reasoning_effort: str | None = None
+    # OpenAI fields this server refuses when set (REFUSED_FIELDS says what to use instead).
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     # vLLM extras
+    include_reasoning: bool | None = True
     add_generation_prompt: bool | None = True
     add_special_tokens: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -199,9 +268,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -221,9 +303,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class _DropNone(BaseModel):
+    """Serialised without its unset (None) fields: a tool-call delta carries only what
+    changed (the id, type and name once, then argument fragments), as OpenAI's do."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -241,6 +346,45 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+# -- field policy (see the module doc) -------------------------------------------------------------
+_TEMPLATE = "a chat template variable: the checkpoint's template decides what it does"
+_TOKENIZER = "handed to the tokenizer: adds the checkpoint's special tokens (BOS, ...) if it has any"
+
+# "Model.field" -> why it is handed on as it is.
+PASSTHROUGH_FIELDS: dict[str, str] = {
+    "CompletionRequest.add_special_tokens": _TOKENIZER,
+    "ChatCompletionRequest.add_special_tokens": _TOKENIZER,
+    "ChatCompletionRequest.reasoning_effort": _TEMPLATE,
+    "ChatMessage.name": _TEMPLATE,
+    "ChatMessage.tool_call_id": _TEMPLATE + " (DeepSeek's templates do not render call ids)",
+    "ChatMessage.reasoning_content": _TEMPLATE + " (DeepSeek's templates drop earlier reasoning)",
+    "ToolCallIn.id": _TEMPLATE + " (DeepSeek's templates do not render call ids)",
+}
+
+# "Model.field" -> why it changes nothing.
+NO_OP_FIELDS: dict[str, str] = {
+    "CompletionRequest.user": "an end-user id for OpenAI's abuse monitoring; generation does not read it",
+    "ChatCompletionRequest.user": "an end-user id for OpenAI's abuse monitoring; generation does not read it",
+    "JsonSchemaFormat.name": "a label for the schema; the schema alone constrains the output",
+    "JsonSchemaFormat.description": "a label for the schema; the schema alone constrains the output",
+    "JsonSchemaFormat.strict": "schemas are always enforced exactly (strict or not)",
+    "FunctionDefinition.strict": "forced calls always follow the schema exactly; auto calls are never "
+                                 "constrained (the model chooses), strict or not",
+}
+
+# "Model.field" -> what to use instead; a request that sets the field is a 400 naming it.
+REFUSED_FIELDS: dict[str, str] = {
+    "ChatCompletionRequest.functions": "the legacy function-calling API is not supported; use tools",
+    "ChatCompletionRequest.function_call": "the legacy function-calling API is not supported; use tool_choice",
+    "ChatCompletionRequest.audio": "audio output is not supported; this server generates text",
+    "ChatCompletionRequest.modalities": "only [\"text\"] is supported",
+    "ChatCompletionRequest.prediction": "predicted outputs are not supported",
+    "ChatCompletionRequest.web_search_options": "web search is not supported",
+    "CompletionRequest.suffix": "suffix (fill-in-the-middle) is not supported",
+    "CompletionRequest.best_of": "best_of is not supported; it must be unset or equal n",
+}
 
 
 # -- /v1/models ----------------------------------------------------------------------------------

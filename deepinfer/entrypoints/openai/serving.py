@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import re
 from typing import Any, AsyncIterator, Awaitable, Sequence, TypeVar
 
 import jinja2
+import jinja2.meta
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
@@ -22,9 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
-from deepinfer.entrypoints.openai.protocol import (ChatMessage, CompletionLogprobs, ErrorInfo, ErrorResponse,
-                                                   SamplingFields, StructuredOutputsRequest, TokenLogprob,
-                                                   TopLogprob)
+from deepinfer.entrypoints.openai.protocol import (REFUSED_FIELDS, ChatMessage, CompletionLogprobs, ErrorInfo,
+                                                   ErrorResponse, SamplingFields, TokenLogprob, TopLogprob)
+from deepinfer.entrypoints.openai.reasoning import ReasoningParser
+from deepinfer.entrypoints.openai.tool_parsers import OUTPUT_BEGIN, OUTPUT_END, ToolCallFormat, get_tool_call_format
 from deepinfer.outputs import PositionLogprobs, RequestOutput
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -117,18 +120,81 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int | None, logpro
         raise bad_request(exc, list(type(req).model_fields), rename) from exc
 
 
-def request_structured_outputs(spec: StructuredOutputsRequest | None) -> StructuredOutputsParams | None:
-    return None if spec is None else structured_outputs_params(spec.as_kwargs(), "structured_outputs")
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def output_constraint(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The grammar a request asks for and the field that asks: ``response_format``
+    (``json_object`` -> any JSON object, ``json_schema`` -> that schema; ``text`` asks
+    for nothing), ``structured_outputs``, or one of vLLM's older ``guided_*`` fields.
+    Two of them at once are a 400 naming both."""
+    given = [name for name, value in (("response_format", req.response_format), *(
+        (name, getattr(req, name)) for name in ("structured_outputs", *_GUIDED)))
+        if value is not None and not (name == "response_format" and value.type == "text")]
+    if len(given) > 1:
+        raise APIError(400, f"{' and '.join(given)} each constrain the output: set one of them, not both",
+                       param=given[1])
+    if not given:
+        return None, None
+    field = given[0]
+    if field == "response_format":
+        fmt = req.response_format
+        if fmt.type == "json_object":
+            return structured_outputs_params({"json_object": True}, field), field
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format of type 'json_schema' needs json_schema.schema", param=field)
+        return structured_outputs_params({"json": fmt.json_schema.json_schema}, field), field
+    if field == "structured_outputs":
+        return structured_outputs_params(req.structured_outputs.as_kwargs(), field), field
+    return structured_outputs_params({_GUIDED[field]: getattr(req, field)}, field), field
+
+
+def check_fields(req: BaseModel) -> None:
+    """A 400 naming the first field the request sets that this server refuses (see
+    protocol.REFUSED_FIELDS; ``best_of`` equal to ``n`` and ``modalities`` of text only
+    are accepted), or ``stream_options`` without ``stream``."""
+    name = type(req).__name__
+    for key, instead in REFUSED_FIELDS.items():
+        model, field = key.split(".")
+        value = getattr(req, field) if model == name else None
+        neutral = ((field == "best_of" and value == (getattr(req, "n", None) or 1))
+                   or (field == "modalities" and value == ["text"]))
+        if value is not None and not neutral:
+            raise APIError(400, f"{field}={json.dumps(value, default=str)}: {instead}", param=field)
+    if getattr(req, "stream_options", None) is not None and not getattr(req, "stream", False):
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+def ignored_fields(model: BaseModel, path: str = "") -> list[str]:
+    """Where the request has fields no model declares (dotted paths, list positions in
+    brackets). A message's undeclared fields are template variables, not ignored."""
+    found = [] if isinstance(model, ChatMessage) else [f"{path}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{path}{name}[{i}]." if isinstance(value, list) else f"{path}{name}."
+                found += ignored_fields(item, where)
+    return found
 
 
 # -- chat rendering ------------------------------------------------------------------------------
 def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                chat_template_kwargs: dict[str, Any] | None) -> str:
+                chat_template_kwargs: dict[str, Any] | None, *, tools: list[dict[str, Any]] | None = None,
+                tool_format: ToolCallFormat | None = None) -> str:
     """The conversation rendered with the checkpoint's chat template. Content parts
-    must be text; they are joined with newlines, as vLLM does for string templates."""
+    must be text; they are joined with newlines, as vLLM does for string templates.
+
+    Tools (OpenAI tool definitions) and tool calls go to the template as they are when
+    it reads ``tools``: the checkpoint's template is the source of truth. A template
+    without tool support gets them in DeepSeek's format (``tool_format``): the tool
+    section joins the system message, an assistant message's calls follow its content,
+    and a ``tool`` message's content sits between the tool-output markers."""
     conversation = []
     for i, message in enumerate(messages):
-        entry = {**(message.model_extra or {}), "role": message.role, "name": message.name}
+        entry = {**(message.model_extra or {}), "role": message.role, "name": message.name,
+                 "tool_call_id": message.tool_call_id, "reasoning_content": message.reasoning_content}
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -140,24 +206,77 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
                 texts.append(part.text)
             content = "\n".join(texts)
         entry["content"] = content
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": call.id or f"call_{i}_{j}", "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _arguments_text(call.function.arguments)}}
+                for j, call in enumerate(message.tool_calls)]
         conversation.append(entry)
+    kwargs = dict(chat_template_kwargs or {})
+    if template_knows_tools(tokenizer.chat_template_source(with_tools=tools is not None)):
+        kwargs["tools"] = tools
+    elif tool_format is not None:
+        conversation = _deepseek_tool_conversation(conversation, tools, tool_format)
     try:
-        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                             **(chat_template_kwargs or {}))
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as exc:
         raise APIError(400, f"cannot render the chat template: {exc}", param="messages") from exc
+
+
+@functools.lru_cache(maxsize=8)
+def template_knows_tools(source: str | None) -> bool:
+    """Whether a chat template renders tools itself: it reads the ``tools`` variable or
+    a message's ``tool_calls``."""
+    if source is None:
+        return False
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source)) or "tool_calls" in source
+
+
+def _arguments_text(arguments: str | dict[str, Any]) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _deepseek_tool_conversation(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                                fmt: ToolCallFormat) -> list[dict[str, Any]]:
+    """The conversation with tools, calls and tool outputs written as DeepSeek's text (the
+    messages keep their fields: the template may still read them)."""
+    out = []
+    for entry in conversation:
+        entry = dict(entry)
+        calls = entry.get("tool_calls")
+        if calls:
+            entry["content"] = (entry.get("content") or "") + fmt.render_calls(
+                [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+        if entry["role"] == "tool":
+            entry["content"] = OUTPUT_BEGIN + (entry.get("content") or "") + OUTPUT_END
+        out.append(entry)
+    if tools:
+        section = fmt.tools_prompt([t["function"] for t in tools])
+        if out and out[0]["role"] == "system" and isinstance(out[0].get("content"), str):
+            out[0]["content"] = out[0]["content"] + "\n\n" + section
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
 
 
 # -- per-server state ------------------------------------------------------------------------------
 @dataclasses.dataclass
 class ServerState:
-    """What the route handlers share."""
+    """What the route handlers share. ``tool_format`` is the ``--tool-call-parser``
+    format (DeepSeek-V3's when none is set: forced tool calls and templates without
+    tool support still need one); ``auto_tool_choice`` says whether the model may
+    choose to call tools (``--enable-auto-tool-choice``); ``reasoning`` is the
+    ``--reasoning-parser``, if any."""
 
     engine: AsyncEngine
     tokenizer: Tokenizer
     model_names: list[str]
     max_model_len: int
     vocab_size: int
+    tool_format: ToolCallFormat = dataclasses.field(default_factory=lambda: get_tool_call_format("deepseek_v3"))
+    auto_tool_choice: bool = False
+    reasoning: ReasoningParser | None = None
 
     @property
     def model_name(self) -> str:
