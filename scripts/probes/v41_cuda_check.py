@@ -37,9 +37,9 @@ DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "v41_reference"
 RECORDS = {("mxfp8", 66), ("nvfp4", 36), ("mxfp4", 17)}
 
 
-def release(llm: LLM) -> None:
-    """Each engine takes most of the device's free memory for its KV cache: free it first."""
-    del llm
+def free_device_memory() -> None:
+    """Each engine takes most of the device's free memory for its KV cache: after the caller
+    drops its engine, return that memory before the next one is built."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -99,7 +99,8 @@ def check_reference(prompts: list[list[int]], e: dict, params: SamplingParams) -
                   f"repeat equal: {again == got}; {time.perf_counter() - t:.1f} s", flush=True)
             if dtype == "float32" and not all(same):
                 failures += 1
-            release(llm)
+            del llm
+            free_device_memory()
     return failures
 
 
@@ -130,7 +131,8 @@ def check_packed(prompts: list[list[int]], params: SamplingParams) -> int:
                           f"{again == runs[choice]}; {time.perf_counter() - t:.1f} s", flush=True)
                     if not packed_ok:
                         failures += 1
-                    release(llm)
+                    del llm, model
+                    free_device_memory()
                 same = [a == b for a, b in zip(runs["auto"], runs["torch"])]
                 first = [next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
                          for a, b in zip(runs["auto"], runs["torch"]) if a != b]

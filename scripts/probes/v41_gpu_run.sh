@@ -25,7 +25,7 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" 
 BENCH="python3 -m deepinfer.entrypoints.cli bench"
 steady() { grep -E "engine, steady|engine, round|^  B=" "$1" | head -3; }
 if [ "$phase" = check ]; then
-    timeout 200 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/kernels/test_kv_records.py \
+    timeout 200 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider --continue-on-collection-errors tests/kernels/test_kv_records.py \
         tests/kernels/test_pool_window.py tests/kernels/test_candidate_blocks.py tests/kernels/test_engram_gate.py \
         tests/kernels/test_engram_gather.py tests/kernels/test_sparse_attention.py tests/kernels/test_indexer.py \
         > "$OUT/tests.log" 2>&1
