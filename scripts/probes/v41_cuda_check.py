@@ -35,6 +35,7 @@ from deepinfer.scheduler.kv_cache import kv_bytes_per_token
 
 DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "v41_reference"
 RECORDS = {("mxfp8", 66), ("nvfp4", 36), ("mxfp4", 17)}
+CHUNKED = {"max_num_batched_tokens": 16, "block_size": 4}
 
 
 def free_device_memory() -> None:
@@ -88,19 +89,20 @@ def check_host_tables(prompts: list[list[int]], expected: np.ndarray, params: Sa
 
 def check_reference(prompts: list[list[int]], e: dict, params: SamplingParams) -> int:
     failures = 0
-    for dtype, kv, key in (("float32", "float32", "greedy_noquant"), ("bfloat16", "auto", "greedy_bf16_decode")):
-        for settings in ({}, {"max_num_batched_tokens": 16, "block_size": 4}):
-            t = time.perf_counter()
-            llm = LLM(model=str(DATA / "checkpoint"), device="cuda", dtype=dtype, kv_cache_dtype=kv, **settings)
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            same = [g == r for g, r in zip(got, e[key].tolist())]
-            print(f"{dtype} kv={kv} {settings}: equal to {key}: {sum(same)}/{len(same)}; "
-                  f"repeat equal: {again == got}; {time.perf_counter() - t:.1f} s", flush=True)
-            if dtype == "float32" and not all(same):
-                failures += 1
-            del llm
-            free_device_memory()
+    for dtype, kv, key, settings in (("float32", "float32", "greedy_noquant", {}),
+                                     ("float32", "float32", "greedy_noquant", CHUNKED),
+                                     ("bfloat16", "auto", "greedy_bf16_decode", {})):
+        t = time.perf_counter()
+        llm = LLM(model=str(DATA / "checkpoint"), device="cuda", dtype=dtype, kv_cache_dtype=kv, **settings)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        same = [g == r for g, r in zip(got, e[key].tolist())]
+        print(f"{dtype} kv={kv} {settings}: equal to {key}: {sum(same)}/{len(same)}; "
+              f"repeat equal: {again == got}; {time.perf_counter() - t:.1f} s", flush=True)
+        if dtype == "float32" and not all(same):
+            failures += 1
+        del llm
+        free_device_memory()
     return failures
 
 
@@ -108,38 +110,37 @@ def check_packed(prompts: list[list[int]], params: SamplingParams) -> int:
     failures = 0
     saved = os.environ.get("DEEPINFER_KERNEL_BACKEND")
     try:
-        for dtype in ("float32", "bfloat16"):
-            for settings in ({}, {"max_num_batched_tokens": 16, "block_size": 4}):
-                runs = {}
-                for choice in ("torch", "auto"):
-                    os.environ["DEEPINFER_KERNEL_BACKEND"] = choice
-                    t = time.perf_counter()
-                    llm = LLM(model=str(DATA / "checkpoint"), device="cuda", dtype=dtype, kv_cache_dtype="auto",
-                              **settings)
-                    model = llm.engine.model
-                    records = {(s.kv_spec.record, s.kv_cache.shape[-1]) for s in model.kv_cache_layers()
-                               if s.kv_spec.record is not None}
-                    uint8 = all(s.kv_cache.dtype == torch.uint8 for s in model.kv_cache_layers()
-                                if s.kv_spec.record is not None)
-                    packed_ok = (model.packed_kv and records == RECORDS and uint8) if choice == "auto" \
-                        else (not model.packed_kv and not records)
-                    per_token = kv_bytes_per_token(llm.engine.kv.groups)[0]
-                    runs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-                    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-                    print(f"{dtype} auto backend={choice} {settings}: packed={model.packed_kv} layout ok: "
-                          f"{packed_ok}; {per_token:.1f} B per token of context; repeat (prefix hits) equal: "
-                          f"{again == runs[choice]}; {time.perf_counter() - t:.1f} s", flush=True)
-                    if not packed_ok:
-                        failures += 1
-                    del llm, model
-                    free_device_memory()
-                same = [a == b for a, b in zip(runs["auto"], runs["torch"])]
-                first = [next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-                         for a, b in zip(runs["auto"], runs["torch"]) if a != b]
-                print(f"{dtype} {settings}: packed (Triton) greedy equal to unpacked rounded (torch): "
-                      f"{sum(same)}/{len(same)}; first divergent positions {first}", flush=True)
-                if dtype == "float32" and not all(same):
+        for dtype, settings in (("float32", {}), ("float32", CHUNKED), ("bfloat16", {})):
+            runs = {}
+            for choice in ("torch", "auto"):
+                os.environ["DEEPINFER_KERNEL_BACKEND"] = choice
+                t = time.perf_counter()
+                llm = LLM(model=str(DATA / "checkpoint"), device="cuda", dtype=dtype, kv_cache_dtype="auto",
+                          **settings)
+                model = llm.engine.model
+                records = {(s.kv_spec.record, s.kv_cache.shape[-1]) for s in model.kv_cache_layers()
+                           if s.kv_spec.record is not None}
+                uint8 = all(s.kv_cache.dtype == torch.uint8 for s in model.kv_cache_layers()
+                            if s.kv_spec.record is not None)
+                packed_ok = (model.packed_kv and records == RECORDS and uint8) if choice == "auto" \
+                    else (not model.packed_kv and not records)
+                per_token = kv_bytes_per_token(llm.engine.kv.groups)[0]
+                runs[choice] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                print(f"{dtype} auto backend={choice} {settings}: packed={model.packed_kv} layout ok: "
+                      f"{packed_ok}; {per_token:.1f} B per token of context; repeat (prefix hits) equal: "
+                      f"{again == runs[choice]}; {time.perf_counter() - t:.1f} s", flush=True)
+                if not packed_ok:
                     failures += 1
+                del llm, model
+                free_device_memory()
+            same = [a == b for a, b in zip(runs["auto"], runs["torch"])]
+            first = [next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+                     for a, b in zip(runs["auto"], runs["torch"]) if a != b]
+            print(f"{dtype} {settings}: packed (Triton) greedy equal to unpacked rounded (torch): "
+                  f"{sum(same)}/{len(same)}; first divergent positions {first}", flush=True)
+            if dtype == "float32" and not all(same):
+                failures += 1
     finally:
         if saved is None:
             os.environ.pop("DEEPINFER_KERNEL_BACKEND", None)

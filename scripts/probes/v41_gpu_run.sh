@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # DeepSeek-V4.1 on the GPU in device calls of under ten minutes each:
 #   check:   the GPU tests of the V4.1 kernels (packed KV records, pair pooling, candidate
-#            blocks, engram gate and row gather, sparse attention, indexer), the tiny reference
-#            checkpoint through the engine on CUDA (v41_cuda_check.py: reference greedy, packed
-#            records against the unpacked torch path, host-memory engram tables), then bench
-#            decode at B = 1, 16, 64 on 4 layers (ratio-2 source, reuse, ratio-1 source, reindex);
+#            blocks, engram gate and row gather, sparse attention, indexer), then the tiny
+#            reference checkpoint through the engine on CUDA (v41_cuda_check.py: reference
+#            greedy, packed records against the unpacked torch path, host-memory engram tables);
+#   decode:  bench decode at B = 1, 16, 64 on 4 layers (ratio-2 source, reuse, ratio-1 source,
+#            reindex);
 #   prefill: bench prefill of 4,096 tokens on the same 4 layers with prefill truncation full,
 #            exact and compact, and full with one layer fewer (the last layer's time by
 #            difference); then `bench multiturn` (prefix caching on and off) at
@@ -30,8 +31,9 @@ if [ "$phase" = check ]; then
         tests/kernels/test_engram_gather.py tests/kernels/test_sparse_attention.py tests/kernels/test_indexer.py \
         > "$OUT/tests.log" 2>&1
     echo "pytest exit $?"; grep -E "passed|failed|FAILED|Error" "$OUT/tests.log" | tail -12
-    timeout 300 python3 scripts/probes/v41_cuda_check.py > "$OUT/cuda_check.log" 2>&1
+    timeout 380 python3 scripts/probes/v41_cuda_check.py > "$OUT/cuda_check.log" 2>&1
     echo "cuda check exit $?"; tail -22 "$OUT/cuda_check.log"
+elif [ "$phase" = decode ]; then
     for b in 1 16 64; do
         timeout 100 $BENCH decode --config deepseek-v4.1-flash --num-layers "$layers" --batch-size $b --no-hf \
             > "$OUT/decode_b$b.log" 2>&1
