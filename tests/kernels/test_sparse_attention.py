@@ -272,7 +272,13 @@ def test_triton_sparse_attention_reads_packed_records(t, h, d, specs, dtype, con
     assert torch.equal(reference.sparse_attention(q, sources, sinks, 0.2, formats), ref)
     out = sparse_attention(q, sources, sinks, 0.2, config, formats=formats)
     assert not out.isnan().any()
-    assert torch.equal(out, sparse_attention(q, q_values, sinks, 0.2, config))
+    on_values = sparse_attention(q, q_values, sinks, 0.2, config)
+    if out.is_cuda:
+        # On the GPU the decoded tile may reach the tensor cores by another path (registers
+        # rather than shared memory) and sum in another order: equal to rounding, not bitwise.
+        torch.testing.assert_close(out, on_values, atol=2e-3, rtol=2e-3)
+    else:
+        assert torch.equal(out, on_values)
     torch.testing.assert_close(out, ref, **KERNEL_TOL[dtype])
     assert torch.equal(out[1], torch.zeros_like(out[1]))       # row 1 has no key in any source
 
