@@ -44,7 +44,7 @@ from deepinfer.entrypoints.openai.serving import (SSE_DONE, APIError, EngineStre
                                                   sse, stream_error, structured_outputs_params, submit,
                                                   unless_disconnected)
 from deepinfer.entrypoints.openai.tool_parsers import (ParsedToolCall, ToolCallDelta, ToolCallFormat,
-                                                       ToolCallStreamParser, parse_tool_calls)
+                                                       parse_tool_calls)
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.structured.json_schema import check_json_schema
 
@@ -180,7 +180,7 @@ class _OutputParser:
         self.include_reasoning = include_reasoning
         self.tools = tools
         self._splitter = ReasoningStreamSplitter() if thinking else None
-        self._calls = ToolCallStreamParser(fmt, tools.max_calls) if tools is not None else None
+        self._calls = fmt.stream_parser(tools.max_calls) if tools is not None else None
 
     @property
     def called(self) -> bool:
