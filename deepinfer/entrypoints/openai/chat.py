@@ -110,6 +110,12 @@ def _tools(state: ServerState, req: ChatCompletionRequest) -> _Tools | None:
         except ValueError as exc:
             message = str(exc).replace("structured_outputs.json", f"tools[{i}].function.parameters", 1)
             raise APIError(400, message, param=f"tools[{i}].function.parameters") from exc
+        # A call's arguments are a JSON object: the parsers read nothing else back, and the
+        # DSML formats write arguments as an object's parameters.
+        if schema.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must describe a JSON object (a call's "
+                                f"arguments), not type {json.dumps(schema['type'])}",
+                           param=f"tools[{i}].function.parameters")
         forced.append((names[i], schema))
     return _Tools(definitions, "required" if choice == "required" else "named", forced, max_calls)
 
