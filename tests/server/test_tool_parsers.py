@@ -308,6 +308,7 @@ DSML_WELL_FORMED = [
     (V41, V41_CALL, None, [("ns::ping", "{}"), ("add", '{"a": 2, "b": -3e2}')]),
     # Text after the block is content too; a model may stop without the block's end tag.
     (V4, "Sure." + V4_NESTED + "\nDone.", "Sure.\nDone.", [("search", V4_NESTED_ARGS)]),
+    (V4, "\n" + V4_NESTED + "\n\n", None, [("search", V4_NESTED_ARGS)]),
     (V32, V32_TWO_CALLS[:-len("</｜DSML｜function_calls>")], "Let me check.",
      [("get_weather", '{"location": "杭州", "days": 3}'), ("get_weather", '{"location": "北京", "days": 1}')]),
     # Another format's block, or DSML-looking text without a block, is content.

@@ -551,12 +551,14 @@ class DsmlStreamParser(ToolCallParser):
         self._value = ""                # the open non-string value so far
 
     def finish(self) -> list[str | ToolCallDelta]:
-        """Content; the rest of an open string value (an unfinished call, already
-        announced, keeps what it has); or a block cut short before its first call, or
-        inside a call's name, as content."""
+        """Content (but not the whitespace that ends an output after its calls); the rest
+        of an open string value (an unfinished call, already announced, keeps what it
+        has); or a block cut short before its first call, or inside a call's name, as
+        content."""
         out: list[str | ToolCallDelta] = []
         if self._state == _TEXT:
-            self._emit_text(out, self._buf)
+            if not (self.calls and self._buf.isspace()):
+                self._emit_text(out, self._buf)
         elif self._state == _VALUE and self._string:
             self._add_args(out, _json_string_body(self._buf))
         elif self._state in (_BLOCK, _INVOKE) and not (
