@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="model name(s) clients use; the first is reported (default: the --model value)")
     srv.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                      help="the format the model writes tool calls in (DeepSeek-V3: deepseek_v3, V3.1: "
-                          "deepseek_v31); tool_choice required/named force it (default format: deepseek_v3)")
+                          "deepseek_v31, V3.2: deepseek_v32, V4: deepseek_v4, V4.1: deepseek_v41); tool_choice "
+                          "required/named force it (default: the model's own by config.json's model_type, "
+                          "deepseek_v3 for other models)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
     srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,

@@ -1,6 +1,6 @@
 """Chat rendering with tools: a template with tool support gets tools and calls as they
 are (the checkpoint's template is the source of truth); one without gets them in
-DeepSeek's format. And the check that turns special-token skipping off when the
+DeepSeek's format (the token formats' and the DSML ones'). And the check that turns special-token skipping off when the
 markers a parser reads are special tokens of the vocabulary."""
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.entrypoints.openai.chat import _markers_are_special
 from deepinfer.entrypoints.openai.protocol import ChatMessage
-from deepinfer.entrypoints.openai.serving import render_chat
+from deepinfer.entrypoints.openai.serving import APIError, render_chat
 from deepinfer.entrypoints.openai.tool_parsers import OUTPUT_BEGIN, OUTPUT_END, TOOL_CALL_FORMATS
 
 V31 = TOOL_CALL_FORMATS["deepseek_v31"]
+V32 = TOOL_CALL_FORMATS["deepseek_v32"]
+V41 = TOOL_CALL_FORMATS["deepseek_v41"]
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
@@ -82,10 +84,48 @@ def test_a_template_without_tools_gets_deepseek_format():
     assert first.startswith(f"<|im_start|>system\n{section}<|im_end|>\n<|im_start|>user\n")
 
 
+def test_a_template_without_tools_gets_dsml_layout():
+    """The DSML formats: the tool section, a blank line and the calls block after the
+    assistant's text, each result in the format's tags (V3.2 also wraps a turn's results)."""
+    tok = Tokenizer(DEFAULT_MODEL)
+    parallel = CONVERSATION[:2] + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"call_{city}", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "days": 2})}}
+            for city in ("Paris", "Oslo")]},
+        {"role": "tool", "tool_call_id": "call_Paris", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_Oslo", "content": "snow"},
+        {"role": "user", "content": "Thanks"}]
+    messages = [ChatMessage.model_validate(m) for m in parallel]
+    for fmt, outputs in ((V32, ["<function_results>\n<result>sunny</result>",
+                                "<result>snow</result>\n</function_results>"]),
+                         (V41, ["<tool_result>sunny</tool_result>", "<tool_result>snow</tool_result>"])):
+        text = render_chat(tok, messages, True, None, tools=TOOLS, tool_format=fmt)
+        section = fmt.tools_prompt([TOOLS[0]["function"]])
+        calls = fmt.render_calls([("get_weather", '{"city": "Paris", "days": 2}'),
+                                  ("get_weather", '{"city": "Oslo", "days": 2}')])
+        assert 'name="city" string="true">Oslo<' in calls and 'name="days" string="false">2<' in calls
+        assert text == (f"<|im_start|>system\nBe brief.\n\n{section}<|im_end|>\n"
+                        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                        f"<|im_start|>assistant\n{calls}<|im_end|>\n"
+                        f"<|im_start|>tool\n{outputs[0]}<|im_end|>\n<|im_start|>tool\n{outputs[1]}<|im_end|>\n"
+                        "<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_dsml_calls_need_object_arguments():
+    bad = CONVERSATION[:2] + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}]}]
+    with pytest.raises(APIError, match="must be a JSON object") as info:
+        render_chat(Tokenizer(DEFAULT_MODEL), [ChatMessage.model_validate(m) for m in bad], True, None,
+                    tool_format=V32)
+    assert info.value.status == 400 and info.value.param == "messages[2].tool_calls"
+
+
 @pytest.mark.parametrize("special, markers, expected", [
     ([], ("<think>", "</think>"), False),
     (["</think>"], ("<think>", "</think>"), True),
     (["</think>"], V31.markers, False),
+    (["｜DSML｜"], V41.markers, True),      # DeepSeek-V3.2's vocabulary holds the DSML piece as special
 ])
 def test_markers_are_special(tmp_path, special, markers, expected):
     state = SimpleNamespace(tokenizer=_tokenizer(tmp_path, special=special))

@@ -137,6 +137,8 @@ def test_auto_and_none_give_content(client):
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "integer",
                                                                                 "not": {"const": 1}}}}],
           tool_choice="required"), "tools[0].function.parameters", 'keyword "not"'),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+          tool_choice="required"), "tools[0].function.parameters", 'must describe a JSON object'),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format",
      "both constrain"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools.0.type", "function"),

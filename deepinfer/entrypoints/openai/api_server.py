@@ -41,7 +41,8 @@ from deepinfer.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCo
                                                    TokenizeResponse)
 from deepinfer.entrypoints.openai.reasoning import get_reasoning_parser
 from deepinfer.entrypoints.openai.serving import APIError, ServerState, error_body, ignored_fields, render_chat
-from deepinfer.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, get_tool_call_format
+from deepinfer.entrypoints.openai.tool_parsers import (TOOL_CALL_FORMATS, default_tool_call_parser,
+                                                       get_tool_call_format)
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,8 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
     app's lifespan; ``app.state.async_engine`` reaches it (tests read engine state
     through ``async_engine.call``). ``tool_call_parser``, ``enable_auto_tool_choice``
     and ``reasoning_parser`` are ``deepinfer serve``'s flags of the same names (vLLM's):
-    the tool-call format, whether the model may choose to call tools, and how a
-    thinking model's reasoning is split off."""
+    the tool-call format (None: the model's own, ``default_tool_call_parser``), whether
+    the model may choose to call tools, and how a thinking model's reasoning is split off."""
     _check_tool_flags(tool_call_parser, enable_auto_tool_choice)
     names = list(served_model_names or [default_model_name(engine)])
     metrics = ServerMetrics(names[0])
@@ -90,7 +91,8 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
     state = ServerState(engine=async_engine, tokenizer=engine.tokenizer, model_names=names,
                         max_model_len=engine.config.model.max_model_len,
                         vocab_size=engine.config.model.vocab_size,
-                        tool_format=get_tool_call_format(tool_call_parser or "deepseek_v3"),
+                        tool_format=get_tool_call_format(
+                            tool_call_parser or default_tool_call_parser(engine.config.model.hf_config)),
                         auto_tool_choice=enable_auto_tool_choice,
                         reasoning=get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
 

@@ -44,7 +44,7 @@ from deepinfer.entrypoints.openai.serving import (SSE_DONE, APIError, EngineStre
                                                   sse, stream_error, structured_outputs_params, submit,
                                                   unless_disconnected)
 from deepinfer.entrypoints.openai.tool_parsers import (ParsedToolCall, ToolCallDelta, ToolCallFormat,
-                                                       ToolCallStreamParser, parse_tool_calls)
+                                                       parse_tool_calls)
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.structured.json_schema import check_json_schema
 
@@ -110,6 +110,12 @@ def _tools(state: ServerState, req: ChatCompletionRequest) -> _Tools | None:
         except ValueError as exc:
             message = str(exc).replace("structured_outputs.json", f"tools[{i}].function.parameters", 1)
             raise APIError(400, message, param=f"tools[{i}].function.parameters") from exc
+        # A call's arguments are a JSON object: the parsers read nothing else back, and the
+        # DSML formats write arguments as an object's parameters.
+        if schema.get("type", "object") != "object":
+            raise APIError(400, f"tools[{i}].function.parameters must describe a JSON object (a call's "
+                                f"arguments), not type {json.dumps(schema['type'])}",
+                           param=f"tools[{i}].function.parameters")
         forced.append((names[i], schema))
     return _Tools(definitions, "required" if choice == "required" else "named", forced, max_calls)
 
@@ -180,7 +186,7 @@ class _OutputParser:
         self.include_reasoning = include_reasoning
         self.tools = tools
         self._splitter = ReasoningStreamSplitter() if thinking else None
-        self._calls = ToolCallStreamParser(fmt, tools.max_calls) if tools is not None else None
+        self._calls = fmt.stream_parser(tools.max_calls) if tools is not None else None
 
     @property
     def called(self) -> bool:

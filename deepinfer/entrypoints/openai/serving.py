@@ -27,7 +27,7 @@ from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadErr
 from deepinfer.entrypoints.openai.protocol import (REFUSED_FIELDS, ChatMessage, CompletionLogprobs, ErrorInfo,
                                                    ErrorResponse, SamplingFields, TokenLogprob, TopLogprob)
 from deepinfer.entrypoints.openai.reasoning import ReasoningParser
-from deepinfer.entrypoints.openai.tool_parsers import OUTPUT_BEGIN, OUTPUT_END, ToolCallFormat, get_tool_call_format
+from deepinfer.entrypoints.openai.tool_parsers import ToolCallFormat, get_tool_call_format
 from deepinfer.outputs import PositionLogprobs, RequestOutput
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -190,7 +190,7 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[ChatMessage], add_gener
     it reads ``tools``: the checkpoint's template is the source of truth. A template
     without tool support gets them in DeepSeek's format (``tool_format``): the tool
     section joins the system message, an assistant message's calls follow its content,
-    and a ``tool`` message's content sits between the tool-output markers."""
+    and a ``tool`` message's content is wrapped as the format writes tool results."""
     conversation = []
     for i, message in enumerate(messages):
         entry = {**(message.model_extra or {}), "role": message.role, "name": message.name,
@@ -240,17 +240,31 @@ def _arguments_text(arguments: str | dict[str, Any]) -> str:
 def _deepseek_tool_conversation(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                                 fmt: ToolCallFormat) -> list[dict[str, Any]]:
     """The conversation with tools, calls and tool outputs written as DeepSeek's text (the
-    messages keep their fields: the template may still read them)."""
-    out = []
-    for entry in conversation:
+    messages keep their fields: the template may still read them). A run of ``tool``
+    messages is one turn's results: the format may wrap the run as well as each one."""
+    out: list[dict[str, Any]] = []
+    outputs: list[dict[str, Any]] = []      # the run of tool messages being read
+
+    def end_run() -> None:
+        for entry, text in zip(outputs, fmt.render_tool_outputs([e.get("content") or "" for e in outputs])):
+            entry["content"] = text
+        outputs.clear()
+
+    for i, entry in enumerate(conversation):
         entry = dict(entry)
         calls = entry.get("tool_calls")
         if calls:
-            entry["content"] = (entry.get("content") or "") + fmt.render_calls(
-                [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            try:
+                block = fmt.render_calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+            except ValueError as exc:
+                raise APIError(400, f"messages[{i}].tool_calls: {exc}", param=f"messages[{i}].tool_calls") from exc
+            entry["content"] = (entry.get("content") or "") + block
         if entry["role"] == "tool":
-            entry["content"] = OUTPUT_BEGIN + (entry.get("content") or "") + OUTPUT_END
+            outputs.append(entry)
+        else:
+            end_run()
         out.append(entry)
+    end_run()
     if tools:
         section = fmt.tools_prompt([t["function"] for t in tools])
         if out and out[0]["role"] == "system" and isinstance(out[0].get("content"), str):
@@ -264,8 +278,8 @@ def _deepseek_tool_conversation(conversation: list[dict[str, Any]], tools: list[
 @dataclasses.dataclass
 class ServerState:
     """What the route handlers share. ``tool_format`` is the ``--tool-call-parser``
-    format (DeepSeek-V3's when none is set: forced tool calls and templates without
-    tool support still need one); ``auto_tool_choice`` says whether the model may
+    format (without the flag, the model's own: forced tool calls and templates without
+    tool support still need one; see ``default_tool_call_parser``); ``auto_tool_choice`` says whether the model may
     choose to call tools (``--enable-auto-tool-choice``); ``reasoning`` is the
     ``--reasoning-parser``, if any."""
 
