@@ -448,3 +448,27 @@ def test_metrics_after_traffic(server, client):
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0.0
     assert "vllm:num_preemptions_total" in after
+
+
+def test_usage_reports_cached_prompt_tokens(server, client):
+    """``usage.prompt_tokens_details.cached_tokens`` in every response: 0 on a miss, the prefix
+    cache's hit (a multiple of 16 tokens) when the prompt's start was seen before."""
+    system = "You are a helpful assistant who answers questions about Python lists. " * 6
+    prompt = system + "What does append do?"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=system + "And pop?", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit > 0 and hit % 16 == 0 and hit < again.usage.prompt_tokens
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens > 0
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is a list?"}]
+    chat = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+            for _ in range(2)]
+    assert chat[1].usage.prompt_tokens_details.cached_tokens > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens_details.cached_tokens
+    # The stream opens with the assistant role once the first output exists.
+    assert chunks[0].choices[0].delta.role == "assistant"

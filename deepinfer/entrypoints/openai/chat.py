@@ -310,8 +310,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                   stop_reason=c.stop_reason))
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     resp = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                                                  total_tokens=len(ids) + completion_tokens))
+                                  usage=UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens))
     return JSONResponse(resp.model_dump(mode="json"))
 
 
@@ -325,16 +324,22 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                                        choices=choices, usage=usage))
 
     sent = [0] * n
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
+    opened = False
     try:
-        # OpenAI opens every choice with the assistant role and empty content.
-        yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-                     for j in range(n)])
         async for _, out in sub.outputs():
             error = output_error(out)
             if error is not None:
                 yield stream_error(APIError(500, f"generation failed: {error}"))
                 break
+            cached_tokens = out.num_cached_tokens
+            if not opened:
+                # OpenAI opens every choice with the assistant role and empty content. It goes
+                # with the first output, as vLLM sends it, so that a client's time to first
+                # chunk is the time to the first token, not to the request's admission.
+                yield chunk([ChatStreamChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                             for j in range(n)])
+                opened = True
             # One chunk holds at most one delta per choice; a step that yields several
             # (reasoning, then content, then a call) sends several chunks.
             rounds: list[list[ChatStreamChoice]] = []
@@ -367,9 +372,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, request_id: st
                 yield chunk(choices)
         else:
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt_tokens,
-                                          completion_tokens=completion_tokens,
-                                          total_tokens=num_prompt_tokens + completion_tokens))
+                yield chunk([], UsageInfo.of(num_prompt_tokens, completion_tokens, cached_tokens))
     except Exception as exc:    # reported in-band: the status line has already gone out
         yield stream_error(exc)
     yield SSE_DONE

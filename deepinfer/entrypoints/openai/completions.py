@@ -70,8 +70,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
                                    c.text, first=True, finished=True))
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     prompt_tokens = sum(len(p.ids) for p in prompts)
-    usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
+    usage = UsageInfo.of(prompt_tokens, completion_tokens, sum(out.num_cached_tokens for out in finals))
     resp = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=usage)
     return JSONResponse(resp.model_dump(mode="json"))
 
@@ -138,12 +137,14 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
     sent = [[0] * n for _ in prompts]          # tokens already streamed, per choice
     started = [[False] * n for _ in prompts]
     completion_tokens = 0
+    cached: dict[int, int] = {}       # prompt index -> its prompt tokens served by the prefix cache
     try:
         async for i, out in sub.outputs():
             error = output_error(out)
             if error is not None:
                 yield stream_error(APIError(500, f"generation failed: {error}"))
                 break
+            cached[i] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 j = c.index
@@ -167,8 +168,7 @@ async def _stream(state: ServerState, req: CompletionRequest, request_id: str, p
                 prompt_tokens = sum(len(p.ids) for p in prompts)
                 yield sse(CompletionResponse(
                     id=request_id, created=created, model=state.model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                    total_tokens=prompt_tokens + completion_tokens)))
+                    usage=UsageInfo.of(prompt_tokens, completion_tokens, sum(cached.values()))))
     except Exception as exc:    # reported in-band: the status line has already gone out
         yield stream_error(exc)
     yield SSE_DONE
