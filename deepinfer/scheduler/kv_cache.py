@@ -523,9 +523,15 @@ class KVCacheManager:
         # The blocks a hit ends inside are copied into fresh ones: shorten it if the pool is short.
         while hit and self._copies_for(hit) > self.pool.num_free:
             hit = self._hit_tokens(hashes, keys, hit - self.hit_step)
-        self.prefix_queries += len(token_ids)
-        self.prefix_hits += hit
         return hit
+
+    def count_lookup(self, num_tokens: int, hit: int) -> None:
+        """Count one admitted request's lookup in the prefix-cache counters (tokens queried and
+        hit, vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``). Lookups of a request that
+        waits and asks again are counted once, when it is admitted."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += hit
 
     def take_prefix_hit(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
         """Adopt the cached blocks of a hit found by :meth:`find_prefix_hit`. Returns the page

@@ -225,6 +225,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._pending_copies.extend(copies)
+            if not req.wants_prompt_logprobs:
+                self.kv.count_lookup(len(tokens), hit)
             if req.status == RequestStatus.WAITING and req.num_output_tokens == 0:
                 req.num_cached_tokens = hit
             req.status = RequestStatus.RUNNING

@@ -272,3 +272,19 @@ def test_prefix_hit_stops_at_replay_start(keep, hit):
     sched.update(plan, FakeRunner().execute(sched, plan))
     run_all(sched)
     assert outputs(sched, ["a"])["a"] == outputs(sched, ["b"])["b"]
+
+
+def test_prefix_counters_count_each_admission_once():
+    """A request that waits for budget is looked up again each step, but the counters take
+    its prompt once, when it is admitted (queries and hits in tokens, as vLLM's)."""
+    sched = make(budget=16, chunked=False, max_seqs=8)
+    shared = list(range(2, 14))                          # 12 tokens: 3 blocks of 4
+    sched.add(seqs_for("a", shared + [50, 51], max_tokens=2))
+    run_all(sched)
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (14, 0)
+    # "b" (16 tokens) waits behind "c" (14 tokens, unchunked, the budget is 16) for a few steps.
+    sched.add(seqs_for("c", list(range(100, 114)), max_tokens=3, arrival=1))
+    sched.add(seqs_for("b", shared + [60, 61, 62, 63], max_tokens=2, arrival=2))
+    run_all(sched)
+    assert sched.kv.prefix_queries == 14 + 14 + 16
+    assert sched.kv.prefix_hits == 12
