@@ -148,11 +148,12 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int
     block_p2 = triton.next_power_of_2(block)
     block_b = min(triton.next_power_of_2(n_runs), max(1, _TILE_ELEMS // block_p2))
     chunk = min(triton.next_power_of_2(n_runs), _BLOCKS_PER_CHUNK)
-    flags = pdl.flags(scores.device)
     _block_max_kernel[(t, triton.cdiv(n_runs, block_b))](
         scores, visible, runs, n, n_runs, scores.stride(0), runs.stride(0),
-        BLOCK=block, BLOCK_P2=block_p2, BLOCK_B=block_b, num_warps=4, **flags)
+        BLOCK=block, BLOCK_P2=block_p2, BLOCK_B=block_b, num_warps=4,
+        **pdl.flags(scores.device))
     _keep_blocks_kernel[(t,)](
         runs, out.view(torch.uint8), n, n_runs, min(num_blocks, n_runs), runs.stride(0), out.stride(0),
-        BLOCK=block, BLOCK_P2=block_p2, BLOCK_B=chunk, num_warps=4, **flags)
+        BLOCK=block, BLOCK_P2=block_p2, BLOCK_B=chunk, num_warps=4,
+        **pdl.flags(scores.device))
     return out
