@@ -17,8 +17,15 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
          "hidden_act": "silu", "tie_word_embeddings": False}
 
 
-def llama(**options) -> LLM:
-    return LLM("tiny-llama", hf_config=dict(LLAMA), load_format="dummy", skip_tokenizer_init=True,
+# The other covered architectures; Mistral with a sliding window shorter than the needle.
+ARCHITECTURES = {"LlamaForCausalLM": {},
+                 "Qwen3ForCausalLM": {"model_type": "qwen3", "head_dim": 16},
+                 "MistralForCausalLM": {"model_type": "mistral", "sliding_window": 48}}
+
+
+def llama(arch: str = "LlamaForCausalLM", **options) -> LLM:
+    config = {**LLAMA, **ARCHITECTURES[arch], "architectures": [arch]}
+    return LLM("tiny", hf_config=config, load_format="dummy", skip_tokenizer_init=True,
                device="cpu", seed=3, cpu_kv_cache_bytes=16 << 20, **options)
 
 
@@ -67,20 +74,35 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> li
             for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
-def test_engine_outputs_are_bitwise_equal_alone_batched_and_chunked():
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_engine_outputs_are_bitwise_equal_alone_batched_and_chunked(arch):
     # The needle spans two attention key tiles, so chunk and tile boundaries both fall inside it.
     needle = [(7 * i) % 290 + 1 for i in range(90)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, prompt_logprobs=3)
     seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=11, logprobs=5, prompt_logprobs=3)
     others = [[(3 * i) % 290 + 2 for i in range(n)] for n in (5, 33, 130)]
     for params in (greedy, seeded):
-        alone = _run(llama(batch_invariant=True), [needle], [params])[0]
-        batched = _run(llama(batch_invariant=True), [others[0], needle, *others[1:]], [greedy, params, seeded, greedy])
-        chunked = _run(llama(batch_invariant=True, max_num_batched_tokens=16, block_size=16),
+        alone = _run(llama(arch, batch_invariant=True), [needle], [params])[0]
+        batched = _run(llama(arch, batch_invariant=True), [others[0], needle, *others[1:]],
+                       [greedy, params, seeded, greedy])
+        chunked = _run(llama(arch, batch_invariant=True, max_num_batched_tokens=16, block_size=16),
                        [*others, needle], [greedy, seeded, greedy, params])
         assert batched[1] == alone
         assert chunked[3] == alone
         assert len(alone[0]) == 8 and len(alone[2]) == 90
+
+
+def test_normal_mode_differs_for_the_same_comparison():
+    """The negative control at engine level: on the CPUs measured, the needle's logprobs in
+    normal mode change with its batch and its chunking (the op-level control above is the
+    one that holds by construction)."""
+    needle = [(7 * i) % 290 + 1 for i in range(90)]
+    others = [[(3 * i) % 290 + 2 for i in range(n)] for n in (5, 33, 130)]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, prompt_logprobs=3)
+    alone = _run(llama(), [needle], [greedy])[0]
+    batched = _run(llama(), [others[0], needle, *others[1:]], [greedy] * 4)[1]
+    chunked = _run(llama(max_num_batched_tokens=16, block_size=16), [*others, needle], [greedy] * 4)[3]
+    assert batched != alone and chunked != alone
 
 
 def test_switch_from_env_arg_and_cli(monkeypatch):
