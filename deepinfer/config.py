@@ -317,8 +317,18 @@ class EngineConfig:
     seed: int = 0
     # Run every forward eagerly: no CUDA graphs for decode steps (vLLM's name).
     enforce_eager: bool = False
+    # Batch-invariant mode (batch_invariant.py); None takes DEEPINFER_BATCH_INVARIANT (env.py).
+    # Refused where it is not built (CUDA, models whose CPU forward is not covered).
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.batch_invariant is None:
+            object.__setattr__(self, "batch_invariant", env.batch_invariant())
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
+        if self.batch_invariant:
+            from deepinfer.batch_invariant import check_supported
+            check_supported(self.device, self.model.architecture)
         if self.scheduler.max_num_batched_tokens < self.cache.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens} must be >= "

@@ -38,6 +38,11 @@ DEEPINFER_GLUON_ATTENTION  1 | 0  (default 1)
     Hopper take the Gluon kernel of ``kernels/sparse_attention_gluon.py``, which also applies the
     query's norm + rope and the output's inverse rope. ``0``: the Triton kernels everywhere.
 
+DEEPINFER_BATCH_INVARIANT  1 | 0  (default 0)
+    Batch-invariant mode (``batch_invariant.py``): a request's tokens and logprobs are bitwise
+    the same whatever shares its batch and however its prompt is chunked. The default of
+    ``EngineConfig.batch_invariant``; CPU only for now (CUDA refuses it at start-up).
+
 DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  full | exact | compact  (default full)
     Bounded replay of a prompt (DeepSeek's "YOCO prefill truncation"): the layers after a
     model's last KV-source layer run only on each prompt's last tokens. ``full``: every layer
@@ -80,6 +85,11 @@ def _switch(name: str, default: str = "1") -> bool:
 def pdl_enabled() -> bool:
     """DEEPINFER_PDL (see the module docstring)."""
     return _switch("DEEPINFER_PDL")
+
+
+def batch_invariant() -> bool:
+    """DEEPINFER_BATCH_INVARIANT (see the module docstring)."""
+    return _switch("DEEPINFER_BATCH_INVARIANT", default="0")
 
 
 def side_stream_enabled() -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.batch_invariant import batch_invariant_mode
 from deepinfer.config import EngineConfig
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
@@ -227,6 +228,14 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if not self.config.batch_invariant:
+            return self._step()
+        # The ops are replaced only while this engine computes, so other engines in the
+        # process keep the stock kernels.
+        with batch_invariant_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         prev, self._in_flight = self._in_flight, None
         overlap = prev is not None and prev.plan.sync_reason is None
         if overlap:

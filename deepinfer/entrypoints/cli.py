@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bounded replay of prompts: the layers after the last KV-source layer run on "
                         "each prompt's last tokens only (DeepSeek-V4.1); default: "
                         "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE, else full")
+    p.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="batch-invariant mode: a request's tokens and logprobs are bitwise the same "
+                        "whatever shares its batch and however its prompt is chunked (CPU only for now); "
+                        "default: DEEPINFER_BATCH_INVARIANT, else off")
     p.add_argument("--yoco-prefill-keep-tokens", type=int, default=None,
                    help="trailing prompt tokens bounded replay keeps for the late layers; default: "
                         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, else 140")
@@ -61,7 +65,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 kv_cache_dtype=args.kv_cache_dtype,
                 yoco_prefill_truncation_mode=args.yoco_prefill_truncation_mode,
-                yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens)
+                yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens,
+                batch_invariant=args.batch_invariant)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -55,7 +55,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         skip_tokenizer_init: bool = False, tokenizer: str | None = None,
                         kv_cache_dtype: str = "auto", max_logprobs: int = 20,
                         yoco_prefill_truncation_mode: str | None = None,
-                        yoco_prefill_keep_tokens: int | None = None) -> EngineConfig:
+                        yoco_prefill_keep_tokens: int | None = None,
+                        batch_invariant: bool | None = None) -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
     ``model=None`` is the tiny model embedded in the package. ``hf_config`` gives the
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
@@ -66,7 +67,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     ``max_num_batched_tokens=None``: 2048, or with chunked prefill off at least
     ``max_model_len`` (vLLM's rule).
     ``yoco_prefill_*``: bounded replay of prompts (``SchedulerConfig.prefill_truncation_mode``
-    and ``prefill_keep_tokens``; None takes the DEEPINFER_YOCO_PREFILL_* variables)."""
+    and ``prefill_keep_tokens``; None takes the DEEPINFER_YOCO_PREFILL_* variables).
+    ``batch_invariant``: bitwise-reproducible outputs whatever the batch and chunking
+    (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT)."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, max_logprobs=max_logprobs)
@@ -94,7 +97,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                   prefill_keep_tokens=yoco_prefill_keep_tokens),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
                                 dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size),
-        device=dev, seed=seed, enforce_eager=enforce_eager)
+        device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
 
 
 class LLM:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from deepinfer import env
+from deepinfer import batch_invariant, env
 from deepinfer.kernels import reference
 
 
@@ -102,6 +102,9 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     if use_triton(q):
         from deepinfer.kernels.paged_attention import paged_attention as kernel
         return kernel(q, cache, block_table, query_start_loc, seq_lens, scale, sliding_window, sinks)
+    if batch_invariant.enabled():
+        return batch_invariant.paged_attention(q, cache, block_table, query_start_loc, seq_lens, scale,
+                                               sliding_window, sinks)
     return reference.paged_attention(q, cache, block_table, query_start_loc, seq_lens, scale,
                                      sliding_window, sinks)
 
@@ -167,6 +170,10 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: to
     if use_triton(q):
         from deepinfer.kernels.paged_attention import paged_decode_attention as kernel
         return kernel(q, cache, block_table, seq_lens, max_seq_len, scale, sliding_window, sinks)
+    if batch_invariant.enabled():
+        # One query per sequence: the same absolute-tile reduction as prefill.
+        return batch_invariant.paged_attention(q, cache, block_table, list(range(q.shape[0] + 1)),
+                                               seq_lens.tolist(), scale, sliding_window, sinks)
     return reference.paged_decode_attention(q, cache, block_table, seq_lens.tolist(), scale,
                                             sliding_window, sinks)
 

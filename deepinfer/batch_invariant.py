@@ -1,0 +1,247 @@
+"""Batch-invariant mode on the CPU: a row's result does not depend on its batch.
+
+Contract: with ``batch_invariant=True`` every op's output row for a token is a function
+of that token's inputs and its request's KV cache only, not of how many rows share the
+call, their order, or how the prompt was chunked. So a request's tokens and logprobs are
+bitwise the same alone, inside any batch, and under any chunk budget, on one device kind
+and one software version (other CPUs or torch builds may give other, equally invariant,
+bits).
+
+Why the CPU needs it: torch's CPU GEMM picks its blocking by the problem's shape, so
+``mm(a[:m], w)`` differs in the last bits from ``mm(a, w)[:m]`` for small ``m``
+(measured: m in {1, 2, 3} with one thread, also 5 and 7 with two). The fix, as
+batch_invariant_ops does on CUDA, replaces aten ops on the CPU dispatch key while the
+mode is on:
+
+- ``mm``, ``addmm``, ``bmm``: rows are split into tiles of ``TILE_ROWS`` (the last
+  zero-padded) and each tile runs the same-shape GEMM, so every row is always computed
+  by a call of one shape whatever ``M`` is.
+- ``_softmax``, ``_log_softmax``, ``mean.dim``, ``sum.dim_IntList`` over the last
+  dimension: the same row tiles, since a reduction may split one long row across threads
+  when it is alone (``M = 1``) and not otherwise.
+
+The originals are reached through the ``.out`` overloads, which are not replaced.
+Attention (:func:`paged_attention`) reduces over keys in tiles of ``KEY_TILE`` at
+absolute positions, merged in a fixed order, so neither chunk boundaries nor the other
+sequences of a decode batch change a query's reduction order.
+
+The replacement is process-wide while registered, so :func:`batch_invariant_mode` holds
+it only around an engine's steps (reentrant, counted); other engines and tests in the
+same process run the stock kernels between those steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from typing import Iterator
+
+import torch
+
+# Rows per GEMM / reduction tile. 16 keeps single-row decode cheap (1.3-3x plain at M=1,
+# measured) while large M stays within 2x; one size per process, never chosen by M.
+TILE_ROWS = 16
+# Keys per attention tile; tiles start at absolute positions that are multiples of it.
+KEY_TILE = 64
+
+# Architectures whose CPU forward is covered (every reduction goes through the ops above
+# or :func:`paged_attention`) and tested bitwise; others are refused in the mode.
+CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"})
+
+_lock = threading.Lock()
+_depth = 0
+_library: torch.library.Library | None = None
+
+
+def enabled() -> bool:
+    """Whether the mode is on now (the ops are replaced)."""
+    return _depth > 0
+
+
+def check_supported(device: torch.device, architecture: str) -> None:
+    """Raise unless the mode is built for ``device`` and ``architecture``: the mode never
+    silently runs a path that is not invariant."""
+    if device.type != "cpu":
+        raise NotImplementedError(
+            f"batch_invariant=True on {device.type}: the batch-invariant kernels for {device.type} "
+            "are not built yet (the mode runs on the CPU only); run with batch_invariant=False")
+    if architecture not in CPU_ARCHITECTURES:
+        raise NotImplementedError(
+            f"batch_invariant=True with {architecture}: this model's CPU forward is not made batch-invariant "
+            f"yet; supported: {', '.join(sorted(CPU_ARCHITECTURES))}")
+
+
+def _row_tiles(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, ...] zero-padded to a multiple of TILE_ROWS rows."""
+    pad = -x.shape[0] % TILE_ROWS
+    return x if pad == 0 else torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.shape[0]
+    a = _row_tiles(a)
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
+    for i in range(0, a.shape[0], TILE_ROWS):
+        torch.ops.aten.mm.out(a[i:i + TILE_ROWS], b, out=out[i:i + TILE_ROWS])
+    return out[:m]
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+           alpha: float = 1) -> torch.Tensor:
+    m = a.shape[0]
+    a = _row_tiles(a)
+    bias = bias.expand(m, b.shape[1])
+    bias = _row_tiles(bias)
+    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
+    for i in range(0, a.shape[0], TILE_ROWS):
+        torch.ops.aten.addmm.out(bias[i:i + TILE_ROWS], a[i:i + TILE_ROWS], b, beta=beta, alpha=alpha,
+                                 out=out[i:i + TILE_ROWS])
+    return out[:m]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m = a.shape[1]
+    a = _row_tiles(a.transpose(0, 1)).transpose(0, 1)
+    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
+    for i in range(0, a.shape[1], TILE_ROWS):
+        tile = torch.empty((a.shape[0], TILE_ROWS, b.shape[2]), dtype=out.dtype)
+        torch.ops.aten.bmm.out(a[:, i:i + TILE_ROWS], b, out=tile)
+        out[:, i:i + TILE_ROWS] = tile
+    return out[:, :m]
+
+
+def _last_dim(x: torch.Tensor, dim: int | list[int] | None) -> bool:
+    dims = [dim] if isinstance(dim, int) else list(dim or [])
+    return x.dim() >= 1 and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
+
+
+def _rows(x: torch.Tensor, fn, width: int) -> torch.Tensor:
+    """``fn`` of each TILE_ROWS-row tile of ``x`` viewed as rows of its last dim, ``width``
+    outputs per row, reshaped back (leading dims kept)."""
+    flat = x.reshape(-1, x.shape[-1])
+    m = flat.shape[0]
+    flat = _row_tiles(flat)
+    outs = [fn(flat[i:i + TILE_ROWS]) for i in range(0, flat.shape[0], TILE_ROWS)]
+    out = torch.cat(outs)[:m] if outs else flat.new_empty((0, width))
+    return out.reshape(*x.shape[:-1], width)
+
+
+def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    if not _last_dim(x, dim):
+        return torch.ops.aten._softmax.out(x, dim, half_to_float, out=_empty_like(x, half_to_float))
+    return _rows(x, lambda t: torch.ops.aten._softmax.out(t, -1, half_to_float,
+                                                          out=_empty_like(t, half_to_float)), x.shape[-1])
+
+
+def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+    if not _last_dim(x, dim):
+        return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=_empty_like(x, half_to_float))
+    return _rows(x, lambda t: torch.ops.aten._log_softmax.out(t, -1, half_to_float,
+                                                              out=_empty_like(t, half_to_float)), x.shape[-1])
+
+
+def _empty_like(x: torch.Tensor, half_to_float: bool) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=torch.float32 if half_to_float else x.dtype)
+
+
+def _reduce(op, x: torch.Tensor, dim, keepdim: bool, dtype: torch.dtype | None) -> torch.Tensor:
+    """``mean`` / ``sum`` over the last dim by row tiles; any other reduction as stock."""
+    out_dtype = dtype or (x.dtype if x.is_floating_point() or op is torch.ops.aten.mean.out
+                          else torch.int64)
+    if not _last_dim(x, dim):
+        shape = torch.empty(x.shape, device="meta").sum(dim, keepdim=keepdim).shape
+        return op(x, dim, keepdim, dtype=dtype, out=torch.empty(shape, dtype=out_dtype))
+    out = _rows(x, lambda t: op(t, [-1], True, dtype=dtype, out=torch.empty((t.shape[0], 1), dtype=out_dtype)), 1)
+    return out if keepdim else out.squeeze(-1)
+
+
+def _mean(x: torch.Tensor, dim, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _reduce(torch.ops.aten.mean.out, x, dim, keepdim, dtype)
+
+
+def _sum(x: torch.Tensor, dim, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _reduce(torch.ops.aten.sum.IntList_out, x, dim, keepdim, dtype)
+
+
+_OVERRIDES = (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm), ("_softmax", _softmax),
+              ("_log_softmax", _log_softmax), ("mean.dim", _mean), ("sum.dim_IntList", _sum))
+
+
+@contextlib.contextmanager
+def batch_invariant_mode() -> Iterator[None]:
+    """Replace the CPU ops above for the duration (reentrant: the outermost exit restores
+    the stock kernels)."""
+    global _depth, _library
+    with _lock:
+        if _depth == 0:
+            lib = torch.library.Library("aten", "IMPL")
+            with warnings.catch_warnings():
+                # "Overriding a previously registered kernel": that is the point.
+                warnings.simplefilter("ignore")
+                for name, fn in _OVERRIDES:
+                    lib.impl(name, fn, "CPU")
+            _library = lib
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _library is not None:
+                _library._destroy()
+                _library = None
+
+
+def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                    query_start_loc: list[int], seq_lens: list[int], scale: float,
+                    sliding_window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`reference.paged_attention` with a reduction order fixed by absolute position:
+    prefill, any chunk of it and decode give a query the same bits.
+
+    Keys are read in tiles of KEY_TILE starting at multiples of KEY_TILE; each tile's
+    scores and probability-weighted values come from same-shape products, and the tiles'
+    sums are added one by one in position order. Tiles a query cannot see add exact
+    zeros, so where a chunk's key range starts does not matter."""
+    from deepinfer.kernels.reference import gather_kv
+
+    out = torch.empty_like(q)
+    hq, bs, hkv = q.shape[1], cache.shape[1], cache.shape[3]
+    for b in range(len(seq_lens)):
+        s, e = query_start_loc[b], query_start_loc[b + 1]
+        if e == s:
+            continue
+        ctx = seq_lens[b]
+        first_q = ctx - (e - s)
+        start = 0 if sliding_window is None else max(0, first_q - sliding_window + 1)
+        lo = start // KEY_TILE * KEY_TILE
+        hi = -(-ctx // KEY_TILE) * KEY_TILE
+        kv = gather_kv(cache, block_table[b], lo, ctx).float()                     # [ctx-lo, 2, Hkv, D]
+        kv = torch.cat([kv, kv.new_zeros((hi - ctx, *kv.shape[1:]))])              # [n*KT, 2, Hkv, D]
+        k = kv[:, 0].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)           # [Hq, n*KT, D]
+        v = kv[:, 1].repeat_interleave(hq // hkv, dim=1).transpose(0, 1)           # [Hq, n*KT, Dv]
+        qh = q[s:e].float().transpose(0, 1).contiguous()                            # [Hq, Tq, D]
+        q_pos = torch.arange(first_q, ctx)
+        k_pos = torch.arange(lo, hi)
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < ctx)
+        if sliding_window is not None:
+            allowed &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        tiles = range(0, hi - lo, KEY_TILE)
+        scores = [torch.bmm(qh, k[:, t:t + KEY_TILE].transpose(1, 2).contiguous()) * scale for t in tiles]
+        scores = [sc.masked_fill(~allowed[None, :, t:t + KEY_TILE], float("-inf"))
+                  for sc, t in zip(scores, tiles)]
+        # The row max is exact whatever the order, so one max over all tiles is invariant.
+        m = torch.stack([sc.amax(dim=-1) for sc in scores]).amax(dim=0)            # [Hq, Tq]
+        if sinks is not None:
+            m = torch.maximum(m, sinks.float()[:, None])
+        total = torch.zeros_like(m)
+        acc = torch.zeros((hq, e - s, v.shape[-1]))
+        for sc, t in zip(scores, tiles):
+            p = torch.exp(sc - m[..., None])
+            total = total + p.sum(dim=-1)
+            acc = acc + torch.bmm(p, v[:, t:t + KEY_TILE].contiguous())
+        if sinks is not None:
+            total = total + torch.exp(sinks.float()[:, None] - m)
+        out[s:e] = (acc / total[..., None]).transpose(0, 1).to(q.dtype)
+    return out
