@@ -243,6 +243,15 @@ def hash_table(vocab: int, num_experts: int, top_k: int) -> torch.Tensor:
     return torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(vocab)])
 
 
+def optimizer(model: torch.nn.Module, lr: float, steps: int):
+    """AdamW with a linear warm-up over the first 5% of ``steps``, then a cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    return opt, sched
+
+
 def train_v4_model(tok, stream: torch.Tensor, steps: int, batch: int, seq_len: int, lr: float):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
@@ -264,10 +273,7 @@ def train_v4_model(tok, stream: torch.Tensor, steps: int, batch: int, seq_len: i
     for router in routers:
         router.register_forward_hook(lambda _module, _args, out: chosen.append(out[2]))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    opt, sched = optimizer(model, lr, steps)
     gen = torch.Generator().manual_seed(SEED)
     n = stream.numel() - seq_len - 1
     t0 = time.time()
@@ -389,12 +395,12 @@ class IndexerDistillation:
         self.reference.indexer_scores = self.orig_scores
         self.backend.sparse_attention = self.orig_attention
 
-    def _scores(self, q, weights, key_cache, slots, scale):
-        scores = self.orig_scores(q, weights, key_cache, slots, scale)         # [T, N]
+    def _scores(self, q, weights, key_cache, slots, scale, key_format=None):
+        scores = self.orig_scores(q, weights, key_cache, slots, scale, key_format)   # [T, N]
         self.pending = (scores, slots)
         return scores
 
-    def _attention(self, q, sources, sinks, scale):
+    def _attention(self, q, sources, sinks, scale, formats=None):
         if self.pending is not None:
             scores, slots = self.pending
             self.pending = None
@@ -412,7 +418,7 @@ class IndexerDistillation:
             logp = scores.log_softmax(-1)
             kl = torch.where(ok, target * (target.clamp_min(1e-12).log() - logp), 0.0).sum(-1)   # [M]
             self.losses.append(kl.mean() if kl.numel() else kl.sum())    # sum(): 0 when no token has one
-        return self.orig_attention(q, sources, sinks, scale)
+        return self.orig_attention(q, sources, sinks, scale, formats)
 
 
 def train_v41_model(tok, tokenizer_dir: Path, stream: torch.Tensor, steps: int, batch: int, seq_len: int,
@@ -433,10 +439,7 @@ def train_v41_model(tok, tokenizer_dir: Path, stream: torch.Tensor, steps: int, 
     for router in routers:
         router.register_forward_hook(lambda _module, _args, out: chosen.append(out[1]))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    opt, sched = optimizer(model, lr, steps)
     gen = torch.Generator().manual_seed(SEED)
     n = stream.numel() - seq_len - 1
     ctx_lens = [seq_len] * batch
