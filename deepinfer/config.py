@@ -307,6 +307,71 @@ class ParallelConfig:
                     f"supported; run with {name}=1")
 
 
+SPECULATIVE_METHODS = ("ngram", "dspark", "mtp")
+# The longest draft a step verifies.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each decode step verifies a
+    request's last token plus up to ``num_speculative_tokens`` draft tokens in one forward
+    and commits the accepted prefix plus one token of the target's own (spec/ says how).
+
+    ``method``: ``ngram`` (drafts copied from the context after the latest earlier match of
+    its last ``prompt_lookup_min``..``prompt_lookup_max`` tokens; no model), ``dspark`` (the
+    DSpark module of a DeepSeek-V4/V4.1 checkpoint) or ``mtp`` (a DeepSeek-V3 MTP layer,
+    chained). ``num_speculative_tokens`` None takes DEEPINFER_USE_NEXTN_DECODE (env.py).
+    ``varlen`` (None: DEEPINFER_ENABLE_MTP_VARLEN): verify a confidence-scheduled prefix of
+    each draft instead of all of it; it needs a drafter with confidences.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int | None = None
+    varlen: bool | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", env.use_nextn_decode())
+        n = self.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens={n!r} must be an int in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.varlen is None:
+            object.__setattr__(self, "varlen", env.enable_mtp_varlen())
+        if not isinstance(self.varlen, bool):
+            raise ValueError(f"speculative_config varlen={self.varlen!r} must be True or False")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config {name}={v!r} must be an int >= 1")
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+        if self.varlen and self.method == "ngram":
+            raise ValueError("speculative_config varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules drafts by "
+                             "the drafter's confidences; method='ngram' has none: use method='dspark'")
+
+    @classmethod
+    def from_dict(cls, config: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """vLLM's dict form, e.g. ``{"method": "ngram", "num_speculative_tokens": 3}``."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config={config!r} must be a dict such as "
+                             "{'method': 'dspark', 'num_speculative_tokens': 5}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: {', '.join(unknown)} not supported; supported keys: "
+                             f"{', '.join(sorted(known))}")
+        return cls(**config)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -320,6 +385,8 @@ class EngineConfig:
     # Batch-invariant mode (batch_invariant.py); None takes DEEPINFER_BATCH_INVARIANT (env.py).
     # Refused where it is not built (CUDA, models whose CPU forward is not covered).
     batch_invariant: bool | None = None
+    # Speculative decoding; None: off.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.batch_invariant is None:

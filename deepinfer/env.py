@@ -43,6 +43,15 @@ DEEPINFER_BATCH_INVARIANT  1 | 0  (default 0)
     the same whatever shares its batch and however its prompt is chunked. The default of
     ``EngineConfig.batch_invariant``; CPU only for now (CUDA refuses it at start-up).
 
+DEEPINFER_USE_NEXTN_DECODE  int in [1, 16]  (default 5)
+    Speculative decoding's longest draft: the default of
+    ``SpeculativeConfig.num_speculative_tokens``.
+
+DEEPINFER_ENABLE_MTP_VARLEN  1 | 0  (default 0)
+    Confidence-scheduled variable-length verification (``spec/scheduling.py``): each step
+    verifies the prefix of every draft that the hardware-aware scheduler picks instead of all
+    of it. The default of ``SpeculativeConfig.varlen``.
+
 DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE  full | exact | compact  (default full)
     Bounded replay of a prompt (DeepSeek's "YOCO prefill truncation"): the layers after a
     model's last KV-source layer run only on each prompt's last tokens. ``full``: every layer
@@ -126,3 +135,20 @@ def yoco_prefill_keep_tokens() -> int:
     if not (value.isascii() and value.isdigit()) or int(value) < 1:
         raise ValueError(f"DEEPINFER_YOCO_PREFILL_KEEP_TOKENS={value!r} is not valid; choose an integer >= 1")
     return int(value)
+
+
+def use_nextn_decode() -> int:
+    """DEEPINFER_USE_NEXTN_DECODE (see the module docstring)."""
+    raw = os.environ.get("DEEPINFER_USE_NEXTN_DECODE", "5").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 16:
+        raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={raw!r} is not valid; give an int in [1, 16]")
+    return value
+
+
+def enable_mtp_varlen() -> bool:
+    """DEEPINFER_ENABLE_MTP_VARLEN (see the module docstring)."""
+    return _switch("DEEPINFER_ENABLE_MTP_VARLEN", default="0")

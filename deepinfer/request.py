@@ -56,6 +56,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
+    # Speculative decoding: draft tokens proposed for the next step (dropped on preemption).
+    spec_token_ids: list[int] = field(default_factory=list)
     # Siblings (n > 1) waiting to be forked when this sequence's prefill completes.
     fork_children: list["Request"] = field(default_factory=list)
     # Accumulated results.

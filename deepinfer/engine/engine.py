@@ -117,8 +117,10 @@ class Engine:
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)
         self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
+        spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
-                                   replay_keep_tokens=replay_keep)
+                                   replay_keep_tokens=replay_keep,
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -307,7 +309,17 @@ class Engine:
         if not user.detoks:
             return
         detok = user.detoks[req.index]
-        stop = detok.add_tokens(req.output_token_ids[len(detok.token_ids):])
+        new = req.output_token_ids[len(detok.token_ids):]
+        if len(new) > 1 and detok.stop:
+            # Several tokens in one step (speculative decoding): a stop string ends the output at
+            # the token that completes it, as one token per step would have.
+            for i, tok in enumerate(new):
+                stop = detok.add_tokens([tok])
+                if stop is not None:
+                    self.scheduler.truncate_output(req, len(detok.token_ids))
+                    break
+        else:
+            stop = detok.add_tokens(new)
         if stop is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop_reason=stop)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Sequence
@@ -49,9 +50,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="batch-invariant mode: a request's tokens and logprobs are bitwise the same "
                         "whatever shares its batch and however its prompt is chunked (CPU only for now); "
                         "default: DEEPINFER_BATCH_INVARIANT, else off")
+    p.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help="speculative decoding, as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}' (methods: ngram; num_speculative_tokens "
+                        "defaults to DEEPINFER_USE_NEXTN_DECODE, else 5)")
     p.add_argument("--yoco-prefill-keep-tokens", type=int, default=None,
                    help="trailing prompt tokens bounded replay keeps for the late layers; default: "
                         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, else 140")
+
+
+def _json_dict(text: str) -> dict:
+    """A command-line JSON object (argparse type)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -66,7 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype,
                 yoco_prefill_truncation_mode=args.yoco_prefill_truncation_mode,
                 yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens,
-                batch_invariant=args.batch_invariant)
+                batch_invariant=args.batch_invariant, speculative_config=args.speculative_config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

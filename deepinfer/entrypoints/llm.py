@@ -14,8 +14,9 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                              apply_hf_overrides, check_quantization, read_hf_config)
+                              SpeculativeConfig, apply_hf_overrides, check_quantization, read_hf_config)
 from deepinfer.engine.engine import Engine
+from deepinfer.metrics import Metric, engine_metrics
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.entrypoints.llm_args import parse_llm_kwargs
 from deepinfer.outputs import RequestOutput
@@ -56,7 +57,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         kv_cache_dtype: str = "auto", max_logprobs: int = 20,
                         yoco_prefill_truncation_mode: str | None = None,
                         yoco_prefill_keep_tokens: int | None = None,
-                        batch_invariant: bool | None = None) -> EngineConfig:
+                        batch_invariant: bool | None = None,
+                        speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> EngineConfig:
     """The engine configuration for ``LLM(...)`` / ``deepinfer serve`` keyword arguments;
     ``model=None`` is the tiny model embedded in the package. ``hf_config`` gives the
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
@@ -69,7 +71,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     ``yoco_prefill_*``: bounded replay of prompts (``SchedulerConfig.prefill_truncation_mode``
     and ``prefill_keep_tokens``; None takes the DEEPINFER_YOCO_PREFILL_* variables).
     ``batch_invariant``: bitwise-reproducible outputs whatever the batch and chunking
-    (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT)."""
+    (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT).
+    ``speculative_config``: vLLM's dict (``SpeculativeConfig.from_dict``); None: no
+    speculative decoding."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, max_logprobs=max_logprobs)
@@ -97,7 +101,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                   prefill_keep_tokens=yoco_prefill_keep_tokens),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
                                 dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size),
-        device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant)
+        device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
+        speculative=None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config))
 
 
 class LLM:
@@ -125,6 +130,12 @@ class LLM:
         """The engine's tokenizer (``encode``, ``decode``, ``apply_chat_template``, and
         transformers' call shape); None when built with ``skip_tokenizer_init=True``."""
         return self.engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges as vLLM's metric objects (deepinfer/metrics.py):
+        prefix-cache queries and hits, preemptions, and with speculative decoding its drafts,
+        draft tokens and accepted tokens (in total and per draft position)."""
+        return engine_metrics(self.engine, self.engine.config.model.path)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's defaults with the sampling fields of the model's generation_config.json laid

@@ -48,7 +48,6 @@ _NO_OP: dict[str, str] = {
 # vLLM names for features this engine does not have: vLLM's default (accepted, asks for
 # nothing) and why another value is refused.
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "speculative_config": (None, "speculative decoding is not supported yet"),
     "cpu_offload_gb": (0, "offloading weights to CPU memory is not supported"),
     "kv_cache_memory_bytes": (None, "the KV cache is sized by gpu_memory_utilization on CUDA and by "
                                     "cpu_kv_cache_bytes on the CPU"),

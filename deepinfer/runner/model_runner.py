@@ -37,9 +37,12 @@ from deepinfer.runner.sampler import (
     SamplingRow,
     prompt_logprobs,
 )
+from deepinfer.spec.drafter import Drafter, make_drafter
+from deepinfer.spec.verify import VerifyTensors, verify
 from deepinfer.transfer import to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
+from deepinfer.outputs import PositionLogprobs
 from deepinfer.scheduler.plan import (
     PLACEHOLDER_TOKEN_ID,
     SampledToken,
@@ -82,6 +85,11 @@ class StepHandle:
     sample: SampleTensors | None = None                  # on the host once ``end`` has completed
     # req_id -> (logits rows [L, V], next prompt tokens, number of top logprobs)
     prompt_logits: dict[str, tuple[torch.Tensor, list[int], int]] = field(default_factory=dict)
+    # Speculative decoding: the verified sequences' req ids, states and first row in ``verified``.
+    verified_ids: list[str] = field(default_factory=list)
+    verified_states: list[_RunnerRequest] = field(default_factory=list)
+    verified_offsets: list[int] = field(default_factory=list)
+    verified: VerifyTensors | None = None                # on the host once ``end`` has completed
     start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
@@ -109,6 +117,9 @@ class ModelRunner:
         # the next launch's placeholder tokens come from here.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         self._prev_end: torch.cuda.Event | None = None   # CUDA: end event of the last launch
+        # Speculative decoding: proposes each sampled sequence's drafts for its next step.
+        self.drafter: Drafter | None = (None if config.speculative is None
+                                        else make_drafter(config.speculative, config.model.architecture))
 
     # -- KV cache memory -------------------------------------------------------
     def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
@@ -211,6 +222,8 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> StepHandle:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.drafter is not None:
+                self.drafter.remove(req_id)
         for new in plan.new_requests:
             self.requests[new.req_id] = _RunnerRequest(
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.stream_index,
@@ -228,12 +241,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             handle.start, handle.prev_end = torch.cuda.Event(enable_timing=True), self._prev_end
             handle.start.record()
-        # Rows whose logits are needed: prompt-logprob rows, then one row per sampled sequence.
+        # Rows whose logits are needed: prompt-logprob rows, then per sampled sequence its last
+        # row, or with draft tokens the rows of its last sampled token and of every draft.
         rows: list[int] = []
         for seq, start in zip(plan.seqs, ctx.query_start_loc):
             rows.extend(range(start, start + seq.prompt_logprob_rows))
             if seq.sample:
-                rows.append(start + len(seq.token_ids) - 1)
+                end = start + len(seq.token_ids)
+                rows.extend(range(end - 1 - seq.num_draft, end))
         with record_function("deepinfer.forward"):
             hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
         self._last_sampled = None
@@ -252,6 +267,10 @@ class ModelRunner:
         sampled sequence) and start copying its result to the host."""
         sample_rows: list[int] = []
         sampling_rows: list[SamplingRow] = []
+        verify_rows: list[int] = []
+        verify_sampling: list[SamplingRow] = []
+        num_draft: list[int] = []
+        draft_ids: list[list[int]] = []
         r = 0
         for seq in plan.seqs:
             if seq.prompt_logprob_rows:
@@ -260,7 +279,21 @@ class ModelRunner:
                 handle.prompt_logits[seq.req_id] = (logits[r:r + seq.prompt_logprob_rows], nxt,
                                                     state.params.prompt_logprobs)
                 r += seq.prompt_logprob_rows
-            if seq.sample:
+            if seq.num_draft:
+                state = self.requests[seq.req_id]
+                drafts = seq.token_ids[-seq.num_draft:]
+                handle.verified_ids.append(seq.req_id)
+                handle.verified_states.append(state)
+                handle.verified_offsets.append(len(verify_rows))
+                num_draft.append(seq.num_draft)
+                draft_ids.append(drafts)
+                # Row j sees drafts 0..j-1 as output: penalties, min_tokens and seeds count them.
+                for j in range(seq.num_draft + 1):
+                    verify_rows.append(r + j)
+                    verify_sampling.append(SamplingRow(state.params, state.prompt_token_ids,
+                                                       state.output_token_ids + drafts[:j], state.stream_index))
+                r += seq.num_draft + 1
+            elif seq.sample:
                 for req_id in [seq.req_id, *seq.fork_ids]:
                     state = self.requests[req_id]
                     sample_rows.append(r)
@@ -270,6 +303,9 @@ class ModelRunner:
                                                      state.output_token_ids, state.stream_index,
                                                      grammar=state.matcher is not None))
                 r += 1
+        if verify_rows:
+            handle.verified = verify(self.sampler, self._select(logits, verify_rows), verify_sampling,
+                                     num_draft, draft_ids).to_host()
         if not sample_rows:
             return
         out = self.sampler.sample(self._select(logits, sample_rows), sampling_rows,
@@ -317,19 +353,51 @@ class ModelRunner:
         for req_id, (logits, nxt, num) in handle.prompt_logits.items():
             result.prompt_logprobs[req_id] = prompt_logprobs(logits, nxt, num,
                                                              vocab_size=self.config.model.vocab_size)
-        if handle.sample is None:
-            return result
-        out = handle.sample.output()
-        for i, (req_id, state) in enumerate(zip(handle.sampled_ids, handle.sampled_states)):
-            token = out.token_ids[i]
-            state.output_token_ids[handle.positions[i]] = token
-            sampled = SampledToken(token, out.sampled_logprobs[i], out.logprobs[i])
-            if state.matcher is not None:
-                if not state.matcher.accept_token(token):
-                    sampled.error = f"structured outputs: the grammar refused sampled token {token}"
-                sampled.grammar_terminated = state.matcher.is_terminated()
-            result.sampled[req_id] = sampled
+        if handle.sample is not None:
+            out = handle.sample.output()
+            for i, (req_id, state) in enumerate(zip(handle.sampled_ids, handle.sampled_states)):
+                token = out.token_ids[i]
+                state.output_token_ids[handle.positions[i]] = token
+                result.sampled[req_id] = self._accept(state, token, out.sampled_logprobs[i], out.logprobs[i])
+        if handle.verified is not None:
+            self._finish_verified(handle, result)
+        if self.drafter is not None:
+            self._propose(result)
         return result
+
+    @staticmethod
+    def _accept(state: _RunnerRequest, token: int, logprob: float,
+                top_logprobs: PositionLogprobs | None) -> SampledToken:
+        """A sampled token as the scheduler takes it, its grammar (if any) advanced over it."""
+        sampled = SampledToken(token, logprob, top_logprobs)
+        if state.matcher is not None:
+            if not state.matcher.accept_token(token):
+                sampled.error = f"structured outputs: the grammar refused sampled token {token}"
+            sampled.grammar_terminated = state.matcher.is_terminated()
+        return sampled
+
+    def _finish_verified(self, handle: StepHandle, result: StepResult) -> None:
+        """Each verified sequence's committed tokens: its accepted drafts, then the target's."""
+        out = handle.verified.rows.output()
+        num_tokens = handle.verified.num_tokens.tolist()
+        for req_id, state, first, n in zip(handle.verified_ids, handle.verified_states,
+                                           handle.verified_offsets, num_tokens):
+            tokens = [self._accept(state, out.token_ids[first + j], out.sampled_logprobs[first + j],
+                                   out.logprobs[first + j]) for j in range(n)]
+            state.output_token_ids.extend(t.token_id for t in tokens)
+            result.accepted[req_id] = tokens[:-1]
+            result.sampled[req_id] = tokens[-1]
+
+    def _propose(self, result: StepResult) -> None:
+        """Drafts for every sequence that got a token, for its next step. Sequences with a
+        grammar get none: their bitmask rows would need the matcher advanced over the drafts."""
+        for req_id, tok in result.sampled.items():
+            state = self.requests.get(req_id)
+            if state is None or state.matcher is not None or tok.error is not None:
+                continue
+            drafts = self.drafter.propose(req_id, state.prompt_token_ids + state.output_token_ids)
+            if drafts:
+                result.draft_token_ids[req_id] = drafts
 
     def reset_idle_clock(self) -> None:
         """The engine went idle: the next step's device idle time is not measured."""

@@ -251,9 +251,14 @@ class Sampler:
                         token_bitmask: torch.Tensor | None) -> SampleTensors:
         """Processors, filters and the draw for rows [N] (``sample``'s shapes)."""
         raw = logits[:, :self.vocab_size].float()                        # [N, V] never written
-        lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
         tokens = self._sample(self._process(raw, rows, token_bitmask), rows)  # [N] int64
+        return self.logprobs_of(raw, rows, tokens)
 
+    def logprobs_of(self, logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> SampleTensors:
+        """The result for tokens chosen elsewhere (``tokens`` [N] int64, e.g. by speculative
+        verification): each one's raw logprob, and the top logprobs where its row asks."""
+        raw = logits[:, :self.vocab_size].float()                        # [N, V]
+        lse = torch.logsumexp(raw, dim=-1)                                # [N] raw normaliser
         sampled = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse    # [N]
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         out = SampleTensors(tokens, sampled, want, [rows[i].params.logprobs for i in want])
@@ -263,6 +268,23 @@ class Sampler:
             _, out.ranks, out.top_logprobs, out.top_ids = _logprob_tensors(lp, tokens[sel],
                                                                            max(out.logprob_nums))
         return out
+
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow],
+                     token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """The distribution each row's token is drawn from: [N, V] float32 after the
+        processors, temperature and filters (a greedy row: one-hot at its argmax). What
+        speculative verification compares draft tokens against."""
+        work = self.process_logits(logits, rows, token_bitmask)             # [N, V]
+        probs = torch.zeros_like(work)                                       # [N, V]
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        if greedy:
+            g = self._long(greedy, work)
+            probs[g] = torch.zeros_like(work[g]).scatter_(1, work[g].argmax(-1, keepdim=True), 1.0)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            r_idx = self._long(rand, work)
+            probs[r_idx] = self._tempered_probs(work[r_idx], [rows[i].params for i in rand])
+        return probs
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow],
                        token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -397,17 +419,19 @@ class Sampler:
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if not rand:
             return tokens
-        params = [rows[i].params for i in rand]
         r_idx = self._long(rand, work)
-        temp = to_device([p.temperature for p in params], work.dtype, work.device)
-        x = work[r_idx]                                                             # [R, V]
-        # Shift the row max to 0 first: then no positive temperature, however small, overflows to inf.
-        x = (x - x.amax(-1, keepdim=True)) / temp.unsqueeze(1)
-        self._filter_(x, params)
-        probs = x.softmax(-1)                                                       # [R, V]
+        probs = self._tempered_probs(work[r_idx], [rows[i].params for i in rand])  # [R, V]
         q = self._exponential_noise(probs, [rows[i] for i in rand])                 # [R, V]
         tokens[r_idx] = (probs / q).argmax(-1)
         return tokens
+
+    def _tempered_probs(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """softmax of processed logits x [R, V] after temperature and the filters (new tensor)."""
+        temp = to_device([p.temperature for p in params], x.dtype, x.device)
+        # Shift the row max to 0 first: then no positive temperature, however small, overflows to inf.
+        x = (x - x.amax(-1, keepdim=True)) / temp.unsqueeze(1)
+        self._filter_(x, params)
+        return x.softmax(-1)                                                        # [R, V]
 
     def _filter_(self, x: torch.Tensor, params: list[SamplingParams]) -> None:
         """min_p, top_k, top_p in place on x [R, V] (float32, temperature applied): one call

@@ -376,10 +376,10 @@ class GroupManager:
         return 0
 
     def take_hit(self, req_id: str, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
-                 num_tokens: int) -> tuple[int, int] | None:
+                 num_tokens: int) -> int | None:
         """Adopt cached blocks for the first ``num_tokens`` tokens (as found by find_hit):
-        share the whole blocks, and copy the block the prefix ends in into a fresh one.
-        Returns that (src, dst) copy, if any."""
+        share the whole blocks. Returns the block the prefix ends in, held, which
+        :meth:`add_hit_copy` copies into a fresh one, or None."""
         tpb = self.group.tokens_per_block
         n = num_tokens // tpb
         first = self.first_live_token(num_tokens) // tpb
@@ -389,19 +389,39 @@ class GroupManager:
             assert block is not None
             self.pool.acquire(block)
             table.append(block)
-        copy = None
+        src = None
         if self.open_entries(num_tokens):
             src = self.pool.lookup(prefix_key(n, num_tokens - n * tpb))
             assert src is not None
-            self.pool.acquire(src)           # so that allocating the copy cannot evict it
-            dst = self.pool.allocate(1)[0]
-            self.pool.release(src)
-            copy = (src, dst)
-            table.append(dst)
+            # Held until the copy is allocated (add_hit_copy): an allocation evicts the least
+            # recently used free block, which may be this one.
+            self.pool.acquire(src)
         self.tables[req_id] = table
         self.num_cached[req_id] = n
         self.freed_upto[req_id] = first
-        return copy
+        return src
+
+    def hit_takes_free(self, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
+                       num_tokens: int) -> int:
+        """Blocks that adopting a hit of ``num_tokens`` (take_hit + add_hit_copy) takes out of
+        the free pool: its cached blocks that no sequence holds, and the copy."""
+        tpb = self.group.tokens_per_block
+        n = num_tokens // tpb
+        first = self.first_live_token(num_tokens) // tpb
+        blocks = [self.pool.lookup(hashes[i]) for i in range(first, n)]
+        taken = 0
+        if self.open_entries(num_tokens):
+            blocks.append(self.pool.lookup(prefix_key(n, num_tokens - n * tpb)))
+            taken += 1
+        return taken + sum(1 for b in blocks if b is not None and b != NULL_BLOCK and self.pool.ref_cnt[b] == 0)
+
+    def add_hit_copy(self, req_id: str, src: int) -> tuple[int, int]:
+        """The fresh block a hit's last, partly shared block ``src`` (held by take_hit) is
+        copied into, appended to the table; ``src`` is let go. Returns (src, dst)."""
+        dst = self.pool.allocate(1)[0]
+        self.pool.release(src)
+        self.tables[req_id].append(dst)
+        return src, dst
 
     def fork(self, src: str, dst: str, num_tokens: int) -> tuple[int, int] | None:
         """Share ``src``'s blocks with ``dst``; the partially filled last block is
@@ -506,10 +526,6 @@ class KVCacheManager:
                 return limit
             limit = new
 
-    def _copies_for(self, num_tokens: int) -> int:
-        """Fresh blocks a hit of ``num_tokens`` tokens takes (one copy per group it ends inside)."""
-        return sum(1 for m in self.managers if m.open_entries(num_tokens))
-
     def find_prefix_hit(self, req_id: str, token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` already in the cache (a multiple of ``hit_step``), at most
         ``max_tokens`` when given. At least one token is always left to compute, so the
@@ -520,8 +536,10 @@ class KVCacheManager:
         keys = [self._prefix_key_fn(gid, hashes[gid], token_ids) for gid in range(len(self.managers))]
         limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
         hit = self._hit_tokens(hashes, keys, limit)
-        # The blocks a hit ends inside are copied into fresh ones: shorten it if the pool is short.
-        while hit and self._copies_for(hit) > self.pool.num_free:
+        # Adopting a hit takes its unheld cached blocks and a fresh block per group it ends
+        # inside (the copy) out of the free pool: shorten it if the pool is short.
+        while hit and sum(m.hit_takes_free(hashes[gid], keys[gid], hit)
+                          for gid, m in enumerate(self.managers)) > self.pool.num_free:
             hit = self._hit_tokens(hashes, keys, hit - self.hit_step)
         return hit
 
@@ -537,11 +555,11 @@ class KVCacheManager:
         """Adopt the cached blocks of a hit found by :meth:`find_prefix_hit`. Returns the page
         copies the runner must make before the request's first forward."""
         hashes = self.block_hashes(req_id, token_ids)
-        copies = []
-        for gid, m in enumerate(self.managers):
-            pair = m.take_hit(req_id, hashes[gid], self._prefix_key_fn(gid, hashes[gid], token_ids), num_tokens)
-            if pair is not None:
-                copies.append(pair)
+        # Every group's blocks are held before any copy is allocated, so that no group's
+        # allocation evicts another's source.
+        sources = [m.take_hit(req_id, hashes[gid], self._prefix_key_fn(gid, hashes[gid], token_ids), num_tokens)
+                   for gid, m in enumerate(self.managers)]
+        copies = [m.add_hit_copy(req_id, src) for m, src in zip(self.managers, sources) if src is not None]
         self._keyed_upto[req_id] = num_tokens
         return copies
 

@@ -48,6 +48,9 @@ class ScheduledSeq:
     # token_ids[-1] is PLACEHOLDER_TOKEN_ID: the token the previous launched step samples for
     # this sequence, which the runner gathers on the device (overlapped scheduling).
     placeholder: bool = False
+    # Speculative decoding: the last num_draft token_ids are draft tokens, verified this step
+    # (the token before them is the last one sampled). Logits come from all 1 + num_draft rows.
+    num_draft: int = 0
 
 
 @dataclass
@@ -82,6 +85,11 @@ class SampledToken:
 class StepResult:
     # req_id -> token sampled for it this step (also for fork_ids siblings).
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # Speculative decoding: req_id -> its accepted draft tokens, committed before its
+    # ``sampled`` token (the target's own: a correction, or the bonus when all passed).
+    accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for its next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> prompt logprobs computed for this chunk's rows.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Device time (ms) between the previous step's last kernel and this step's first, and

@@ -38,6 +38,16 @@ when ``schedule()`` runs:
   min_tokens, seeds, logit_bias, allowed_token_ids and one-token bad words read only
   the output length or static data and need no fallback.
 
+Speculative decoding (``num_speculative_tokens`` > 0): a decoding sequence with draft
+tokens (``Request.spec_token_ids``, proposed by the runner in the previous step's result)
+feeds its last sampled token plus as many drafts as the budget, ``max_tokens`` and
+``max_model_len`` leave room for (``ScheduledSeq.num_draft``). When the step lands, the
+accepted drafts and the target's own next token are appended (stopping at the first that
+ends the sequence) and ``num_computed_tokens`` falls back to the tokens actually committed:
+the rejected drafts' KV entries stay in held blocks and are overwritten by position, so
+nothing else rolls back. Every step with speculation is synchronous (the next plan needs to
+know how many tokens were accepted).
+
 Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 ``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
 last ``keep`` tokens. Each request gets a fixed ``replay_start`` (the first
@@ -61,13 +71,18 @@ from deepinfer.scheduler.plan import (
     StepPlan,
     StepResult,
 )
+from deepinfer.spec.stats import SpecDecodingStats
 from deepinfer.structured.base import CompiledGrammar
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None) -> None:
+                 eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
+                 num_speculative_tokens: int = 0) -> None:
         self.config = config
+        # Speculative decoding: the most draft tokens a sequence verifies per step (0: off).
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_stats = SpecDecodingStats()
         self.kv = kv
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -173,6 +188,8 @@ class Scheduler:
                 i += 1
                 continue
             want = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            num_draft = self._num_draft(req, budget) if want == 1 and not pending else 0
+            want += num_draft
             while not (n := self._allocate(req, want)):
                 victim = self.running[-1]
                 alone = victim is req and len(self.running) == 1
@@ -191,7 +208,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                seqs.append(self._scheduled(req, n, new_requests))
+                seqs.append(self._scheduled(req, n, new_requests, num_draft=max(0, min(num_draft, n - 1))))
                 budget -= n
                 i += 1
                 continue
@@ -241,6 +258,18 @@ class Scheduler:
         self._pending_copies = []
         return plan
 
+    def _num_draft(self, req: Request, budget: int) -> int:
+        """How many of ``req``'s draft tokens a decode step verifies: all of them, up to the
+        budget left after its own token and the room ``max_tokens`` and ``max_model_len``
+        leave after the token the target adds."""
+        if not req.spec_token_ids:
+            return 0
+        room = min(budget, self.max_model_len - req.num_tokens) - 1
+        p = req.params
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - 1)
+        return max(0, min(len(req.spec_token_ids), room))
+
     def _ends_on_pending(self, req: Request, pending: int) -> bool:
         """The token(s) still in flight surely end ``req`` by length: nothing more to plan."""
         p = req.params
@@ -261,13 +290,15 @@ class Scheduler:
             n //= 2
         return n
 
-    def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData]) -> ScheduledSeq:
-        """Plan ``n`` tokens of ``req`` and count them as launched."""
+    def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData],
+                   num_draft: int = 0) -> ScheduledSeq:
+        """Plan ``n`` tokens of ``req`` (the last ``num_draft`` of them its draft tokens) and
+        count them as launched."""
         start = req.num_computed_tokens
         pending = self._pending.get(req.request_id, 0)
         assert pending <= 1, f"{req.request_id} has {pending} tokens in flight while being planned"
-        sample = start + n == req.num_tokens + pending
-        token_ids = req.token_ids_between(start, start + n)
+        sample = start + n - num_draft == req.num_tokens + pending
+        token_ids = req.token_ids_between(start, start + n - num_draft) + req.spec_token_ids[:num_draft]
         if pending:
             # The only token left to compute is the one the launched step samples.
             token_ids.append(PLACEHOLDER_TOKEN_ID)
@@ -292,7 +323,7 @@ class Scheduler:
         return ScheduledSeq(req_id=req.request_id, token_ids=token_ids,
                             start_pos=start, block_tables=self.kv.block_tables(req.request_id),
                             sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids,
-                            placeholder=bool(pending))
+                            placeholder=bool(pending), num_draft=num_draft)
 
     def _sync_reason(self, seqs: list[ScheduledSeq]) -> str | None:
         """Why the plan after these ``seqs`` needs their sampled tokens on the host first
@@ -302,6 +333,8 @@ class Scheduler:
                 return "prompt logprobs"
             if not seq.sample:
                 continue
+            if self.num_speculative_tokens:
+                return "speculative decoding"
             if seq.fork_ids:
                 return "n > 1 fork"
             if seq.req_id in self._grammars:
@@ -323,6 +356,10 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or req.is_finished:
                 continue   # ended after this plan was made: its tokens are dropped
+            if seq.num_draft:
+                self._land_verified(req, seq, result)
+                touched.append(req)
+                continue
             done = seq.start_pos + len(seq.token_ids)   # tokens in the cache now this step landed
             if self.kv.completes_block(req.request_id, done):
                 self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
@@ -339,10 +376,26 @@ class Scheduler:
                     continue
                 self._fork(req, child, done)
                 self._append(child, result.sampled[child_id])
+                child.spec_token_ids = result.draft_token_ids.get(child_id, [])
                 touched.append(child)
             self._append(req, result.sampled[req.request_id])
+            req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
             touched.append(req)
         return touched
+
+    def _land_verified(self, req: Request, seq: ScheduledSeq, result: StepResult) -> None:
+        """Apply a verification step: the accepted drafts, then the target's token, each until
+        one ends the sequence; the cache holds the last sampled token and the accepted drafts."""
+        accepted = result.accepted.get(req.request_id, [])
+        self.spec_stats.observe(seq.num_draft, len(accepted))
+        for tok in [*accepted, result.sampled[req.request_id]]:
+            self._append(req, tok)
+            if req.is_finished:
+                return
+        done = seq.start_pos + len(seq.token_ids) - seq.num_draft + len(accepted)
+        req.num_computed_tokens = done
+        self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
+        req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
 
     def fail(self, plan: StepPlan, error: str) -> None:
         """Land a launched plan whose step failed: its sequences end with ``error``."""
@@ -406,6 +459,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         assert req.request_id not in self._in_flight, f"{req.request_id} is preempted while in flight"
         self.kv.free(req.request_id)
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -448,6 +502,16 @@ class Scheduler:
         if req_id in self._runner_known:
             self._runner_known.discard(req_id)
             self._finished_for_runner.append(req_id)
+
+    def truncate_output(self, req: Request, num_output_tokens: int) -> None:
+        """Drop ``req``'s output tokens after the first ``num_output_tokens`` (a stop string the
+        engine found inside a step's accepted drafts); the sequence is then finished."""
+        n = num_output_tokens
+        if req.logprobs:     # kept (with the cumulative logprob) only where asked for
+            for tok, entry in zip(req.output_token_ids[n:], req.logprobs[n:]):
+                req.cumulative_logprob -= entry[tok].logprob
+            del req.logprobs[n:]
+        del req.output_token_ids[n:]
 
     def abort(self, parent_id: str) -> list[Request]:
         ended = [r for r in self.requests.values() if r.parent_id == parent_id and not r.is_finished]

@@ -232,8 +232,9 @@ def test_prefix_hit_equals_full_blocks_when_aligned():
 
 
 def test_evicting_an_open_block_limits_the_hit():
+    # 13 blocks: 12 usable, exactly "a"'s 10 + 1 blocks and the copy of its open block.
     kv = manager([full(), KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4)],
-                 num_blocks=12, bs=4)
+                 num_blocks=13, bs=4)
     a = list(range(40))
     compute(kv, "a", a, 40)
     kv.free("a")
@@ -242,6 +243,25 @@ def test_evicting_an_open_block_limits_the_hit():
     assert kv.allocate("x", 0, kv.num_free_blocks * 4 // 2)
     kv.free("x")
     assert kv.find_prefix_hit("c", a + [1]) < 40
+
+
+def test_a_hit_fits_the_pool_with_its_unheld_blocks_and_copies():
+    """Adopting a hit takes its cached blocks that nobody holds out of the free pool, and a
+    fresh block per group it ends inside: with one block fewer than that, it is shortened;
+    and no group's copy takes another group's source block."""
+    specs = [full(), KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=4),
+             KVCacheSpec("compressed", 1, 8, F32, num_tensors=1, compress_ratio=8)]
+    a = list(range(40))
+    for extra, want in ((0, 40), (-1, 36)):
+        kv = manager(specs, num_blocks=15 + extra, bs=4)    # "a": 10 + 1 + 1 blocks; 2 copies
+        compute(kv, "a", a, 40)
+        kv.free("a")
+        hit = kv.find_prefix_hit("b", a + [1])
+        assert hit <= want and (hit == want or extra)
+        copies = kv.take_prefix_hit("b", a + [1], hit)
+        sources = {src for src, _ in copies}
+        assert all(dst not in sources for _, dst in copies)
+        assert sum(len([b for b in t if b]) for t in kv.block_tables("b")) <= kv.pool.num_blocks - 1
 
 
 def test_hit_shortened_when_the_copies_do_not_fit():

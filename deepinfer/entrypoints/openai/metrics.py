@@ -64,11 +64,18 @@ class ServerMetrics:
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", ["model_name", "position"],
+                                     registry=r)
         self._success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
         # Last seen values of the engine's own cumulative counters.
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
+        self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
 
     # -- called on the engine thread ---------------------------------------------------------------
     def observe_engine(self, engine: Engine) -> None:
@@ -81,6 +88,16 @@ class ServerMetrics:
         self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
         self._seen_queries, self._seen_hits = kv.prefix_queries, kv.prefix_hits
         self._seen_preemptions = sched.num_preemptions
+        spec = sched.spec_stats
+        self.spec_drafts.inc(spec.num_drafts - self._seen_spec[0])
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - self._seen_spec[1])
+        self.spec_accepted.inc(spec.num_accepted_tokens - self._seen_spec[2])
+        for k, n in enumerate(spec.accepted_per_pos):
+            seen = self._seen_spec[3][k] if k < len(self._seen_spec[3]) else 0
+            if n > seen:
+                self._spec_per_pos.labels(self._model_name, str(k)).inc(n - seen)
+        self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.accepted_per_pos))
 
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)
