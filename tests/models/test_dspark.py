@@ -199,3 +199,21 @@ def test_features_under_bounded_replay(expected, target, monkeypatch):
         full = FeatureCapture.new(layer_ids, positions, 64, torch.float32)
         target(torch.tensor(prompt), ForwardContext.no_cache([len(prompt)], CPU), capture=full)
         torch.testing.assert_close(got[b], full.out, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_release_kv_rounding(expected, target, rows, drafter):
+    # The release rounds context and block rows to MXFP8. Rounding flips make exact bounds
+    # meaningless (README), so: the rows are on the grid, and most drafts stay the same.
+    from deepinfer.kernels.reference import round_mxfp8
+
+    rounded = DSparkDrafter(drafter.cfg, target.model.embed_tokens, target.lm_head, round_kv=True)
+    rounded.load_weights(target.drafter_tensors.items())
+    features = torch.randn(5, drafter.cfg.feature_size)
+    ctx = rounded.context_kv(features, torch.arange(5))
+    assert torch.equal(round_mxfp8(ctx), ctx)
+    assert torch.equal(ctx, round_mxfp8(drafter.context_kv(features, torch.arange(5))))
+    anchors, pos, context, valid, _ = batch(expected, rows, drafter.cfg.window)
+    got = rounded.propose(anchors, pos, round_mxfp8(context), valid).tokens
+    agree = (got.numpy() == expected["dspark_ids_noquant"][:, :, 1:].reshape(got.shape)).mean()
+    assert agree > 0.9, agree
