@@ -185,11 +185,6 @@ class DraftSampling:
         if any(f is None for f in filters) and any(f is not None for f in filters):
             raise ValueError("DraftSampling takes min_p, top_k and top_p together or not at all")
 
-    @classmethod
-    def all_greedy(cls, batch: int, device: torch.device) -> "DraftSampling":
-        return cls(greedy=torch.ones(batch, dtype=torch.bool, device=device),
-                   temperature=torch.ones(batch, dtype=torch.float32, device=device))
-
 
 @dataclass(frozen=True)
 class DraftProposal:
@@ -238,7 +233,7 @@ class DSparkAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, context: torch.Tensor,
                 context_valid: torch.Tensor, rope: InterleavedRope,
-                round_kv: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                round_rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         # x: [B*G, Hd] normed block input; positions: [B*G]; context: [B, W, D] this stage's rows;
         # context_valid: [B, W] bool -> [B*G, Hd]
         t, h, d = x.shape[0], self.num_heads, self.head_dim
@@ -249,7 +244,7 @@ class DSparkAttention(nn.Module):
             q = backend.q_norm_rope(q, positions, rope.inv_freq, rope.scaling, self.eps)      # [B*G, H, D]
         else:
             q = backend.interleaved_rope(q, positions, rope.inv_freq, rope.scaling)          # [B*G, H, D]
-        block = round_kv(self.kv_rows(x, positions, rope))                                  # [B*G, D]
+        block = round_rows(self.kv_rows(x, positions, rope))                                  # [B*G, D]
         # Each request's keys as one "page" of W + G rows (ring, then block): every block query
         # sees its request's valid ring rows and all G block rows, none of another request's.
         keys = torch.cat([context.to(block.dtype), block.view(b, g, d)], dim=1)             # [B, W+G, D]
@@ -289,24 +284,25 @@ class DSparkStage(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
                 positions: torch.Tensor, context: torch.Tensor, context_valid: torch.Tensor,
-                rope: InterleavedRope, round_kv: Callable[[torch.Tensor], torch.Tensor]
+                rope: InterleavedRope, round_rows: Callable[[torch.Tensor], torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # streams: [B*G, n, Hd]; pre_mix: [B*G, n] float32 (V4.1) -> (streams, the FFN's pre)
         x, attn_pre, post, comb = self._connect(self.attn_hc, streams, pre_mix, self.input_layernorm)
-        x = self.self_attn(x, positions, context, context_valid, rope, round_kv)
+        x = self.self_attn(x, positions, context, context_valid, rope, round_rows)
         streams = backend.hc_post(x, streams, post, comb)
         x, ffn_pre, post, comb = self._connect(self.ffn_hc, streams, attn_pre, self.post_attention_layernorm)
         return backend.hc_post(self.mlp(x, input_ids), streams, post, comb), ffn_pre
 
 
-
 class MarkovHead(nn.Module):
-    """The rank-r Markov bias ``head . embed[prev]`` and the embedding the confidence reads."""
+    """The rank-r Markov bias ``head . embed[prev]`` and the embedding the confidence reads.
+    Float32 whatever the compute dtype (BF16 in the checkpoint, so exact): the bias is added
+    to float32 logits."""
 
     def __init__(self, vocab_size: int, rank: int) -> None:
         super().__init__()
-        self.embed = nn.Parameter(torch.empty(vocab_size, rank))                # [V, r]
-        self.head = nn.Parameter(torch.empty(vocab_size, rank))                 # [V, r]
+        self.embed = nn.Parameter(torch.empty(vocab_size, rank, dtype=torch.float32))    # [V, r]
+        self.head = nn.Parameter(torch.empty(vocab_size, rank, dtype=torch.float32))     # [V, r]
 
 
 # Checkpoint names of the drafter's own (non-stage) tensors, by variant -> ours.
@@ -342,21 +338,23 @@ class DSparkDrafter(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, d, cfg.hc_eps, cfg.rms_norm_eps) if cfg.variant == "v4" else None
         self.markov = MarkovHead(cfg.vocab_size, cfg.markov_rank)
-        self.confidence = nn.Linear(d + cfg.markov_rank, 1, bias=False)
+        self.confidence = nn.Linear(d + cfg.markov_rank, 1, bias=False, dtype=torch.float32)
         self.rope = InterleavedRope(cfg.head_dim, {"rope_type": "default", "rope_theta": cfg.rope_theta,
                                                    "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
                                     0)
         self._shared = (embed_tokens, lm_head)
 
     @classmethod
-    def from_target(cls, target: nn.Module, variant: str = "v4.1") -> "DSparkDrafter":
-        """Build on the target's device and dtype and load the ``mtp.*`` tensors it kept
-        (``target.drafter_tensors``; quantised ones are dequantised with their scales, as the
-        loader does for the backbone). ``target``: a DeepseekV41ForCausalLM (or any model with
-        ``args.cfg``, ``model.embed_tokens``, ``lm_head``, ``drafter_tensors``, ``kv_cache_dtype``)."""
+    def from_target(cls, target: nn.Module) -> "DSparkDrafter":
+        """The V4.1 drafter of a loaded DeepseekV41ForCausalLM: built on the target's device and
+        dtype, sharing its embedding and head, rounding its rows as the target's KV
+        (``kv_cache_dtype`` "auto"), loaded from the ``mtp.*`` tensors the target kept
+        (``drafter_tensors``; any still quantised are dequantised with their scales by
+        ``pair_scales``, as the loader does for the backbone). A V4 drafter is built with the
+        constructor: DeepseekV4ForCausalLM does not keep ``mtp.*`` tensors for it."""
         from deepinfer.models.loader import fp8_block_size
 
-        cfg = DSparkConfig.from_target(target.args.cfg, len(target.model.layers), variant)
+        cfg = DSparkConfig.from_target(target.args.cfg, len(target.model.layers))
         weight = target.lm_head.weight
         previous = torch.get_default_dtype()
         torch.set_default_dtype(weight.dtype)
@@ -435,8 +433,8 @@ class DSparkDrafter(nn.Module):
         embed, lm_head = self._shared
         streams = embed(ids)[:, None, :].expand(-1, cfg.hc_mult, -1)                    # [B*G, n, Hd]
         pre_mix = None
-        if self.hc_head is None:
-            # The first stage's input is stream 0 (as the backbone's first layer).
+        if cfg.variant == "v4.1":
+            # Lagged mHC: the first stage's input is stream 0 (as the backbone's first layer).
             pre_mix = torch.zeros(streams.shape[:2], dtype=torch.float32, device=device)
             pre_mix[:, 0] = 1.0
         for stage, rows in zip(self.stages, context):
@@ -452,8 +450,8 @@ class DSparkDrafter(nn.Module):
                       sampling: DraftSampling | None) -> DraftProposal:
         # base: [B, G, V] float32 U_i; hidden: [B, G, Hd] pre-norm h_i; anchor_ids: [B]
         b, g, v = base.shape
-        w_embed, w_head = self.markov.embed.float(), self.markov.head.float()           # [V, r] each
-        w_conf = self.confidence.weight.float()[0]                                       # [Hd + r]
+        w_embed, w_head = self.markov.embed, self.markov.head                           # [V, r] float32
+        w_conf = self.confidence.weight[0]                                               # [Hd + r] float32
         noise = None
         if sampling is not None and sampling.noise is None:
             noise = torch.empty_like(base).exponential_(generator=sampling.generator)   # [B, G, V]
