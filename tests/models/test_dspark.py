@@ -257,3 +257,18 @@ def test_v4_variant_loads_and_runs(target):
     assert not torch.equal(out.tokens[0], out.tokens[1])
     with pytest.raises(NotImplementedError, match="V4.1 drafters only"):
         DSparkDrafter(cfg, target.model.embed_tokens, target.lm_head, round_kv=True)
+
+
+@torch.no_grad()
+def test_triton_kernels_match_the_official_reference(expected, rows, drafter, monkeypatch):
+    # The CUDA path's kernels (sparse attention over the ring and block rows, rope, kv norm,
+    # hyper-connections, fused MoE, sampling filters) in Triton's CPU interpreter, on a few
+    # rows: prompt 2's first two (a partly empty window) and prompt 0's last.
+    anchors, pos, context, valid, _ = batch(expected, rows, drafter.cfg.window)
+    picked = torch.tensor([2 * 19, 2 * 19 + 1, 18])
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    got = drafter.propose(anchors[picked], pos[picked], context[:, picked], valid[picked])
+    want_ids = expected["dspark_ids_noquant"].reshape(-1, 5)[picked.numpy(), 1:]
+    np.testing.assert_array_equal(got.tokens.numpy(), want_ids)
+    np.testing.assert_allclose(got.confidence_logits.numpy(),
+                               expected["dspark_confidence_noquant"].reshape(-1, 4)[picked.numpy()], atol=1e-4)
