@@ -56,6 +56,15 @@ class HyperConnection(nn.Module):
         return backend.hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
                               self.norm_eps, norm)
 
+    def lagged(self, streams: torch.Tensor, pre_in: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V4.1's lagged connection: the block input collapses the streams with the
+        previous sublayer's ``pre_in`` [T, n] float32 (normalised by ``norm`` as in
+        :meth:`forward`), and this connection's own pre comes back for the next sublayer ->
+        (block input [T, D], pre [T, n], post [T, n], comb [T, n, n])."""
+        return backend.hc_pre_lagged(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
+                                     self.norm_eps, pre_in, norm)
+
     @staticmethod
     def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor) -> torch.Tensor:

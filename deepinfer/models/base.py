@@ -152,66 +152,75 @@ class CausalLM(nn.Module):
                 return ParamSlice(f"{m['prefix']}.{param}", index)
         return name
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into parameters and persistent buffers (cast to
-        their dtype and device). Raises ValueError on an unexpected name, a
-        mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
-        checkpoint left (partly) unfilled. Tied parameters load through their first name.
-        Refuses a model whose experts ``after_load`` packed (their parameters no longer have
-        the checkpoint's layout): call ``unpack_weights()`` on them first, ``after_load()`` after."""
-        packed = [name for name, m in self.named_modules() if isinstance(m, FusedMoE) and m.packed]
-        if packed:
-            raise ValueError(f"load_weights: the expert weights of {len(packed)} layer(s) ({_names(packed)}) are "
-                             "tile-packed for the fused MoE kernels by after_load(); call unpack_weights() on "
-                             "them before loading, and after_load() again after")
-        targets: dict[str, torch.Tensor] = {}
-        aliases: set[str] = set()
-        seen_ids: set[int] = set()
-        for pname, tensor in self.state_dict(keep_vars=True).items():
-            if id(tensor) in seen_ids:
-                aliases.add(pname)
-            else:
-                seen_ids.add(id(tensor))
-                targets[pname] = tensor
-        filled = dict.fromkeys(targets, 0)   # elements written per target
-        written: set[tuple[str, str]] = set()
+        """Copy checkpoint tensors into parameters and persistent buffers through
+        :meth:`remap_weight_name` (:func:`load_module_weights`); submodules named in
+        ``optional_modules`` that the checkpoint leaves out entirely are dropped."""
+        load_module_weights(self, weights, self.remap_weight_name, self.optional_modules)
 
-        for name, tensor in weights:
-            dest = self.remap_weight_name(name)
-            if dest is None or (isinstance(dest, str) and dest in aliases):
-                continue
-            pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
-            if pname not in targets:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter "
-                                 f"{pname!r} in {type(self).__name__}")
-            key = (pname, repr(index))
-            if key in written:
-                raise ValueError(f"checkpoint tensor {name!r} writes {pname}{_fmt(index)}, "
-                                 "which an earlier tensor already wrote")
-            dst = targets[pname].data[index]
-            if tuple(tensor.shape) != tuple(dst.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"but {pname}{_fmt(index)} has shape {tuple(dst.shape)}")
-            if filled[pname] + dst.numel() > targets[pname].numel():
-                raise ValueError(f"checkpoint tensor {name!r} overlaps tensors already loaded "
-                                 f"into {pname}")
-            dst.copy_(tensor)
-            written.add(key)
-            filled[pname] += dst.numel()
 
-        for prefix in self.optional_modules:
-            if not any(n for p, n in filled.items() if p.startswith(prefix + ".")):
-                # The checkpoint ships none of this module (HF drops MTP layers): drop it
-                # rather than keep random weights.
-                module = getattr(self, prefix)
-                setattr(self, prefix, nn.ModuleList() if isinstance(module, nn.ModuleList) else None)
-                filled = {p: n for p, n in filled.items() if not p.startswith(prefix + ".")}
-        missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
-                   for p, n in filled.items() if n != targets[p].numel()]
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
-                             f"{type(self).__name__}: {_names(missing)}")
+@torch.no_grad()
+def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                        remap: Callable[[str], str | ParamSlice | None],
+                        optional_modules: tuple[str, ...] = ()) -> None:
+    """Copy checkpoint tensors into ``module``'s parameters and persistent buffers (cast to
+    their dtype and device), each to where ``remap(name)`` says (None: skipped). Raises ValueError on an unexpected name, a
+    mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
+    checkpoint left (partly) unfilled. Tied parameters load through their first name.
+    Refuses a model whose experts ``after_load`` packed (their parameters no longer have
+    the checkpoint's layout): call ``unpack_weights()`` on them first, ``after_load()`` after."""
+    packed = [name for name, m in module.named_modules() if isinstance(m, FusedMoE) and m.packed]
+    if packed:
+        raise ValueError(f"load_weights: the expert weights of {len(packed)} layer(s) ({_names(packed)}) are "
+                         "tile-packed for the fused MoE kernels by after_load(); call unpack_weights() on "
+                         "them before loading, and after_load() again after")
+    targets: dict[str, torch.Tensor] = {}
+    aliases: set[str] = set()
+    seen_ids: set[int] = set()
+    for pname, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen_ids:
+            aliases.add(pname)
+        else:
+            seen_ids.add(id(tensor))
+            targets[pname] = tensor
+    filled = dict.fromkeys(targets, 0)   # elements written per target
+    written: set[tuple[str, str]] = set()
+
+    for name, tensor in weights:
+        dest = remap(name)
+        if dest is None or (isinstance(dest, str) and dest in aliases):
+            continue
+        pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
+        if pname not in targets:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter "
+                             f"{pname!r} in {type(module).__name__}")
+        key = (pname, repr(index))
+        if key in written:
+            raise ValueError(f"checkpoint tensor {name!r} writes {pname}{_fmt(index)}, "
+                             "which an earlier tensor already wrote")
+        dst = targets[pname].data[index]
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"but {pname}{_fmt(index)} has shape {tuple(dst.shape)}")
+        if filled[pname] + dst.numel() > targets[pname].numel():
+            raise ValueError(f"checkpoint tensor {name!r} overlaps tensors already loaded "
+                             f"into {pname}")
+        dst.copy_(tensor)
+        written.add(key)
+        filled[pname] += dst.numel()
+
+    for prefix in optional_modules:
+        if not any(n for p, n in filled.items() if p.startswith(prefix + ".")):
+            # The checkpoint ships none of this module (HF drops MTP layers): drop it
+            # rather than keep random weights.
+            sub = getattr(module, prefix)
+            setattr(module, prefix, nn.ModuleList() if isinstance(sub, nn.ModuleList) else None)
+            filled = {p: n for p, n in filled.items() if not p.startswith(prefix + ".")}
+    missing = [f"{p} ({n} of {targets[p].numel()} elements loaded)" if n else p
+               for p, n in filled.items() if n != targets[p].numel()]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
+                         f"{type(module).__name__}: {_names(missing)}")
 
 
 def _names(names: list[str]) -> str:

@@ -230,8 +230,7 @@ class DeepseekV41DecoderLayer(nn.Module):
                  norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the block input: ``norm(collapse(streams, pre_in))``, and this connection's own
         pre, post, comb)."""
-        return backend.hc_pre_lagged(streams, hc.fn, hc.base, hc.scale, hc.sinkhorn_iters, hc.hc_eps,
-                                     hc.norm_eps, pre_in, norm.params())
+        return hc.lagged(streams, pre_in, norm.params())
 
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
                 ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: StepCaches, shared: V41Shared,
@@ -303,8 +302,10 @@ class DeepseekV41Model(nn.Module):
                                             self.engram_multipliers[k])
                             for k in range(len(layout.layer_ids))], dim=1)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        # input_ids: [T] -> (last streams [T, n, Hd], last FFN pre [T, n] float32)
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, capture: FeatureCapture | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # input_ids: [T] -> (last streams [T, n, Hd], last FFN pre [T, n] float32); ``capture``:
+        # also write DSpark's target features of the rows it asks for (FeatureCapture)
         cached = bool(ctx.groups) and self.layers[0].self_attn.window_cache.kv_cache is not None
         if not cached:
             for b, (q_len, seq_len) in enumerate(zip(ctx.query_lens, ctx.seq_lens)):
@@ -323,10 +324,13 @@ class DeepseekV41Model(nn.Module):
         ropes = {"main": self.rope_main, "compress": self.rope_compress}
         shared, pre_mix = V41Shared(), None
         replay = _Replay.plan(ctx, cached) if self.late_start < len(self.layers) else None
+        cap_rows = None if capture is None else capture.rows      # [R] asked rows' index in streams
         for layer in self.layers:
             if replay is not None and layer.layer_idx == self.late_start:
                 if replay.empty:
                     break                    # this chunk lies wholly before the replay starts
+                if capture is not None:
+                    cap_rows = replay.index_of(cap_rows, streams.shape[0])
                 early = streams
                 ctx, caches = replay.ctx, StepCaches(replay.ctx, True, streams)
                 replay.full_pre = pre_mix
@@ -334,10 +338,14 @@ class DeepseekV41Model(nn.Module):
                 if engram is not None:
                     engram.take(replay.rows)
                 shared = replay.shared(shared)
+            if capture is not None:
+                capture.record(layer.layer_idx, streams, cap_rows)
             streams, pre_mix = layer(streams, pre_mix, input_ids, ctx, ropes, caches, shared,
                                      engram.pop(layer.layer_idx) if layer.engram is not None else None)
         if engram is not None:
             engram.finish()
+        if capture is not None and (replay is None or not replay.empty):
+            capture.record(len(self.layers), streams, cap_rows)
         if replay is not None and not replay.empty:
             # Rows the late layers skipped keep the early layers' output: nothing samples them
             # (the last prompt token is always replayed, prompt-logprob requests replay all).
@@ -350,6 +358,41 @@ class DeepseekV41Model(nn.Module):
         """The first layer after the last KV source: the layers bounded replay truncates."""
         sources = [layer.layer_idx for layer in self.layers if layer.self_attn.role.kv_source]
         return sources[-1] + 1 if sources else 0
+
+
+@dataclass
+class FeatureCapture:
+    """A forward's request for DSpark target features (models/dspark.py): for each asked row,
+    the mean of the n streams *entering* each of ``layer_ids`` (``num_hidden_layers``: the
+    final streams), concatenated in that order into ``out`` [R, M*Hd], which the forward
+    writes in place (a fixed buffer: CUDA-graph replays write it again; no host sync).
+
+    Bounded replay: the layers from ``late_start`` on compute only each sequence's replayed
+    rows (positions >= its ``replay_start``), so a row asked of such a layer must be a replayed
+    one; a row that is not gets zeros there. DSpark reads the last ``sliding_window``
+    committed positions, which replay always covers (``replay_keep_tokens`` keeps at least a
+    window), so the rows to ask are at most the last window of each sequence's new tokens.
+    """
+
+    layer_ids: tuple[int, ...]
+    rows: torch.Tensor                  # [R] int64 rows of the flattened batch
+    out: torch.Tensor                   # [R, M*Hd]
+
+    @classmethod
+    def new(cls, layer_ids: tuple[int, ...], rows: torch.Tensor, hidden_size: int,
+            dtype: torch.dtype) -> "FeatureCapture":
+        return cls(tuple(layer_ids), rows, torch.zeros(rows.shape[0], len(layer_ids) * hidden_size,
+                                                       dtype=dtype, device=rows.device))
+
+    def record(self, layer_idx: int, streams: torch.Tensor, rows: torch.Tensor) -> None:
+        """streams [T', n, Hd] entering layer ``layer_idx``; rows [R] each asked row's index in
+        them (-1: not computed here)."""
+        if layer_idx not in self.layer_ids:
+            return
+        d = streams.shape[-1]
+        k = self.layer_ids.index(layer_idx)
+        mean = streams.index_select(0, rows.clamp(min=0)).float().mean(dim=1)           # [R, Hd]
+        self.out[:, k * d:(k + 1) * d] = torch.where(rows[:, None] >= 0, mean, 0.0).to(self.out.dtype)
 
 
 @dataclass
@@ -389,6 +432,13 @@ class _Replay:
 
     def take(self, x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.index_select(0, self.rows)
+
+    def index_of(self, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Rows [R] of the full batch (of ``num_rows``) -> their index among the replayed rows,
+        -1 for rows not replayed."""
+        where = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
+        where[self.rows] = torch.arange(self.rows.shape[0], device=rows.device)
+        return where[rows]
 
     def shared(self, shared: V41Shared) -> V41Shared:
         """The early layers' publications restricted to the replayed rows (caches are shared)."""
@@ -450,12 +500,14 @@ class DeepseekV41ForCausalLM(CausalLM):
         """Streams [T, n, Hd] and the last FFN pre [T, n] -> hidden [T, Hd] for compute_logits."""
         return self.model.norm(backend.hc_collapse(streams, pre))
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.head(*self.model(input_ids, ctx))
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                capture: FeatureCapture | None = None) -> torch.Tensor:
+        return self.head(*self.model(input_ids, ctx, capture))
 
     def forward_rows(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                     select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        streams, pre = self.model(input_ids, ctx)
+                     select: Callable[[torch.Tensor], torch.Tensor],
+                     capture: FeatureCapture | None = None) -> torch.Tensor:
+        streams, pre = self.model(input_ids, ctx, capture)
         return self.head(select(streams), select(pre))
 
     def replay_keep_tokens(self, mode: str, keep: int) -> int | None:
