@@ -1,11 +1,21 @@
 """Drafters: where speculative decoding's draft tokens come from.
 
-A :class:`Drafter` proposes, after each step that sampled a token for a sequence, the draft
-tokens that sequence's next step verifies (``StepResult.draft_token_ids``; the scheduler
-may verify fewer). It owns no KV-cache block and no scheduler state; what it keeps per
-sequence (if anything) is keyed by request id and dropped in :meth:`Drafter.remove`.
-Proposals may be wrong: verification (spec/verify.py) keeps the output distribution exact
-whatever they are, so a drafter only decides how many tokens a step commits.
+A drafter proposes, after each step that sampled a token for a sequence, the draft tokens
+that sequence's next step verifies (``StepResult.draft_token_ids``; the scheduler may
+verify fewer). It holds no scheduler state; what it keeps per sequence (if anything) is
+keyed by request id and dropped in ``remove``. Proposals may be wrong: verification
+(spec/verify.py) keeps the output distribution exact whatever they are, so a drafter only
+decides how many tokens a step commits. Two kinds:
+
+- :class:`Drafter` works on the host from the token ids (n-gram lookup), after a step's
+  tokens are known;
+- :class:`ModelDrafter` runs on the device inside the step (spec/dspark.py): it reads the
+  target's hidden features of the step's rows, keeps its own context rows in the engine's
+  paged KV cache (its ``kv_cache_layers``, written by position like the target's, so a
+  rejected draft's rows are simply overwritten later and prefix hits, forks and
+  preemption treat them as any other layer's), and drafts from the step's sampled tokens
+  before the step ends; it also keeps the distribution each draft was drawn from, which
+  verification needs.
 
 ``make_drafter`` builds the one ``SpeculativeConfig.method`` names.
 """
@@ -14,6 +24,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+
+import torch
+from torch import nn
 
 from deepinfer.config import SpeculativeConfig
 from deepinfer.spec.ngram import propose_ngram
@@ -42,9 +55,32 @@ class NgramDrafter(Drafter):
         return propose_ngram(token_ids, self.min_n, self.max_n, self.max_draft)
 
 
-def make_drafter(config: SpeculativeConfig, architecture: str) -> Drafter:
+class ModelDrafter(ABC):
+    """A drafter that runs on the device inside the step (see the module docstring)."""
+
+    max_draft: int
+
+    @abstractmethod
+    def kv_cache_layers(self) -> list[nn.Module]:
+        """Its cache layers (each with a ``kv_spec``; the runner binds ``kv_cache`` and
+        ``group_id`` as for the model's layers)."""
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        """[max_draft, V] the distributions the sequence's last drafts were drawn from, or
+        None when they were picked deterministically (greedy)."""
+        return None
+
+    def remove(self, req_id: str) -> None:
+        """Forget a sequence that ended."""
+
+
+def make_drafter(config: SpeculativeConfig, model: nn.Module) -> Drafter | ModelDrafter:
     if config.method == "ngram":
         return NgramDrafter(config)
+    if config.method == "dspark":
+        from deepinfer.spec.dspark import DSparkEngineDrafter
+
+        return DSparkEngineDrafter.for_model(config, model)
     raise NotImplementedError(
-        f"speculative_config method={config.method!r} is not built yet for {architecture}; "
-        "method='ngram' is available")
+        f"speculative_config method={config.method!r} is not built yet for {type(model).__name__}; "
+        "methods available: 'ngram', and 'dspark' for DeepSeek-V4.1 checkpoints with a DSpark module")
