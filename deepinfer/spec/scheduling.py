@@ -137,11 +137,11 @@ def _ece(predicted: np.ndarray, observed: np.ndarray, num_bins: int) -> np.ndarr
     g, n = predicted.shape
     bins = np.minimum((predicted * num_bins).astype(np.int64), num_bins - 1)          # [G, N]
     flat = (bins + num_bins * np.arange(g)[:, None]).ravel()                          # [G*N]
-    count = np.bincount(flat, minlength=g * num_bins)
     p_sum = np.bincount(flat, weights=predicted.ravel(), minlength=g * num_bins)
     y_sum = np.bincount(flat, weights=np.broadcast_to(observed, (g, n)).ravel().astype(np.float64),
                         minlength=g * num_bins)
-    return (np.abs(p_sum - y_sum).reshape(g, num_bins).sum(1)) / n                   # n_b·|mean diff| = |sum diff|
+    # (n_b / N)·|mean p_b − mean y_b| = |Σ_b p − Σ_b y| / N
+    return np.abs(p_sum - y_sum).reshape(g, num_bins).sum(1) / n
 
 
 def fit_sts(logits: np.ndarray, accepted: np.ndarray, grid: np.ndarray | None = None,
