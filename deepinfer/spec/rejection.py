@@ -70,11 +70,15 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     n = accept.long().cumprod(1).sum(1)                                              # [R] accepted prefix
 
     # At the first rejection (n < num_draft) sample from the residual
-    # normalise(max(0, p_t - p_d)): it holds exactly the mass the accepts missed,
-    # p_t(v) - min(p_d(v), p_t(v)), so the token at n is distributed as p_t. (For a
-    # one-hot p_d the residual is p_t with x_n zeroed.) If the residual has no mass
-    # (p_t == p_d up to rounding, so a rejection was a float artefact) use p_t.
-    # With every draft accepted (n == num_draft), the bonus comes from p_t at n.
+    # normalise(max(0, p_t - p_d)). A rejection happens with probability
+    # 1 - Σ_v min(p_d(v), p_t(v)) = Σ_v max(0, p_t(v) - p_d(v)), so the token at n is
+    # v with probability min(p_d(v), p_t(v)) + max(0, p_t(v) - p_d(v)) = p_t(v); and
+    # since a draft at n is only looked at if x_<n were accepted, i.e. equal the
+    # committed prefix, every committed token follows p_t given the tokens before.
+    # (For a one-hot p_d the residual is p_t with x_n zeroed.) If the residual has
+    # no mass (p_t == p_d up to rounding, so the rejection was a float artefact)
+    # use p_t. With every draft accepted (n == num_draft), the bonus comes from p_t
+    # at n.
     p_t_n = target_probs[rows, n]                                                    # [R, V]
     rejected = n < num_draft                                                         # [R]
     if k == 0:
