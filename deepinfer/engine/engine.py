@@ -112,7 +112,7 @@ class Engine:
         sched = config.scheduler
         replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
         self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
-        specs = [layer.kv_spec for layer in self.model.kv_cache_layers()]
+        specs = [layer.kv_spec for layer in self.runner.kv_cache_layers()]
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)

@@ -37,9 +37,9 @@ from deepinfer.runner.sampler import (
     SamplingRow,
     prompt_logprobs,
 )
-from deepinfer.spec.drafter import Drafter, make_drafter
+from deepinfer.spec.drafter import Drafter, ModelDrafter, make_drafter
 from deepinfer.spec.verify import VerifyTensors, verify
-from deepinfer.transfer import to_device
+from deepinfer.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
 from deepinfer.outputs import PositionLogprobs
@@ -90,6 +90,9 @@ class StepHandle:
     verified_states: list[_RunnerRequest] = field(default_factory=list)
     verified_offsets: list[int] = field(default_factory=list)
     verified: VerifyTensors | None = None                # on the host once ``end`` has completed
+    # A model drafter's proposals: the req ids and their drafts [B, max_draft] (host copy).
+    draft_ids: list[str] = field(default_factory=list)
+    drafts: torch.Tensor | None = None
     start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
@@ -118,8 +121,8 @@ class ModelRunner:
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         self._prev_end: torch.cuda.Event | None = None   # CUDA: end event of the last launch
         # Speculative decoding: proposes each sampled sequence's drafts for its next step.
-        self.drafter: Drafter | None = (None if config.speculative is None
-                                        else make_drafter(config.speculative, config.model.architecture))
+        self.drafter: Drafter | ModelDrafter | None = (None if config.speculative is None
+                                                       else make_drafter(config.speculative, model))
 
     # -- KV cache memory -------------------------------------------------------
     def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
@@ -167,7 +170,7 @@ class ModelRunner:
         with wider elements come first in the page, so each layer's part starts aligned to its
         element size (pages are a multiple of ``PAGE_ALIGN`` bytes). Block copies (forks) copy
         page bytes, whatever the layers' dtypes."""
-        layers = self.model.kv_cache_layers()
+        layers = self.kv_cache_layers()
         self.kv_buffer = torch.zeros(num_blocks, page_bytes(groups), dtype=torch.uint8, device=self.device)
         for gid, group in enumerate(groups):
             offset = 0
@@ -188,6 +191,13 @@ class ModelRunner:
             logger.warning("decode steps run eagerly: %s", reason)
         else:
             logger.info("decode steps run eagerly: %s", reason)
+
+    def kv_cache_layers(self) -> list[torch.nn.Module]:
+        """The layers that keep entries in the KV cache: the model's, then a model drafter's."""
+        layers = list(self.model.kv_cache_layers())
+        if isinstance(self.drafter, ModelDrafter):
+            layers += self.drafter.kv_cache_layers()
+        return layers
 
     # -- CUDA graphs -------------------------------------------------------------
     def _why_no_cuda_graphs(self) -> str | None:
@@ -249,22 +259,35 @@ class ModelRunner:
             if seq.sample:
                 end = start + len(seq.token_ids)
                 rows.extend(range(end - 1 - seq.num_draft, end))
+        drafting = self.drafter if isinstance(self.drafter, ModelDrafter) else None
         with record_function("deepinfer.forward"):
-            hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
+            if drafting is None:
+                hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
+            else:
+                step = drafting.capture(ctx, self.config.model.hf_config["hidden_size"], self.dtype)
+                hidden = self.model.forward_rows(input_ids, ctx, lambda t: self._select(t, rows),
+                                                 capture=step.features)
+                drafting.store(step, ctx)
         self._last_sampled = None
         if rows:
             with record_function("deepinfer.sample"):
                 logits = self.model.compute_logits(hidden)                      # [N, V]
-                self._launch_sampling(plan, logits, handle)
+                committed = self._launch_sampling(plan, logits, handle)
+            if drafting is not None and committed is not None:
+                with record_function("deepinfer.draft"):
+                    self._launch_drafting(drafting, plan, ctx, handle, *committed)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
             handle.end.record()
             self._prev_end = handle.end
         return handle
 
-    def _launch_sampling(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle) -> None:
-        """Queue the sampler on ``logits`` ([N, V]: prompt-logprob rows, then one row per
-        sampled sequence) and start copying its result to the host."""
+    def _launch_sampling(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle
+                         ) -> tuple[torch.Tensor | None, VerifyTensors | None] | None:
+        """Queue the sampler on ``logits`` ([N, V]: prompt-logprob rows, then per sampled
+        sequence its one row, or its 1 + num_draft verification rows) and start copying its
+        result to the host. Returns the sampled rows' tokens and the verification's result on
+        the device (None where there are none), or None when nothing was sampled."""
         sample_rows: list[int] = []
         sampling_rows: list[SamplingRow] = []
         verify_rows: list[int] = []
@@ -304,10 +327,16 @@ class ModelRunner:
                                                      grammar=state.matcher is not None))
                 r += 1
         if verify_rows:
-            handle.verified = verify(self.sampler, self._select(logits, verify_rows), verify_sampling,
-                                     num_draft, draft_ids).to_host()
+            probs = None
+            if isinstance(self.drafter, ModelDrafter):
+                probs = [self.drafter.draft_probs(req_id) for req_id in handle.verified_ids]
+            verified = verify(self.sampler, self._select(logits, verify_rows), verify_sampling,
+                              num_draft, draft_ids, self.config.speculative.num_speculative_tokens, probs)
+            handle.verified = verified.to_host()
+        else:
+            verified = None
         if not sample_rows:
-            return
+            return None if verified is None else (None, verified)
         out = self.sampler.sample(self._select(logits, sample_rows), sampling_rows,
                                   self._token_bitmask(handle.sampled_states))
         # The sampler has read the output lengths (seeds, min_tokens); hold each token's slot
@@ -317,6 +346,33 @@ class ModelRunner:
             state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
         self._last_sampled = ({req_id: i for i, req_id in enumerate(handle.sampled_ids)}, out.token_ids)
         handle.sample = out.to_host()
+        return out.token_ids, verified
+
+    def _launch_drafting(self, drafter: ModelDrafter, plan: StepPlan, ctx: ForwardContext, handle: StepHandle,
+                         sampled: torch.Tensor | None, verified: VerifyTensors | None) -> None:
+        """A model drafter's proposals for every sequence that got a token this step, from the
+        token it committed last (device tensors: no host sync), copied to the host."""
+        row_of = {seq.req_id: b for b, seq in enumerate(plan.seqs)}
+        parent_of = {child: seq.req_id for seq in plan.seqs for child in seq.fork_ids}
+        anchors, lasts = [], []
+        if sampled is not None:
+            # One token each, after the last token fed (a fork sibling's position is its parent's).
+            anchors.append(sampled)
+            seqs = [plan.seqs[row_of[parent_of.get(r, r)]] for r in handle.sampled_ids]
+            lasts.append(to_device([sq.start_pos + len(sq.token_ids) - 1 for sq in seqs], torch.long, self.device))
+        if verified is not None:
+            # The last committed token, after the accepted drafts: rows offset + num_tokens - 1.
+            last_row = to_device(handle.verified_offsets, torch.long, self.device) + verified.num_tokens - 1
+            anchors.append(verified.rows.token_ids.index_select(0, last_row))
+            starts = to_device([plan.seqs[row_of[r]].start_pos for r in handle.verified_ids], torch.long, self.device)
+            lasts.append(starts + verified.num_tokens - 1)
+        ids = handle.sampled_ids + handle.verified_ids
+        states = [self.requests[r] for r in ids]
+        drafts = drafter.propose(ids, [st.params for st in states], [st.stream_index for st in states],
+                                 torch.cat(anchors), torch.cat(lasts),
+                                 [row_of[parent_of.get(r, r)] for r in ids], ctx, self.sampler.generator)
+        handle.draft_ids = ids
+        handle.drafts = copy_to_host(drafts)
 
     def _fill_placeholders(self, input_ids: torch.Tensor, query_start_loc: list[int],
                            seqs: list[ScheduledSeq]) -> None:
@@ -361,7 +417,12 @@ class ModelRunner:
                 result.sampled[req_id] = self._accept(state, token, out.sampled_logprobs[i], out.logprobs[i])
         if handle.verified is not None:
             self._finish_verified(handle, result)
-        if self.drafter is not None:
+        if handle.drafts is not None:
+            for req_id, drafts in zip(handle.draft_ids, handle.drafts.tolist()):
+                tok = result.sampled.get(req_id)
+                if tok is not None and tok.error is None and self.requests[req_id].matcher is None:
+                    result.draft_token_ids[req_id] = drafts
+        elif isinstance(self.drafter, Drafter):
             self._propose(result)
         return result
 
@@ -444,7 +505,9 @@ class ModelRunner:
         (T = bucket; rows past len(seqs) are padding, see runner/cuda_graph.py)."""
         inputs = StepInputs.build(seqs, self.groups)
         graphs = self.decode_graphs
-        if graphs is not None and inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
+        # A model drafter reads the forward's features (not captured in the graphs): eager.
+        if (graphs is not None and inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None
+                and not isinstance(self.drafter, ModelDrafter)):
             return graphs.prepare(inputs)
         groups = []
         for group, tables, slots in zip(self.groups, inputs.block_tables, inputs.slot_mappings):

@@ -43,14 +43,16 @@ class VerifyTensors:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_draft: list[int],
-           draft_token_ids: list[list[int]], draft_probs: list[torch.Tensor | None] | None = None
-           ) -> VerifyTensors:
+           draft_token_ids: list[list[int]], max_draft: int,
+           draft_probs: list[torch.Tensor | None] | None = None) -> VerifyTensors:
     """Verify R sequences' drafts (see the module docstring).
 
     logits: [N, V'] with N = sum(1 + l_r); rows: N SamplingRows; num_draft: R ints l_r;
     draft_token_ids: R lists of l_r ids; draft_probs: per sequence [l_r, V] float32, the
     distribution each draft was sampled from, or None for a deterministic draft (n-gram,
-    greedy); None for all: every draft deterministic."""
+    greedy); None for all: every draft deterministic. ``max_draft``: the engine's longest
+    draft (seeded rows draw that many uniforms whatever the batch's longest is, so their
+    draws do not depend on the other rows)."""
     dev = logits.device
     r_count, k = len(num_draft), max(num_draft)
     offsets = [0]
@@ -59,7 +61,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_
     # idx[r, j]: the logits row of sequence r's position j, clamped to its last row.
     idx = to_device([[offsets[r] + min(j, num_draft[r]) for j in range(k + 1)] for r in range(r_count)],
                     torch.long, dev)                                                        # [R, K+1]
-    drafts = to_device([d + [-1] * (k - len(d)) for d in draft_token_ids], torch.long, dev)  # [R, K]
+    drafts = to_device([d + [0] * (k - len(d)) for d in draft_token_ids], torch.long, dev)   # [R, K] padded
     lengths = to_device(num_draft, torch.long, dev)                                         # [R]
     if all(_plain_greedy(row) for row in rows):
         tokens, sampled = backend.greedy_sample(logits, sampler.vocab_size)                 # [N], [N]
@@ -76,10 +78,28 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_
                 p_d[r, torch.arange(n, device=dev), drafts[r, :n]] = 1.0
             else:
                 p_d[r, :n] = probs[:n]
-    firsts = [rows[offsets[r]] for r in range(r_count)]
-    uniforms, noise = rejection.draws(sampler.generator, firsts, k, p_t.shape[-1], dev)
+    uniforms, noise = _draws(sampler, [rows[offsets[r]] for r in range(r_count)], k, max_draft,
+                             p_t.shape[-1], dev)
     committed, num_tokens = rejection.rejection_sample(p_t, p_d, drafts, lengths, uniforms, noise)  # [R, K+1], [R]
     # Back to one token per logits row: row o_r + j <- committed[r, j] for j <= l_r.
     src = [r * (k + 1) + j for r in range(r_count) for j in range(num_draft[r] + 1)]
     flat = committed.flatten()[to_device(src, torch.long, dev)].clamp_min(0)               # [N]
     return VerifyTensors(sampler.logprobs_of(logits, rows, flat), num_tokens)
+
+
+def _draws(sampler: Sampler, firsts: list[SamplingRow], k: int, max_draft: int, vocab_size: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection sampler's random draws (uniforms [R, K], noise [R, V]): a seeded
+    sequence's keyed by its seed, sample index and the output position of the step's first
+    verified row (``firsts[r]``, whose output is the sequence's output so far), the others'
+    from the sampler's generator."""
+    seeded = [r for r, row in enumerate(firsts) if row.params.seed is not None]
+    uniforms, noise = rejection.random_draws(len(firsts), k, vocab_size, sampler.generator)
+    if seeded:
+        su, sn = rejection.seeded_draws([firsts[r].params.seed for r in seeded],
+                                        [firsts[r].stream_index for r in seeded],
+                                        [len(firsts[r].output_token_ids) for r in seeded],
+                                        max_draft, vocab_size, device)
+        idx = to_device(seeded, torch.long, device)
+        uniforms[idx], noise[idx] = su[:, :k], sn
+    return uniforms, noise

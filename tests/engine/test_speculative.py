@@ -191,3 +191,75 @@ def test_bad_speculative_config_names_the_field():
         LLM(device="cpu", speculative_config={"method": "eagle"})
     with pytest.raises(ValueError, match="draft_model"):
         LLM(device="cpu", speculative_config={"method": "ngram", "draft_model": "x"})
+
+
+# -- DSpark -------------------------------------------------------------------------------
+
+def reference_prompts() -> tuple[dict, list[list[int]]]:
+    import numpy as np
+
+    e = dict(np.load(V41_REFERENCE.parent / "expected.npz"))
+    ids, off = e["prompt_ids"], e["prompt_offsets"]
+    return e, [ids[off[i]:off[i + 1]].tolist() for i in range(len(off) - 1)]
+
+
+def dspark_llm(**settings) -> LLM:
+    return LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32", kv_cache_dtype="float32",
+               speculative_config={"method": "dspark", "num_speculative_tokens": 4}, **settings)
+
+
+@pytest.mark.parametrize("settings", [SETTINGS["default"], SETTINGS["chunked"]], ids=["default", "chunked"])
+def test_dspark_in_the_engine_drafts_as_the_official_reference(settings):
+    """Every proposal the engine's DSpark makes (its context rows written by the target's
+    steps into the paged cache, through chunked prefill, page boundaries and prefix hits)
+    equals the drafts DeepSeek's reference made from one full forward at that position,
+    and greedy output equals the reference's greedy output."""
+    expected, prompts = reference_prompts()
+    llm = dspark_llm(**settings)
+    drafter = llm.engine.runner.drafter
+    seen: list[tuple[str, int, int, list[int]]] = []
+    propose = drafter.propose
+
+    def recording(req_ids, params, streams, anchors, lasts, rows, ctx, gen):
+        tokens = propose(req_ids, params, streams, anchors, lasts, rows, ctx, gen)
+        seen.extend(zip(req_ids, lasts.tolist(), anchors.tolist(), tokens.tolist()))
+        return tokens
+
+    drafter.propose = recording
+    for _ in range(2):                                  # the second run hits the prefix cache
+        out = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in out] == expected["greedy_noquant"].tolist()
+    checked = 0
+    for req_id, last, anchor, tokens in seen:
+        i = int(req_id) % len(prompts)
+        j = last - len(prompts[i])                      # the reference's row: s = P + j
+        if 0 <= j < expected["dspark_ids_noquant"].shape[1]:
+            assert [anchor, *tokens] == expected["dspark_ids_noquant"][i, j].tolist()
+            checked += 1
+    assert checked >= 2 * 8 * 10
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+def test_dspark_needs_a_checkpoint_with_the_module():
+    with pytest.raises(ValueError, match="no DSpark module"):
+        LLM(device="cpu", hf_overrides={"architectures": ["DeepseekV41ForCausalLM"]},
+            speculative_config={"method": "dspark"})
+
+
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_seeded_sampling_with_speculation_is_reproducible(method):
+    """A seeded request's tokens with drafts depend only on its prompt and seed: the same
+    alone and among other requests, run after run."""
+    _, prompts = reference_prompts()
+    llm = dspark_llm() if method == "dspark" else LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32",
+                                                      kv_cache_dtype="float32", speculative_config=NGRAM)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = run(llm, prompts[:1], seeded)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], [seeded, other, other, seeded],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    assert run(llm, prompts[:1], seeded)[0].outputs[0].token_ids == alone
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0

@@ -1,0 +1,186 @@
+"""DSpark in the engine: the drafter of a DeepSeek-V4.1 checkpoint (models/dspark.py) run
+inside each step, its context rows kept in the engine's paged KV cache.
+
+Per step (the runner calls these in order):
+
+1. :meth:`DSparkEngineDrafter.capture` — before the target's forward: keep the target
+   features of every row. Every position gets its context rows, not only the last window
+   a proposal reads: a cached block must hold them wherever another request's hit may end
+   (it costs ``main_proj`` and one ``wkv`` per stage a token, about 1% of the target's
+   prefill work at V4.1-Flash widths). Under bounded replay, positions before a sequence's
+   replay start get rows of zero features; no proposal reads them (prefix hits stop at
+   the replay start, which lies at least a window before the prompt's end);
+2. :meth:`DSparkEngineDrafter.store` — after it: each stage's context row of those
+   positions, written at the positions' slots of the drafter's window group, exactly as a
+   target layer writes its window rows. Rows of drafts the verification then rejects are
+   overwritten when their positions are computed again; no proposal reads past the last
+   committed position, so nothing is rolled back;
+3. :meth:`DSparkEngineDrafter.propose` — after sampling or verification: for each sampled
+   sequence, the block ``[a, noise, ...]`` at its last committed position ``s`` + 1, where
+   ``a`` is the token the step just committed last, over its context rows of positions
+   ``s - W + 1 .. s`` gathered from the cache. Drafts go to the host with the step's
+   results; the distribution each was drawn from stays here until the next verification.
+
+Because the context rows live in pages like any layer's, a prefix-cache hit brings them
+with it (they are a function of the tokens, as the target's rows are), a fork copies
+them, and a preempted sequence recomputes them with its prompt.
+
+Sampled drafts (requests with a temperature) draw from ``softmax(filters(z / T))`` with the
+request's own temperature and min-p / top-k / top-p; a seeded request's draws are keyed
+by (seed, sample index, ``s``), a position no earlier round of the request drafted from.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.config import SpeculativeConfig
+from deepinfer.forward_context import ForwardContext
+from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.models.dspark import DraftSampling, DSparkDrafter, window_positions
+from deepinfer.runner.sampler import stream_seed
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.drafter import ModelDrafter
+from deepinfer.transfer import to_device
+
+logger = logging.getLogger(__name__)
+
+# Mixed into a seeded request's key: the drafter's draws are independent of the sampler's
+# and the verifier's.
+_DRAFT_DOMAIN = 0xD5_9A_4C_11_0F_EE_D1_A7
+
+
+class DSparkContextCache(nn.Module):
+    """The drafter's context rows in the engine's cache: one sliding-window layer whose
+    entry holds every stage's row of a position ([S, D] as S "heads" of one tensor)."""
+
+    def __init__(self, num_stages: int, head_dim: int, window: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kv_spec = KVCacheSpec("sliding", num_stages, head_dim, dtype, num_tensors=1, sliding_window=window)
+        self.kv_cache: torch.Tensor | None = None    # [blocks, block_size, 1, S, D], bound by the runner
+        self.group_id = -1
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """The rows at flat slots (``block * block_size + offset``) [...] -> [..., S, D]."""
+        bs = self.kv_cache.shape[1]
+        return self.kv_cache[slots // bs, slots % bs, 0]
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [R, S, D] at flat slots [R]. (A page is strided: no flat view of the slots.)"""
+        bs = self.kv_cache.shape[1]
+        self.kv_cache[slots // bs, slots % bs, 0] = rows.to(self.kv_cache.dtype)
+
+
+@dataclass
+class DSparkStep:
+    """What one step's capture asked for."""
+
+    rows: torch.Tensor          # [R] int64 rows of the flattened batch whose features are kept
+    features: object            # models.deepseek_v41.FeatureCapture
+
+
+class DSparkEngineDrafter(ModelDrafter):
+    def __init__(self, config: SpeculativeConfig, module: DSparkDrafter) -> None:
+        self.module = module
+        cfg = module.cfg
+        self.window = cfg.window
+        self.max_draft = min(config.num_speculative_tokens, cfg.block_size)
+        if config.num_speculative_tokens > cfg.block_size:
+            logger.warning("num_speculative_tokens=%d exceeds the DSpark block (%d): verifying %d drafts",
+                           config.num_speculative_tokens, cfg.block_size, cfg.block_size)
+        dtype = module.main_proj.weight.dtype
+        self.cache = DSparkContextCache(cfg.num_stages, cfg.head_dim, cfg.window, dtype)
+        self._probs: dict[str, torch.Tensor] = {}        # req_id -> [max_draft, V] of sampled drafts
+
+    @classmethod
+    def for_model(cls, config: SpeculativeConfig, model: nn.Module) -> "DSparkEngineDrafter":
+        from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+        if not isinstance(model, DeepseekV41ForCausalLM):
+            raise NotImplementedError(
+                f"speculative_config method='dspark' runs the DSpark module of DeepSeek-V4.1 checkpoints; "
+                f"{type(model).__name__} has none (method='ngram' works with any model)")
+        if not model.drafter_tensors:
+            raise ValueError("speculative_config method='dspark': the checkpoint has no DSpark module "
+                             "(no mtp.* tensors); use method='ngram'")
+        return cls(config, DSparkDrafter.from_target(model))
+
+    # -- ModelDrafter ------------------------------------------------------------------
+    def kv_cache_layers(self) -> list[nn.Module]:
+        return [self.cache]
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return self._probs.get(req_id)
+
+    def remove(self, req_id: str) -> None:
+        self._probs.pop(req_id, None)
+
+    # -- a step ------------------------------------------------------------------------
+    def capture(self, ctx: ForwardContext, hidden_size: int, dtype: torch.dtype) -> DSparkStep:
+        """Before the forward: keep the target features of every row of the step."""
+        from deepinfer.models.deepseek_v41 import FeatureCapture
+
+        idx = torch.arange(ctx.positions.shape[0], device=ctx.positions.device)
+        return DSparkStep(idx, FeatureCapture.new(self.module.cfg.target_layer_ids, idx, hidden_size, dtype))
+
+    def store(self, step: DSparkStep, ctx: ForwardContext) -> None:
+        """After the forward: each stage's context row of the captured positions, into the cache."""
+        if step.rows.numel() == 0:
+            return
+        positions = ctx.positions.index_select(0, step.rows)                              # [R]
+        rows = self.module.context_kv(step.features.out, positions)                       # [S, R, D]
+        slots = ctx.groups[self.cache.group_id].slot_mapping.index_select(0, step.rows)  # [R]
+        self.cache.write(slots, rows.transpose(0, 1))
+
+    def propose(self, req_ids: list[str], params: list[SamplingParams], stream_indices: list[int],
+                anchors: torch.Tensor, last_positions: torch.Tensor, table_rows: list[int],
+                ctx: ForwardContext, generator: torch.Generator) -> torch.Tensor:
+        """Drafts [B, max_draft] for B sampled sequences (device): ``anchors`` [B] the token each
+        committed last (at position ``last_positions`` [B] + 1), ``table_rows``: each one's row
+        in the step's block tables (a fork sibling reads its parent's). Keeps the sampled
+        rows' draft distributions for the next verification."""
+        dev = anchors.device
+        positions, valid = window_positions(last_positions, self.window)                 # [B, W]
+        group = ctx.groups[self.cache.group_id]
+        bs = group.block_size
+        tables = group.block_table.index_select(0, to_device(table_rows, torch.long, dev))   # [B, blocks]
+        blocks = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1)).long()  # [B, W]
+        slots = blocks * bs + positions % bs                                              # [B, W]
+        context = self.cache.read(slots)                                                  # [B, W, S, D]
+        valid = valid & (blocks > 0)                                                      # freed or unheld: null block
+        sampling = self._sampling(params, stream_indices, last_positions, generator, dev)
+        proposal = self.module.propose(anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid, sampling)
+        for i, (req_id, p) in enumerate(zip(req_ids, params)):
+            if p.greedy:
+                self._probs.pop(req_id, None)
+            else:
+                self._probs[req_id] = proposal.probs[i, :self.max_draft]
+        return proposal.tokens[:, :self.max_draft]
+
+    def _sampling(self, params: list[SamplingParams], stream_indices: list[int], last_positions: torch.Tensor,
+                  generator: torch.Generator, dev: torch.device) -> DraftSampling | None:
+        if all(p.greedy for p in params):
+            return None
+        cfg = self.module.cfg
+        v = cfg.vocab_size
+        noise = None
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+        if seeded:
+            noise = torch.empty(len(params), cfg.block_size, v, device=dev).exponential_(generator=generator)
+            starts = last_positions.tolist()
+            for i in seeded:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], starts[i]) ^ _DRAFT_DOMAIN)
+                noise[i].exponential_(generator=gen)
+        filters = any(p.min_p > 0 or 0 < p.top_k < v or p.top_p < 1.0 for p in params)
+        return DraftSampling(
+            greedy=to_device([p.greedy for p in params], torch.bool, dev),
+            temperature=to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev),
+            min_p=to_device([p.min_p for p in params], torch.float32, dev) if filters else None,
+            top_k=to_device([p.top_k if 0 < p.top_k < v else v for p in params], torch.long, dev) if filters else None,
+            top_p=to_device([p.top_p for p in params], torch.float32, dev) if filters else None,
+            noise=noise, generator=generator)
