@@ -85,6 +85,17 @@ def _add_decode_common(p: argparse.ArgumentParser, kind: str, steps: int) -> Non
     p.add_argument("--steps", type=int, default=steps, help="timed decode steps")
     p.add_argument("--hf-steps", type=int, default=8,
                    help="extra decode steps of the HF baseline's longer generate")
+    p.add_argument("--speculative", type=int, default=0, metavar="N",
+                   help="also measure each point with speculative decoding of N draft tokens a step, on the "
+                        "same engine, reported apart from the run without it (default 0: off)")
+    p.add_argument("--spec-method", choices=("fixed", "ngram"), default="fixed",
+                   help="drafter of --speculative: fixed (N drafts every step, so every step verifies 1 + N "
+                        "tokens per request: the cost of a verification step) or ngram (the engine's prompt "
+                        "lookup); the weights are random, so measured acceptance is not meaningful")
+    p.add_argument("--assumed-nextn", type=int, default=3,
+                   help="the assumed-acceptance figure's draft tokens; it needs --speculative equal to it")
+    p.add_argument("--assumed-acceptance", type=float, default=0.75,
+                   help="the assumed-acceptance figure's per-draft acceptance: tau = 1 + nextn x acceptance")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:

@@ -39,8 +39,9 @@ from deepinfer.models.deepseek_v4 import DeepseekV4Args
 from deepinfer.models.deepseek_v41 import DeepseekV41Args
 from deepinfer.outputs import RequestOutput
 
-# Speculative tokens per step: the engine has no speculative decoding yet, so every decode
-# step commits at most one token per request.
+# Speculative tokens per step of the plain decode measurement (the header's ``nextn``): it
+# commits at most one token per request a step. ``--speculative N`` is reported apart
+# (bench/speculative.py), with nextn = N.
 NEXTN = 0
 # Context-parallel ranks: the benchmarks run on one device.
 CP = 1

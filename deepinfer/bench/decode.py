@@ -8,6 +8,12 @@ timed as one window. Reported, never mixed:
 - full-acceptance throughput ``SPS x B x (1 + nextn) / cp`` (DeepSeek's convention);
 - effective throughput: tokens actually committed in the window / its time.
 
+With ``--speculative N`` the same point is measured again on the same engine with
+speculative decoding (bench/speculative.py: N drafts a step), and reported apart: its
+full-acceptance (nextn = N) and effective throughput, measured tau, per-user speed against
+the run without it, a verification step's time against a plain decode step's, and the
+throughput under an assumed acceptance (labelled as such).
+
 Floor: the bytes one step must move (weights touched, with the counted distinct routed
 experts, plus KV cache; bench/floors.py) / measured HBM bandwidth, at the context length
 in the middle of the window.
@@ -24,11 +30,13 @@ from typing import Any
 
 import torch
 
-from deepinfer.bench.common import (CP, NEXTN, BenchModel, RoutingRecorder, Timer, build_engine, drain,
+from deepinfer.bench.common import (CP, BenchModel, RoutingRecorder, Timer, build_engine, drain,
                                     profile_to_file,
                                     fmt, free_memory, header, measure_floors, print_header, print_table,
                                     random_prompts, step_outputs, write_json)
 from deepinfer.bench.floors import floor_ms
+from deepinfer.bench.speculative import (SpecSetup, check_spec_args, counters_since, engine_settings,
+                                         report_spec, spec_figures, speculation)
 from deepinfer.engine.engine import Engine
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -37,6 +45,7 @@ from deepinfer.sampling_params import SamplingParams
 def check_decode_args(args: argparse.Namespace, batches: list[int]) -> None:
     if min(batches) < 1 or args.context_len < 1 or args.steps < 1 or args.hf_steps < 1 or args.warmup < 0:
         raise ValueError("batch sizes, --context-len, --steps and --hf-steps must be >= 1, --warmup >= 0")
+    check_spec_args(args)
 
 
 def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
@@ -52,12 +61,20 @@ def _collect(outs: list[RequestOutput], produced: dict[str, int]) -> int:
 SETTLE_STEPS = 2
 
 
-def decode_tokens(batch: int, context: int, budget: int, warmup: int, steps: int) -> int:
+def decode_tokens(batch: int, context: int, budget: int, warmup: int, steps: int, spec: int = 0) -> int:
     """Output tokens each request may produce. Requests whose prefill ends early decode (one
-    token a step) while the others still prefill, in at most ceil(B * L / (budget - B)) + 1
-    steps: they must not end, nor reach max_model_len, inside the timed window."""
+    token a step, up to 1 + ``spec`` with speculative decoding) while the others still
+    prefill, in at most ceil(B * L / (budget - B)) + 1 steps: they must not end, nor reach
+    max_model_len, inside the timed window."""
     prefill_steps = -(-batch * context // max(1, budget - batch)) + 1
-    return prefill_steps + warmup + SETTLE_STEPS + 2 * steps + PROFILED_STEPS + 3   # 2x: --compare-sync
+    steps_taken = prefill_steps + warmup + SETTLE_STEPS + 2 * steps + PROFILED_STEPS + 3   # 2x: --compare-sync
+    return (1 + spec) * steps_taken
+
+
+def decode_budget(args: argparse.Namespace, batch: int) -> int:
+    """The engine's token budget: ``--max-num-batched-tokens``, else room for a step of
+    ``batch`` requests of 1 + ``--speculative`` tokens each."""
+    return args.max_num_batched_tokens or max(4096, batch * (1 + args.speculative))
 
 
 def _timed_window(engine: Engine, steps: int, produced: dict[str, int]) -> tuple[float, list[int], list[float]]:
@@ -92,7 +109,8 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
     """Prefill ``batch`` requests of ``context`` tokens, then time ``steps`` decode steps
     (and, with ``compare_sync``, as many again without overlapped scheduling)."""
     budget = engine.config.scheduler.max_num_batched_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, budget, warmup, steps),
+    nextn = engine.scheduler.num_speculative_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens(batch, context, budget, warmup, steps, nextn),
                             ignore_eos=True)
     timer = Timer(engine.config.device)
     prompts = random_prompts(batch, context, engine.config.model.vocab_size, gen)
@@ -121,8 +139,10 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         _collect(step_outputs(engine), produced)
 
     engine.reset_stats()
+    spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     window_s, committed, step_ms = _timed_window(engine, steps, produced)
     stats = copy.copy(engine.stats)   # the engine keeps counting through the profile and drain
+    spec_counters = counters_since(spec_before, engine.scheduler.spec_stats)
     without = (_without_overlap(engine, steps, produced)
                if compare_sync and engine.config.scheduler.async_scheduling else None)
     if profile:
@@ -136,7 +156,7 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
     effective = sum(committed) / window_s
     return {
         "ms_per_step": 1e3 / sps, "steps_per_s": sps,
-        "full_acceptance_tok_s": sps * batch * (1 + NEXTN) / CP,
+        "full_acceptance_tok_s": sps * batch * (1 + nextn) / CP,
         "effective_tok_s": effective, "effective_tok_s_per_gpu": effective,
         "per_user_tok_s": effective / batch,
         "step_ms_median": statistics.median(step_ms), "step_ms_max": max(step_ms),
@@ -147,6 +167,7 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
         "overlapped_steps": stats.overlapped_steps, "sync_steps": stats.sync_steps,
         "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step, "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step,
         "without_overlap": without,
+        "spec_counters": spec_counters,     # all 0 without speculative decoding
         "distinct_experts_counted": recorder.distinct_per_layer(),
     }
 
@@ -163,17 +184,24 @@ def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:
 
 def decode_point(engine: Engine, model: BenchModel, measured: dict[str, float], batch: int, context: int,
                  warmup: int, steps: int, gen: torch.Generator, profile: str | None = None,
-                 compare_sync: bool = False) -> dict[str, Any]:
-    """One (batch, context) measurement with its floor."""
-    eng = measure_decode(engine, batch, context, warmup, steps, gen, profile, compare_sync)
+                 compare_sync: bool = False, spec: SpecSetup | None = None) -> dict[str, Any]:
+    """One (batch, context) measurement with its floor; with ``spec``, the same again with
+    speculative decoding (under ``"spec"``; the floor is the plain decode step's)."""
+    with speculation(engine, None):
+        eng = measure_decode(engine, batch, context, warmup, steps, gen, profile, compare_sync)
     counted = eng.pop("distinct_experts_counted")
     mid = context + warmup + (steps + 1) // 2       # tokens per sequence after the window's middle step
     work = model.cost.decode_step(batch, mid, counted)
     floor = {**work, **floor_ms(work, measured["hbm_gb_s"], measured["matmul_tflop_s"]),
              "context_at": mid, "distinct_experts_source": "counted" if counted else "estimate",
              "distinct_experts_estimate": model.cost.estimated_distinct_experts(batch)[0]}
+    spec_point = None
+    if spec is not None:
+        with speculation(engine, spec.drafter):
+            run = measure_decode(engine, batch, context, warmup, steps, gen)
+        spec_point = spec_figures(run, eng, batch, steps, spec)
     return {"batch": batch, "context_len": context, "engine": eng, "floor": floor,
-            "engine_over_floor": eng["ms_per_step"] / floor["floor_ms"], "hf": None}
+            "engine_over_floor": eng["ms_per_step"] / floor["floor_ms"], "hf": None, "spec": spec_point}
 
 
 def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Namespace,
@@ -199,17 +227,19 @@ def add_hf(points: list[dict[str, Any]], model: BenchModel, args: argparse.Names
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     model = BenchModel.from_args(args)
     check_decode_args(args, [args.batch_size])
-    budget = args.max_num_batched_tokens or max(4096, args.batch_size)
+    budget = decode_budget(args, args.batch_size)
     max_model_len = args.context_len + decode_tokens(args.batch_size, args.context_len, budget, args.warmup,
-                                                     args.steps)
+                                                     args.steps, args.speculative)
     fit = model.check_fits(args.batch_size * max_model_len)
     result = header("decode", model, measure_floors(model, args), args.argv)
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len, **engine_settings(args))
+    spec = SpecSetup.from_args(args, engine)
+    result["speculative"] = spec.describe() if spec else None
     gen = torch.Generator().manual_seed(args.seed)
     point = decode_point(engine, model, result["measured"], args.batch_size, args.context_len, args.warmup,
-                         args.steps, gen, args.profile, args.compare_sync)
+                         args.steps, gen, args.profile, args.compare_sync, spec)
     del engine
     free_memory(model.device)
     if not args.no_hf:
@@ -229,7 +259,7 @@ def report(result: dict[str, Any], points: list[dict[str, Any]]) -> None:
                      e["full_acceptance_tok_s"], e["effective_tok_s"], e["per_user_tok_s"],
                      hf.get("ms_per_step"), hf.get("context_len"), p.get("engine_speedup_over_hf")])
     print_table(f"decode ({result['timed_steps']} timed steps after {result['warmup_steps']} warm-up; "
-                f"nextn={result['nextn']}, cp={result['cp']})",
+                f"no speculative decoding: nextn={result['nextn']}, cp={result['cp']})",
                 ["", "context", "ms/step", "floor ms", "x floor", "tok/s full", "tok/s eff.", "tok/s/user",
                  "HF ms/step", "HF ctx", "vs HF"], rows)
     for p in points:
@@ -251,3 +281,5 @@ def report(result: dict[str, Any], points: list[dict[str, Any]]) -> None:
                   f"{fmt(w['gpu_idle_ms_per_step'])} ms/step")
         if p["hf"] and "skipped" in p["hf"]:
             print(f"B={p['batch']}: HF transformers skipped ({p['hf']['skipped']})")
+    if result.get("speculative"):
+        report_spec(result["speculative"], points)

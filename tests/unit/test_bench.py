@@ -129,6 +129,63 @@ def test_curve(tiny_config, tmp_path):
         assert not png.exists()
 
 
+SPEC_KEYS = ("ms_per_step", "steps_per_s", "full_acceptance_tok_s", "full_acceptance_tok_s_per_user",
+             "effective_tok_s", "per_user_tok_s", "tau", "tau_per_verification", "acceptance_rate",
+             "per_user_over_no_spec", "step_over_plain_step", "full_width_steps", "spec_counters", "assumed")
+
+
+def test_decode_speculative_fixed(tiny_config, tmp_path, capsys):
+    """--speculative 3: the same point without then with speculation on one engine; the fixed
+    drafter makes every timed step verify 1 + 3 tokens per request, so the assumed figure
+    (nextn 3) comes from its measured step time."""
+    batch, steps, n = 2, 3, 3
+    r = run(["bench", "decode", "--config", tiny_config, *COMMON, "--batch-size", str(batch), "--context-len", "20",
+             "--steps", str(steps), "--no-hf", "--no-compare-sync", "--speculative", str(n)], tmp_path / "d.json")
+    assert r["nextn"] == 0     # the header's: the plain measurement
+    assert r["speculative"]["method"] == "fixed" and r["speculative"]["num_speculative_tokens"] == n
+    assert "random weights" in r["speculative"]["note"]
+    e, s = r["engine"], r["spec"]
+    assert e["spec_counters"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    assert e["tokens_committed"] == batch * steps
+    assert set(SPEC_KEYS) <= set(s)
+    c = s["spec_counters"]
+    assert c["drafts"] == steps * batch and c["draft_tokens"] == n * c["drafts"] and s["full_width_steps"]
+    # tau from the counters: tokens committed per request per step, the target's own included.
+    assert s["tau"] == pytest.approx(1 + c["accepted_tokens"] / (steps * batch))
+    assert s["tokens_committed"] == steps * batch + c["accepted_tokens"]
+    assert s["full_acceptance_tok_s"] == pytest.approx(s["steps_per_s"] * batch * (1 + n))
+    assert s["effective_tok_s"] == pytest.approx(s["tokens_committed"] / (steps * s["ms_per_step"] * 1e-3))
+    assert s["per_user_over_no_spec"] == pytest.approx(s["per_user_tok_s"] / e["per_user_tok_s"])
+    assert s["step_over_plain_step"] == pytest.approx(s["ms_per_step"] / e["ms_per_step"])
+    a = s["assumed"]
+    assert "assumed" in a["label"] and a["nextn"] == 3 and a["acceptance"] == 0.75 and a["unavailable"] is None
+    assert a["tau"] == pytest.approx(3.25)
+    assert a["tok_s_per_gpu"] == pytest.approx(s["steps_per_s"] * batch * 3.25)
+    assert a["tok_s_per_user"] == pytest.approx(s["steps_per_s"] * 3.25)
+    out = capsys.readouterr().out
+    assert "tok/s assumed" in out and "x no-spec user" in out and "a verification step (4 tokens/request)" in out
+    assert "random weights: the drafts' acceptance is not meaningful" in out
+
+
+def test_curve_speculative_ngram(tiny_config, tmp_path, capsys):
+    """--spec-method ngram at N=2: the engine's own drafter; the assumed figure (nextn 3) needs a
+    run at width 4, so it is None, and the report says so."""
+    r = run(["bench", "curve", "--config", tiny_config, *COMMON, "--batch-sizes", "1,2", "--context-len", "20",
+             "--steps", "2", "--no-hf", "--speculative", "2", "--spec-method", "ngram"], tmp_path / "c.json")
+    assert r["speculative"]["method"] == "ngram"
+    c = r["curve"]
+    for key in ("spec_full_acceptance_tok_s_per_gpu", "spec_full_acceptance_tok_s_per_user",
+                "spec_effective_tok_s_per_gpu", "spec_effective_tok_s_per_user"):
+        assert len(c[key]) == 2 and all(v > 0 for v in c[key]), key
+    assert c["assumed_tok_s_per_gpu"] == c["assumed_tok_s_per_user"] == [None, None]
+    for p in r["points"]:
+        s = p["spec"]
+        assert set(SPEC_KEYS) <= set(s) and s["assumed"]["unavailable"].startswith("needs")
+        assert s["spec_counters"]["draft_tokens"] <= 2 * s["spec_counters"]["drafts"]
+        assert s["tokens_committed"] == 2 * p["batch"] + s["spec_counters"]["accepted_tokens"]
+    assert "assumed acceptance: needs" in capsys.readouterr().out
+
+
 def test_bad_arguments_fail_clearly(tiny_config, tmp_path, capsys):
     assert main(["bench", "decode", "--config", str(tmp_path / "missing"), "--device", "cpu"]) == 2
     assert "neither a preset" in capsys.readouterr().err
@@ -142,6 +199,8 @@ def test_bad_arguments_fail_clearly(tiny_config, tmp_path, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
     assert main(["bench", "decode", "--config", tiny_config, "--steps", "0", "--device", "cpu"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+    assert main(["bench", "decode", "--config", tiny_config, "--speculative", "-1", "--device", "cpu"]) == 2
+    assert "--speculative must be >= 0" in capsys.readouterr().err
 
 
 def test_bench_engine_is_frozen_then_released(tiny_config):
