@@ -37,7 +37,7 @@ from deepinfer.runner.sampler import (
     SamplingRow,
     prompt_logprobs,
 )
-from deepinfer.spec.drafter import Drafter, ModelDrafter, make_drafter
+from deepinfer.spec.drafter import Drafter, ModelDrafter, StepCommit, make_drafter
 from deepinfer.spec.verify import VerifyTensors, verify
 from deepinfer.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
@@ -264,10 +264,9 @@ class ModelRunner:
             if drafting is None:
                 hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
             else:
-                step = drafting.capture(ctx, self.config.model.hf_config["hidden_size"], self.dtype)
-                hidden = self.model.forward_rows(input_ids, ctx, lambda t: self._select(t, rows),
-                                                 capture=step.features)
-                drafting.store(step, ctx)
+                # The drafter runs the target's forward: it keeps what it reads of it.
+                hidden, draft_state = drafting.forward(self.model, input_ids, ctx,
+                                                       lambda t: self._select(t, rows))
         self._last_sampled = None
         if rows:
             with record_function("deepinfer.sample"):
@@ -275,7 +274,10 @@ class ModelRunner:
                 committed = self._launch_sampling(plan, logits, handle)
             if drafting is not None and committed is not None:
                 with record_function("deepinfer.draft"):
-                    self._launch_drafting(drafting, plan, ctx, handle, *committed)
+                    commit = self._step_commit(plan, input_ids, ctx, handle, *committed)
+                    drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator)
+                    handle.draft_ids = commit.req_ids
+                    handle.drafts = copy_to_host(drafts)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
             handle.end.record()
@@ -348,31 +350,53 @@ class ModelRunner:
         handle.sample = out.to_host()
         return out.token_ids, verified
 
-    def _launch_drafting(self, drafter: ModelDrafter, plan: StepPlan, ctx: ForwardContext, handle: StepHandle,
-                         sampled: torch.Tensor | None, verified: VerifyTensors | None) -> None:
-        """A model drafter's proposals for every sequence that got a token this step, from the
-        token it committed last (device tensors: no host sync), copied to the host."""
+    def _step_commit(self, plan: StepPlan, input_ids: torch.Tensor, ctx: ForwardContext, handle: StepHandle,
+                     sampled: torch.Tensor | None, verified: VerifyTensors | None) -> StepCommit:
+        """What the step committed, on the device (no host sync), for a model drafter: every
+        sequence that got a token (the sampled ones, fork siblings included, then the
+        verified ones), the row of its last committed position and the token after it, and
+        for every row the token at its position + 1 where the step knows it."""
         row_of = {seq.req_id: b for b, seq in enumerate(plan.seqs)}
         parent_of = {child: seq.req_id for seq in plan.seqs for child in seq.fork_ids}
-        anchors, lasts = [], []
+        q = ctx.query_start_loc
+        # Within a sequence, row i's next token is row i + 1's input; a chunk that does not
+        # reach the end of the known tokens ends on the next prompt token.
+        next_ids = torch.cat([input_ids[1:], input_ids[:1]])                              # [T]
+        tail_rows, tail_ids = [], []
+        for b, seq in enumerate(plan.seqs):
+            if not seq.sample:
+                state = self.requests[seq.req_id]
+                known = state.prompt_token_ids + state.output_token_ids
+                tail_rows.append(q[b + 1] - 1)
+                tail_ids.append(known[seq.start_pos + len(seq.token_ids)])
+        if tail_rows:
+            next_ids[self._indices(tail_rows)] = self._indices(tail_ids)
+        last_rows, anchors = [], []
         if sampled is not None:
-            # One token each, after the last token fed (a fork sibling's position is its parent's).
+            # One token each, after the last row fed (a fork sibling's row is its parent's).
+            rows = self._indices([q[row_of[parent_of.get(r, r)] + 1] - 1 for r in handle.sampled_ids])
+            own = [i for i, r in enumerate(handle.sampled_ids) if r not in parent_of]
+            next_ids[rows[own]] = sampled[own]
+            last_rows.append(rows)
             anchors.append(sampled)
-            seqs = [plan.seqs[row_of[parent_of.get(r, r)]] for r in handle.sampled_ids]
-            lasts.append(to_device([sq.start_pos + len(sq.token_ids) - 1 for sq in seqs], torch.long, self.device))
         if verified is not None:
-            # The last committed token, after the accepted drafts: rows offset + num_tokens - 1.
-            last_row = to_device(handle.verified_offsets, torch.long, self.device) + verified.num_tokens - 1
-            anchors.append(verified.rows.token_ids.index_select(0, last_row))
-            starts = to_device([plan.seqs[row_of[r]].start_pos for r in handle.verified_ids], torch.long, self.device)
-            lasts.append(starts + verified.num_tokens - 1)
-        ids = handle.sampled_ids + handle.verified_ids
-        states = [self.requests[r] for r in ids]
-        drafts = drafter.propose(ids, [st.params for st in states], [st.stream_index for st in states],
-                                 torch.cat(anchors), torch.cat(lasts),
-                                 [row_of[parent_of.get(r, r)] for r in ids], ctx, self.sampler.generator)
-        handle.draft_ids = ids
-        handle.drafts = copy_to_host(drafts)
+            # Row j of a verified sequence is followed by its committed token j; its last committed
+            # position is row num_tokens - 1, followed by the target's own token.
+            first = [q[row_of[r]] for r in handle.verified_ids]
+            spans = [(first[i], handle.verified_offsets[i], seq_len) for i, seq_len in
+                     enumerate(len(plan.seqs[row_of[r]].token_ids) for r in handle.verified_ids)]
+            dst = self._indices([f + j for f, _, n in spans for j in range(n)])
+            src = self._indices([o + j for _, o, n in spans for j in range(n)])
+            next_ids[dst] = verified.rows.token_ids[src]
+            last = self._indices(first) + verified.num_tokens - 1
+            last_rows.append(last)
+            anchors.append(verified.rows.token_ids[self._indices(handle.verified_offsets) + verified.num_tokens - 1])
+        req_ids = handle.sampled_ids + handle.verified_ids
+        states = [self.requests[r] for r in req_ids]
+        return StepCommit(req_ids=req_ids, params=[st.params for st in states],
+                          stream_indices=[st.stream_index for st in states],
+                          table_rows=[row_of[parent_of.get(r, r)] for r in req_ids],
+                          last_rows=torch.cat(last_rows), anchors=torch.cat(anchors), next_ids=next_ids)
 
     def _fill_placeholders(self, input_ids: torch.Tensor, query_start_loc: list[int],
                            seqs: list[ScheduledSeq]) -> None:

@@ -23,12 +23,16 @@ decides how many tokens a step commits. Two kinds:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from deepinfer.config import SpeculativeConfig
+from deepinfer.forward_context import ForwardContext
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.ngram import propose_ngram
 
 
@@ -55,8 +59,25 @@ class NgramDrafter(Drafter):
         return propose_ngram(token_ids, self.min_n, self.max_n, self.max_draft)
 
 
+@dataclass
+class StepCommit:
+    """What one step committed, on the device, for a :class:`ModelDrafter`: B sequences that
+    got tokens (in this order), T rows of the step's flattened batch."""
+
+    req_ids: list[str]
+    params: list[SamplingParams]
+    stream_indices: list[int]
+    table_rows: list[int]         # each one's row in the step's block tables (a fork sibling: its parent's)
+    last_rows: torch.Tensor       # [B] int64 the row of its last committed position s
+    anchors: torch.Tensor         # [B] int64 the token it committed last (position s + 1, not fed yet)
+    next_ids: torch.Tensor        # [T] int64 each row's next token (at position + 1) where known:
+                                  # the next input row, the committed tokens, the anchors
+
+
 class ModelDrafter(ABC):
-    """A drafter that runs on the device inside the step (see the module docstring)."""
+    """A drafter that runs on the device inside the step (see the module docstring). Per step
+    the runner calls :meth:`forward` (instead of the model's own) and, when tokens were
+    committed, :meth:`propose`."""
 
     max_draft: int
 
@@ -64,6 +85,19 @@ class ModelDrafter(ABC):
     def kv_cache_layers(self) -> list[nn.Module]:
         """Its cache layers (each with a ``kv_spec``; the runner binds ``kv_cache`` and
         ``group_id`` as for the model's layers)."""
+
+    @abstractmethod
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, ctx: ForwardContext,
+                select: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """The target's forward of the step, as ``model.forward_rows(input_ids, ctx, select)``
+        (hidden states of the selected rows), keeping what the drafter reads of it; returns
+        them and a state handed to :meth:`propose`. May write the drafter's cache rows."""
+
+    @abstractmethod
+    def propose(self, state: Any, commit: StepCommit, ctx: ForwardContext,
+                generator: torch.Generator) -> torch.Tensor:
+        """Drafts [B, max_draft] int64 (device) for the committed sequences, in ``commit``'s
+        order; no host sync. Keeps sampled drafts' distributions for :meth:`draft_probs`."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[max_draft, V] the distributions the sequence's last drafts were drawn from, or

@@ -3,19 +3,18 @@ inside each step, its context rows kept in the engine's paged KV cache.
 
 Per step (the runner calls these in order):
 
-1. :meth:`DSparkEngineDrafter.capture` — before the target's forward: keep the target
-   features of every row. Every position gets its context rows, not only the last window
-   a proposal reads: a cached block must hold them wherever another request's hit may end
-   (it costs ``main_proj`` and one ``wkv`` per stage a token, about 1% of the target's
-   prefill work at V4.1-Flash widths). Under bounded replay, positions before a sequence's
-   replay start get rows of zero features; no proposal reads them (prefix hits stop at
-   the replay start, which lies at least a window before the prompt's end);
-2. :meth:`DSparkEngineDrafter.store` — after it: each stage's context row of those
-   positions, written at the positions' slots of the drafter's window group, exactly as a
-   target layer writes its window rows. Rows of drafts the verification then rejects are
-   overwritten when their positions are computed again; no proposal reads past the last
-   committed position, so nothing is rolled back;
-3. :meth:`DSparkEngineDrafter.propose` — after sampling or verification: for each sampled
+1. :meth:`DSparkEngineDrafter.forward` — the target's forward, keeping the target
+   features of every row, then each stage's context row of every position of the step,
+   written at the position's slot of the drafter's window group, exactly as a target layer
+   writes its window rows. Rows of drafts the verification then rejects are overwritten
+   when their positions are computed again; no proposal reads past the last committed
+   position, so nothing is rolled back. Every position gets its rows, not only the last
+   window a proposal reads: a cached block must hold them wherever another request's hit
+   may end (it costs ``main_proj`` and one ``wkv`` per stage a token, about 1% of the
+   target's prefill work at V4.1-Flash widths). Under bounded replay, positions before a
+   sequence's replay start get rows of zero features; no proposal reads them (prefix hits
+   stop at the replay start, which lies at least a window before the prompt's end);
+2. :meth:`DSparkEngineDrafter.propose` — after sampling or verification: for each sampled
    sequence, the block ``[a, noise, ...]`` at its last committed position ``s`` + 1, where
    ``a`` is the token the step just committed last, over its context rows of positions
    ``s - W + 1 .. s`` gathered from the cache. Drafts go to the host with the step's
@@ -33,7 +32,7 @@ by (seed, sample index, ``s``), a position no earlier round of the request draft
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,7 +43,7 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.models.dspark import DraftSampling, DSparkDrafter, window_positions
 from deepinfer.runner.sampler import stream_seed
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.drafter import ModelDrafter
+from deepinfer.spec.drafter import ModelDrafter, StepCommit
 from deepinfer.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -73,14 +72,6 @@ class DSparkContextCache(nn.Module):
         """rows [R, S, D] at flat slots [R]. (A page is strided: no flat view of the slots.)"""
         bs = self.kv_cache.shape[1]
         self.kv_cache[slots // bs, slots % bs, 0] = rows.to(self.kv_cache.dtype)
-
-
-@dataclass
-class DSparkStep:
-    """What one step's capture asked for."""
-
-    rows: torch.Tensor          # [R] int64 rows of the flattened batch whose features are kept
-    features: object            # models.deepseek_v41.FeatureCapture
 
 
 class DSparkEngineDrafter(ModelDrafter):
@@ -120,41 +111,38 @@ class DSparkEngineDrafter(ModelDrafter):
         self._probs.pop(req_id, None)
 
     # -- a step ------------------------------------------------------------------------
-    def capture(self, ctx: ForwardContext, hidden_size: int, dtype: torch.dtype) -> DSparkStep:
-        """Before the forward: keep the target features of every row of the step."""
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, ctx: ForwardContext,
+                select: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, None]:
+        """The target's forward keeping the features of every row, then each stage's context
+        rows of the step's positions written into the cache."""
         from deepinfer.models.deepseek_v41 import FeatureCapture
 
-        idx = torch.arange(ctx.positions.shape[0], device=ctx.positions.device)
-        return DSparkStep(idx, FeatureCapture.new(self.module.cfg.target_layer_ids, idx, hidden_size, dtype))
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        capture = FeatureCapture.new(self.module.cfg.target_layer_ids, rows, self.module.cfg.hidden_size,
+                                     self.module.main_proj.weight.dtype)
+        hidden = model.forward_rows(input_ids, ctx, select, capture=capture)
+        context = self.module.context_kv(capture.out, ctx.positions)                        # [S, T, D]
+        self.cache.write(ctx.groups[self.cache.group_id].slot_mapping, context.transpose(0, 1))
+        return hidden, None
 
-    def store(self, step: DSparkStep, ctx: ForwardContext) -> None:
-        """After the forward: each stage's context row of the captured positions, into the cache."""
-        if step.rows.numel() == 0:
-            return
-        positions = ctx.positions.index_select(0, step.rows)                              # [R]
-        rows = self.module.context_kv(step.features.out, positions)                       # [S, R, D]
-        slots = ctx.groups[self.cache.group_id].slot_mapping.index_select(0, step.rows)  # [R]
-        self.cache.write(slots, rows.transpose(0, 1))
-
-    def propose(self, req_ids: list[str], params: list[SamplingParams], stream_indices: list[int],
-                anchors: torch.Tensor, last_positions: torch.Tensor, table_rows: list[int],
-                ctx: ForwardContext, generator: torch.Generator) -> torch.Tensor:
-        """Drafts [B, max_draft] for B sampled sequences (device): ``anchors`` [B] the token each
-        committed last (at position ``last_positions`` [B] + 1), ``table_rows``: each one's row
-        in the step's block tables (a fork sibling reads its parent's). Keeps the sampled
-        rows' draft distributions for the next verification."""
-        dev = anchors.device
+    def propose(self, state: None, commit: StepCommit, ctx: ForwardContext,
+                generator: torch.Generator) -> torch.Tensor:
+        """Drafts [B, max_draft] from each committed sequence's last token over its context
+        rows (gathered from the cache). Keeps the sampled rows' draft distributions."""
+        dev = commit.anchors.device
+        last_positions = ctx.positions.index_select(0, commit.last_rows)                  # [B] s
         positions, valid = window_positions(last_positions, self.window)                 # [B, W]
         group = ctx.groups[self.cache.group_id]
         bs = group.block_size
-        tables = group.block_table.index_select(0, to_device(table_rows, torch.long, dev))   # [B, blocks]
+        tables = group.block_table.index_select(0, to_device(commit.table_rows, torch.long, dev))  # [B, blocks]
         blocks = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1)).long()  # [B, W]
-        slots = blocks * bs + positions % bs                                              # [B, W]
-        context = self.cache.read(slots)                                                  # [B, W, S, D]
+        context = self.cache.read(blocks * bs + positions % bs)                          # [B, W, S, D]
         valid = valid & (blocks > 0)                                                      # freed or unheld: null block
-        sampling = self._sampling(params, stream_indices, last_positions, generator, dev)
-        proposal = self.module.propose(anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid, sampling)
-        for i, (req_id, p) in enumerate(zip(req_ids, params)):
+        params = commit.params
+        sampling = self._sampling(params, commit.stream_indices, last_positions, generator, dev)
+        proposal = self.module.propose(commit.anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid,
+                                       sampling)
+        for i, (req_id, p) in enumerate(zip(commit.req_ids, params)):
             if p.greedy:
                 self._probs.pop(req_id, None)
             else:
@@ -171,7 +159,7 @@ class DSparkEngineDrafter(ModelDrafter):
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
         if seeded:
             noise = torch.empty(len(params), cfg.block_size, v, device=dev).exponential_(generator=generator)
-            starts = last_positions.tolist()
+            starts = last_positions.tolist()     # a host sync, for seeded sampled requests only
             for i in seeded:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], starts[i]) ^ _DRAFT_DOMAIN)
