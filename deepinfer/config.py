@@ -323,7 +323,12 @@ class SpeculativeConfig:
     DSpark module of a DeepSeek-V4/V4.1 checkpoint) or ``mtp`` (a DeepSeek-V3 MTP layer,
     chained). ``num_speculative_tokens`` None takes DEEPINFER_USE_NEXTN_DECODE (env.py).
     ``varlen`` (None: DEEPINFER_ENABLE_MTP_VARLEN): verify a confidence-scheduled prefix of
-    each draft instead of all of it; it needs a drafter with confidences.
+    each draft instead of all of it (spec/scheduling.py); it needs a drafter with
+    confidences. ``sps_table``: the target's steps per second at token batch sizes B,
+    ``((B, sps), ...)`` ascending, for the varlen scheduler; None: profiled when the engine
+    starts. ``confidence_temperatures``: per draft position, the temperature T_k of
+    sequential temperature scaling (``scheduling.fit_sts``) applied to the drafter's
+    confidence logits (c_k = sigmoid(l_k / T_k)); None: the raw confidences.
     """
 
     method: str = "ngram"
@@ -331,6 +336,8 @@ class SpeculativeConfig:
     varlen: bool | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    sps_table: tuple[tuple[int, float], ...] | None = None
+    confidence_temperatures: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -352,6 +359,18 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config {name}={v!r} must be an int >= 1")
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+        if self.sps_table is not None:
+            from deepinfer.spec.scheduling import SPSTable
+
+            table = tuple((int(b), float(sps)) for b, sps in self.sps_table)
+            SPSTable(table)                  # validates
+            object.__setattr__(self, "sps_table", table)
+        if self.confidence_temperatures is not None:
+            temps = tuple(float(t) for t in self.confidence_temperatures)
+            if len(temps) != n or any(not t > 0 for t in temps):
+                raise ValueError(f"speculative_config confidence_temperatures={list(temps)} must hold "
+                                 f"num_speculative_tokens={n} positive values")
+            object.__setattr__(self, "confidence_temperatures", temps)
         if self.varlen and self.method == "ngram":
             raise ValueError("speculative_config varlen=True (DEEPINFER_ENABLE_MTP_VARLEN=1) schedules drafts by "
                              "the drafter's confidences; method='ngram' has none: use method='dspark'")

@@ -56,8 +56,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     error: str | None = None
-    # Speculative decoding: draft tokens proposed for the next step (dropped on preemption).
+    # Speculative decoding: draft tokens proposed for the next step (dropped on preemption),
+    # and where the drafter has them their confidences (varlen verification schedules by them).
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_confidences: list[float] = field(default_factory=list)
     # Siblings (n > 1) waiting to be forked when this sequence's prefill completes.
     fork_children: list["Request"] = field(default_factory=list)
     # Accumulated results.

@@ -45,6 +45,7 @@ from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups, kv_bytes_per_token, page_bytes
 from deepinfer.scheduler.plan import StepPlan
 from deepinfer.scheduler.scheduler import Scheduler
+from deepinfer.spec.scheduling import SPSTable
 from deepinfer.structured.base import CompiledGrammar, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class Engine:
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
                                    replay_keep_tokens=replay_keep,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   varlen_sps=self._varlen_sps() if spec and spec.varlen else None)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -135,6 +137,23 @@ class Engine:
         logger.info("KV cache: %d blocks of %d B, groups %s; %.1f B per token of context, plus up to "
                     "%.1f KiB per sequence in sliding windows", num_blocks, page_bytes(groups),
                     [(g.kind, len(g.layer_ids), g.block_size) for g in groups], per_token, per_sequence / 1024)
+
+    def _varlen_sps(self) -> SPSTable:
+        """Varlen verification's steps-per-second table: the configured one, or profiled now
+        over token batch sizes 1, 2, 4, ... up to what a step of max_num_seqs sequences with
+        full drafts holds (capped by max_num_batched_tokens)."""
+        spec = self.config.speculative
+        if not self.runner.drafter_has_confidences:
+            raise ValueError(f"speculative_config varlen=True: the {spec.method} drafter has no confidences "
+                             "to schedule by")
+        if spec.sps_table is not None:
+            return SPSTable(spec.sps_table)
+        sched = self.config.scheduler
+        top = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + spec.num_speculative_tokens))
+        sizes = sorted({min(top, 1 << i) for i in range(top.bit_length() + 1)})
+        table = self.runner.profile_steps_per_second(sizes, 1 + spec.num_speculative_tokens)
+        logger.info("varlen verification: steps per second by token batch size %s", table.points)
+        return table
 
     # -- intake -------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -20,6 +20,8 @@ scheduling decisions (scheduler/), model math (models/, layers/), sampling math
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ from deepinfer.runner.sampler import (
     prompt_logprobs,
 )
 from deepinfer.spec.drafter import Drafter, ModelDrafter, StepCommit, make_drafter
+from deepinfer.spec.scheduling import SPSTable
 from deepinfer.spec.verify import VerifyTensors, verify
 from deepinfer.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
@@ -93,6 +96,7 @@ class StepHandle:
     # A model drafter's proposals: the req ids and their drafts [B, max_draft] (host copy).
     draft_ids: list[str] = field(default_factory=list)
     drafts: torch.Tensor | None = None
+    confidences: torch.Tensor | None = None              # [B, max_draft], when the drafter has them
     start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
@@ -199,6 +203,34 @@ class ModelRunner:
             layers += self.drafter.kv_cache_layers()
         return layers
 
+    @property
+    def drafter_has_confidences(self) -> bool:
+        """The drafter reports draft confidences (varlen verification needs them)."""
+        return isinstance(self.drafter, ModelDrafter) and self.drafter.has_confidences
+
+    @torch.inference_mode()
+    def profile_steps_per_second(self, sizes: list[int], seq_len: int, repeats: int = 3) -> SPSTable:
+        """The target's forward rate at each token batch size in ``sizes``: batches of
+        sequences of ``seq_len`` new tokens (a verification's shape; the last one shorter),
+        without a KV cache, the median of ``repeats`` timed forwards after one untimed."""
+        points = []
+        for n in sizes:
+            lens = [seq_len] * (n // seq_len) + ([n % seq_len] if n % seq_len else [])
+            ids = torch.randint(0, self.config.model.vocab_size, (n,), device=self.device)
+            times = []
+            for i in range(repeats + 1):
+                ctx = ForwardContext.no_cache(lens, self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                self.model.compute_logits(self.model(ids, ctx)[-len(lens):])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            points.append((n, 1.0 / statistics.median(times)))
+        return SPSTable(tuple(points))
+
     # -- CUDA graphs -------------------------------------------------------------
     def _why_no_cuda_graphs(self) -> str | None:
         """Why decode steps may not be captured in CUDA graphs, or None when they may."""
@@ -278,6 +310,8 @@ class ModelRunner:
                     drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator)
                     handle.draft_ids = commit.req_ids
                     handle.drafts = copy_to_host(drafts)
+                    confidence = drafting.confidences()
+                    handle.confidences = None if confidence is None else copy_to_host(confidence)
         if self.device.type == "cuda":
             handle.end = torch.cuda.Event(enable_timing=True)
             handle.end.record()
@@ -442,10 +476,13 @@ class ModelRunner:
         if handle.verified is not None:
             self._finish_verified(handle, result)
         if handle.drafts is not None:
-            for req_id, drafts in zip(handle.draft_ids, handle.drafts.tolist()):
+            confidences = None if handle.confidences is None else handle.confidences.tolist()
+            for i, (req_id, drafts) in enumerate(zip(handle.draft_ids, handle.drafts.tolist())):
                 tok = result.sampled.get(req_id)
                 if tok is not None and tok.error is None and self.requests[req_id].matcher is None:
                     result.draft_token_ids[req_id] = drafts
+                    if confidences is not None:
+                        result.draft_confidences[req_id] = confidences[i]
         elif isinstance(self.drafter, Drafter):
             self._propose(result)
         return result

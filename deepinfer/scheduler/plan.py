@@ -88,8 +88,10 @@ class StepResult:
     # Speculative decoding: req_id -> its accepted draft tokens, committed before its
     # ``sampled`` token (the target's own: a correction, or the bonus when all passed).
     accepted: dict[str, list[SampledToken]] = field(default_factory=dict)
-    # req_id -> draft tokens proposed for its next step (speculative decoding).
+    # req_id -> draft tokens proposed for its next step (speculative decoding), and where the
+    # drafter has them, each draft's confidence (P(survives | the drafts before it did)).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidences: dict[str, list[float]] = field(default_factory=dict)
     # req_id -> prompt logprobs computed for this chunk's rows.
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     # Device time (ms) between the previous step's last kernel and this step's first, and

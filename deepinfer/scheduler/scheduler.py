@@ -46,7 +46,9 @@ accepted drafts and the target's own next token are appended (stopping at the fi
 ends the sequence) and ``num_computed_tokens`` falls back to the tokens actually committed:
 the rejected drafts' KV entries stay in held blocks and are overwritten by position, so
 nothing else rolls back. Every step with speculation is synchronous (the next plan needs to
-know how many tokens were accepted).
+know how many tokens were accepted). With varlen verification (``varlen_sps``), each
+decoding sequence verifies the prefix of its drafts that DSpark's hardware-aware scheduler
+picks from the drafts' confidences (``_varlen_lengths``); otherwise all of them.
 
 Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 ``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
@@ -60,6 +62,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
+import numpy as np
+
 from deepinfer.config import SchedulerConfig
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler.kv_cache import KVCacheManager
@@ -71,6 +75,8 @@ from deepinfer.scheduler.plan import (
     StepPlan,
     StepResult,
 )
+from deepinfer.spec.scheduling import SPSTable
+from deepinfer.spec.scheduling import schedule as schedule_drafts
 from deepinfer.spec.stats import SpecDecodingStats
 from deepinfer.structured.base import CompiledGrammar
 
@@ -78,10 +84,13 @@ from deepinfer.structured.base import CompiledGrammar
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, varlen_sps: SPSTable | None = None) -> None:
         self.config = config
-        # Speculative decoding: the most draft tokens a sequence verifies per step (0: off).
+        # Speculative decoding: the most draft tokens a sequence verifies per step (0: off),
+        # and with varlen verification the target's steps per second by token batch size.
         self.num_speculative_tokens = num_speculative_tokens
+        self.varlen_sps = varlen_sps
+        self._draft_budget: dict[str, int] = {}     # varlen: req_id -> drafts this plan verifies
         self.spec_stats = SpecDecodingStats()
         self.kv = kv
         self.max_model_len = max_model_len
@@ -179,6 +188,8 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         new_requests: list[NewRequestData] = []
         preempted = stalled = False
+        if self.varlen_sps is not None:
+            self._draft_budget = self._varlen_lengths()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -264,11 +275,33 @@ class Scheduler:
         leave after the token the target adds."""
         if not req.spec_token_ids:
             return 0
+        if self.varlen_sps is not None:
+            budget = min(budget, 1 + self._draft_budget.get(req.request_id, 0))
         room = min(budget, self.max_model_len - req.num_tokens) - 1
         p = req.params
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - req.num_output_tokens - 1)
         return max(0, min(len(req.spec_token_ids), room))
+
+    def _varlen_lengths(self) -> dict[str, int]:
+        """Varlen verification: how many of its drafts each decoding sequence verifies, by the
+        hardware-aware prefix scheduler (spec/scheduling.py, with its early stop) over the
+        drafts' confidences and the SPS table. The batch it sizes is the decoding sequences'
+        tokens; prefill chunks sharing the step are not counted."""
+        decoding = [r for r in self.running
+                    if r.spec_confidences and r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return {}
+        conf = np.zeros((len(decoding), self.num_speculative_tokens))            # [R, γ]
+        for i, r in enumerate(decoding):
+            c = r.spec_confidences[:self.num_speculative_tokens]
+            conf[i, :len(c)] = c
+        lengths = schedule_drafts(conf, self.varlen_sps)
+        return {r.request_id: int(n) for r, n in zip(decoding, lengths)}
+
+    def _take_drafts(self, req: Request, result: StepResult) -> None:
+        req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
+        req.spec_confidences = result.draft_confidences.get(req.request_id, [])
 
     def _ends_on_pending(self, req: Request, pending: int) -> bool:
         """The token(s) still in flight surely end ``req`` by length: nothing more to plan."""
@@ -376,10 +409,10 @@ class Scheduler:
                     continue
                 self._fork(req, child, done)
                 self._append(child, result.sampled[child_id])
-                child.spec_token_ids = result.draft_token_ids.get(child_id, [])
+                self._take_drafts(child, result)
                 touched.append(child)
             self._append(req, result.sampled[req.request_id])
-            req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
+            self._take_drafts(req, result)
             touched.append(req)
         return touched
 
@@ -395,7 +428,7 @@ class Scheduler:
         done = seq.start_pos + len(seq.token_ids) - seq.num_draft + len(accepted)
         req.num_computed_tokens = done
         self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
-        req.spec_token_ids = result.draft_token_ids.get(req.request_id, [])
+        self._take_drafts(req, result)
 
     def fail(self, plan: StepPlan, error: str) -> None:
         """Land a launched plan whose step failed: its sequences end with ``error``."""
@@ -459,7 +492,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         assert req.request_id not in self._in_flight, f"{req.request_id} is preempted while in flight"
         self.kv.free(req.request_id)
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_confidences = [], []
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1

@@ -80,6 +80,7 @@ class ModelDrafter(ABC):
     committed, :meth:`propose`."""
 
     max_draft: int
+    has_confidences: bool = False    # :meth:`confidences` gives values
 
     @abstractmethod
     def kv_cache_layers(self) -> list[nn.Module]:
@@ -102,6 +103,12 @@ class ModelDrafter(ABC):
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[max_draft, V] the distributions the sequence's last drafts were drawn from, or
         None when they were picked deterministically (greedy)."""
+        return None
+
+    def confidences(self) -> torch.Tensor | None:
+        """[B, max_draft] float32 of the last :meth:`propose`: the probability that draft k
+        survives given drafts 0..k-1 did (what varlen verification schedules by), or None
+        when the drafter has no confidence head."""
         return None
 
     def remove(self, req_id: str) -> None:

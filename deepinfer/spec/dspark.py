@@ -75,6 +75,8 @@ class DSparkContextCache(nn.Module):
 
 
 class DSparkEngineDrafter(ModelDrafter):
+    has_confidences = True
+
     def __init__(self, config: SpeculativeConfig, module: DSparkDrafter) -> None:
         self.module = module
         cfg = module.cfg
@@ -86,6 +88,10 @@ class DSparkEngineDrafter(ModelDrafter):
         dtype = module.main_proj.weight.dtype
         self.cache = DSparkContextCache(cfg.num_stages, cfg.head_dim, cfg.window, dtype)
         self._probs: dict[str, torch.Tensor] = {}        # req_id -> [max_draft, V] of sampled drafts
+        self._confidence: torch.Tensor | None = None      # [B, max_draft] of the last proposal
+        temps = config.confidence_temperatures
+        self._temperatures = None if temps is None else torch.tensor(temps[:self.max_draft], dtype=torch.float32,
+                                                                    device=module.main_proj.weight.device)
 
     @classmethod
     def for_model(cls, config: SpeculativeConfig, model: nn.Module) -> "DSparkEngineDrafter":
@@ -109,6 +115,9 @@ class DSparkEngineDrafter(ModelDrafter):
 
     def remove(self, req_id: str) -> None:
         self._probs.pop(req_id, None)
+
+    def confidences(self) -> torch.Tensor | None:
+        return self._confidence
 
     # -- a step ------------------------------------------------------------------------
     def forward(self, model: nn.Module, input_ids: torch.Tensor, ctx: ForwardContext,
@@ -142,6 +151,8 @@ class DSparkEngineDrafter(ModelDrafter):
         sampling = self._sampling(params, commit.stream_indices, last_positions, generator, dev)
         proposal = self.module.propose(commit.anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid,
                                        sampling)
+        logits = proposal.confidence_logits[:, :self.max_draft]                           # [B, max_draft]
+        self._confidence = torch.sigmoid(logits if self._temperatures is None else logits / self._temperatures)
         for i, (req_id, p) in enumerate(zip(commit.req_ids, params)):
             if p.greedy:
                 self._probs.pop(req_id, None)

@@ -264,3 +264,28 @@ def test_seeded_sampling_with_speculation_is_reproducible(method):
     assert outs[0].outputs[0].token_ids == alone
     assert run(llm, prompts[:1], seeded)[0].outputs[0].token_ids == alone
     assert llm.engine.scheduler.spec_stats.num_drafts > 0
+
+
+@pytest.mark.parametrize("sps_table", [((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0)), None],
+                         ids=["given", "profiled"])
+def test_dspark_varlen_verification(sps_table):
+    """Confidence-scheduled verification: each request verifies the prefix of its drafts the
+    hardware-aware scheduler picks (here a steep SPS table trims them), and greedy output
+    is still the reference's. Without a table, the engine profiles one at start."""
+    expected, prompts = reference_prompts()
+    llm = LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              speculative_config={"method": "dspark", "num_speculative_tokens": 4, "varlen": True,
+                                  "sps_table": sps_table})
+    out = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in out] == expected["greedy_noquant"].tolist()
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0
+    if sps_table is not None:
+        assert stats.num_draft_tokens < 4 * stats.num_drafts          # some drafts were trimmed
+    else:
+        assert llm.engine.scheduler.varlen_sps.points[0][0] == 1
+
+
+def test_varlen_needs_confidences():
+    with pytest.raises(ValueError, match="varlen"):
+        LLM(device="cpu", speculative_config={"method": "ngram", "varlen": True})
