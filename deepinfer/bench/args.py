@@ -127,3 +127,5 @@ def add_multiturn_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-len", type=int, default=64, help="tokens of each answer (EOS ignored)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (prefix-hit granularity)")
     p.add_argument("--settings", default="on,off", help="prefix caching settings to run, in order")
+    p.add_argument("--warmup-conversations", type=int, default=None,
+                   help="whole conversations run untimed first (default: all of them on a GPU, 4 on the CPU)")

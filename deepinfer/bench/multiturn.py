@@ -8,8 +8,10 @@ engine generated for it) plus a new question of ``--question-len`` tokens; the a
 ``--answer-len`` tokens (EOS ignored). A conversation sends its next turn as soon as its
 answer is complete, so the engine always holds one request per open conversation.
 
-Each setting first runs a warm-up of a few whole conversations of the same lengths on other
-tokens (compilation and graph capture outside the timed run), then empties the prefix cache.
+Each setting first runs a warm-up of whole conversations of the same lengths on other tokens
+(``--warmup-conversations``: by default all of them on a GPU, so that every batch shape of
+the timed run, which Triton specialises kernels on, is compiled and captured before it; 4 on
+the CPU, which compiles nothing), then empties the prefix cache.
 Reported per setting (caching on, then off, each on a fresh engine with the same weights
 and workload): time to first token (mean, median, p90, p99) over all turns and per turn,
 prefix-hit rate (cached prompt tokens / prompt tokens, from ``num_cached_tokens``),
@@ -30,8 +32,8 @@ from deepinfer.bench.common import (BenchModel, build_engine, free_memory, heade
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
 
-# Conversations of the warm-up pass (whole ones, the timed run's lengths).
-WARMUP_CONVERSATIONS = 4
+# Conversations of the warm-up pass on the CPU (whole ones, the timed run's lengths).
+CPU_WARMUP_CONVERSATIONS = 4
 
 
 def _workload(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -110,12 +112,15 @@ def run_multiturn(args: argparse.Namespace) -> dict[str, Any]:
         engine = build_engine(model, args, max_num_seqs=args.conversations, max_num_batched_tokens=budget,
                               max_model_len=longest + 1, enable_prefix_caching=setting == "on",
                               block_size=args.block_size)
-        # Warm-up: a few whole conversations of the same shape on other tokens, so that kernels
-        # are compiled (Triton specialises on sizes) and graphs captured for the lengths and
-        # hit positions the timed run meets; then the prefix cache is emptied.
+        # Warm-up: whole conversations of the same shape on other tokens, so that kernels are
+        # compiled (Triton specialises on sizes) and graphs captured for the lengths, batch
+        # sizes and hit positions the timed run meets; then the prefix cache is emptied.
         vocab = int(model.hf_config["vocab_size"])
         shifted = [(t + 1) % vocab for t in system]
-        warm = [[[(t + 1) % vocab for t in q] for q in conv] for conv in questions[:WARMUP_CONVERSATIONS]]
+        count = args.warmup_conversations
+        if count is None:
+            count = args.conversations if model.device.type == "cuda" else CPU_WARMUP_CONVERSATIONS
+        warm = [[[(t + 1) % vocab for t in q] for q in conv] for conv in questions[:count]]
         run_conversations(engine, shifted, warm, args.answer_len)
         engine.kv.pool.reset_prefix_cache()
         run = run_conversations(engine, system, questions, args.answer_len)
