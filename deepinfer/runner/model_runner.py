@@ -346,11 +346,13 @@ class ModelRunner:
                 handle.verified_offsets.append(len(verify_rows))
                 num_draft.append(seq.num_draft)
                 draft_ids.append(drafts)
-                # Row j sees drafts 0..j-1 as output: penalties, min_tokens and seeds count them.
+                # Row j sees drafts 0..j-1 as output: penalties, min_tokens, seeds and the
+                # grammar (its matcher advanced over them) count them.
                 for j in range(seq.num_draft + 1):
                     verify_rows.append(r + j)
                     verify_sampling.append(SamplingRow(state.params, state.prompt_token_ids,
-                                                       state.output_token_ids + drafts[:j], state.stream_index))
+                                                       state.output_token_ids + drafts[:j], state.stream_index,
+                                                       grammar=state.matcher is not None))
                 r += seq.num_draft + 1
             elif seq.sample:
                 for req_id in [seq.req_id, *seq.fork_ids]:
@@ -367,7 +369,8 @@ class ModelRunner:
             if isinstance(self.drafter, ModelDrafter):
                 probs = [self.drafter.draft_probs(req_id) for req_id in handle.verified_ids]
             verified = verify(self.sampler, self._select(logits, verify_rows), verify_sampling,
-                              num_draft, draft_ids, self.config.speculative.num_speculative_tokens, probs)
+                              num_draft, draft_ids, self.config.speculative.num_speculative_tokens, probs,
+                              self._verification_bitmask(handle.verified_states, draft_ids))
             handle.verified = verified.to_host()
         else:
             verified = None
@@ -479,10 +482,15 @@ class ModelRunner:
             confidences = None if handle.confidences is None else handle.confidences.tolist()
             for i, (req_id, drafts) in enumerate(zip(handle.draft_ids, handle.drafts.tolist())):
                 tok = result.sampled.get(req_id)
-                if tok is not None and tok.error is None and self.requests[req_id].matcher is None:
+                if tok is None or tok.error is not None or tok.grammar_terminated:
+                    continue
+                matcher = self.requests[req_id].matcher
+                if matcher is not None:
+                    drafts = self._grammar_prefix(matcher, drafts)
+                if drafts:
                     result.draft_token_ids[req_id] = drafts
                     if confidences is not None:
-                        result.draft_confidences[req_id] = confidences[i]
+                        result.draft_confidences[req_id] = confidences[i][:len(drafts)]
         elif isinstance(self.drafter, Drafter):
             self._propose(result)
         return result
@@ -511,13 +519,15 @@ class ModelRunner:
             result.sampled[req_id] = tokens[-1]
 
     def _propose(self, result: StepResult) -> None:
-        """Drafts for every sequence that got a token, for its next step. Sequences with a
-        grammar get none: their bitmask rows would need the matcher advanced over the drafts."""
+        """Drafts for every sequence that got a token, for its next step (with a grammar: the
+        prefix of them it accepts)."""
         for req_id, tok in result.sampled.items():
             state = self.requests.get(req_id)
-            if state is None or state.matcher is not None or tok.error is not None:
+            if state is None or tok.error is not None or tok.grammar_terminated:
                 continue
             drafts = self.drafter.propose(req_id, state.prompt_token_ids + state.output_token_ids)
+            if state.matcher is not None:
+                drafts = self._grammar_prefix(state.matcher, drafts)
             if drafts:
                 result.draft_token_ids[req_id] = drafts
 
@@ -545,6 +555,38 @@ class ModelRunner:
             if not matcher.accept_token(tok):
                 raise RuntimeError(f"structured outputs: the grammar refused already generated token {tok}")
         return matcher
+
+    def _verification_bitmask(self, states: list[_RunnerRequest], drafts: list[list[int]]) -> torch.Tensor | None:
+        """The token bitmask of a verification's rows on the device (sequence r's rows
+        1 + len(drafts[r]); row j: its grammar after drafts 0..j-1, which the matcher accepts
+        and then rolls back), or None when no sequence has a grammar."""
+        if all(st.matcher is None for st in states):
+            return None
+        rows = sum(len(d) + 1 for d in drafts)
+        bitmask = allocate_token_bitmask(rows, self.config.model.vocab_size)
+        r = 0
+        for state, seq_drafts in zip(states, drafts):
+            matcher = state.matcher
+            if matcher is not None:
+                for j in range(len(seq_drafts) + 1):
+                    matcher.fill_bitmask(bitmask, r + j)
+                    if j < len(seq_drafts) and not matcher.accept_token(seq_drafts[j]):
+                        raise RuntimeError(f"structured outputs: draft token {seq_drafts[j]} was checked "
+                                           "against the grammar when proposed but is refused now")
+                matcher.rollback(len(seq_drafts))
+            r += len(seq_drafts) + 1
+        return bitmask.to(self.device)
+
+    @staticmethod
+    def _grammar_prefix(matcher: GrammarMatcher, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar accepts (the matcher is left as it was)."""
+        n = 0
+        for tok in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            n += 1
+        matcher.rollback(n)
+        return drafts[:n]
 
     def _token_bitmask(self, states: list[_RunnerRequest]) -> torch.Tensor | None:
         """The token bitmask of the sampled rows on the device ([N, ceil(V / 32)] int32), or

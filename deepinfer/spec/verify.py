@@ -44,7 +44,8 @@ class VerifyTensors:
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_draft: list[int],
            draft_token_ids: list[list[int]], max_draft: int,
-           draft_probs: list[torch.Tensor | None] | None = None) -> VerifyTensors:
+           draft_probs: list[torch.Tensor | None] | None = None,
+           token_bitmask: torch.Tensor | None = None) -> VerifyTensors:
     """Verify R sequences' drafts (see the module docstring).
 
     logits: [N, V'] with N = sum(1 + l_r); rows: N SamplingRows; num_draft: R ints l_r;
@@ -52,7 +53,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_
     distribution each draft was sampled from, or None for a deterministic draft (n-gram,
     greedy); None for all: every draft deterministic. ``max_draft``: the engine's longest
     draft (seeded rows draw that many uniforms whatever the batch's longest is, so their
-    draws do not depend on the other rows)."""
+    draws do not depend on the other rows). ``token_bitmask``: [N, ceil(V / 32)] int32, row i
+    applied where ``rows[i].grammar`` (the grammar after the drafts before that row).
+
+    With a grammar, the drafts were cut at the first one it refuses (the runner does, when
+    they are proposed), a choice that depends on the drafts themselves; verification stays
+    exact because a sampled draft's p_d is then taken as the drafter's distribution masked by
+    the grammar and renormalised: the distribution of the drafts that can reach verification."""
     dev = logits.device
     r_count, k = len(num_draft), max(num_draft)
     offsets = [0]
@@ -68,7 +75,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_
         best = tokens[idx]                                                                  # [R, K+1]
         _, num_tokens = rejection.greedy_verify(best, drafts, lengths)
         return VerifyTensors(SampleTensors(tokens, sampled, [], []), num_tokens)
-    p_t = sampler.target_probs(logits, rows)[idx]                                           # [R, K+1, V]
+    p_t = sampler.target_probs(logits, rows, token_bitmask)[idx]                            # [R, K+1, V]
     p_d = None
     if draft_probs is not None and any(p is not None for p in draft_probs):
         p_d = torch.zeros(r_count, k, p_t.shape[-1], dtype=torch.float32, device=dev)       # [R, K, V]
@@ -78,6 +85,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], num_
                 p_d[r, torch.arange(n, device=dev), drafts[r, :n]] = 1.0
             else:
                 p_d[r, :n] = probs[:n]
+        if token_bitmask is not None:
+            _mask_draft_probs(p_d, token_bitmask, rows, offsets, num_draft)
     uniforms, noise = _draws(sampler, [rows[offsets[r]] for r in range(r_count)], k, max_draft,
                              p_t.shape[-1], dev)
     committed, num_tokens = rejection.rejection_sample(p_t, p_d, drafts, lengths, uniforms, noise)  # [R, K+1], [R]
@@ -103,3 +112,19 @@ def _draws(sampler: Sampler, firsts: list[SamplingRow], k: int, max_draft: int, 
         idx = to_device(seeded, torch.long, device)
         uniforms[idx], noise[idx] = su[:, :k], sn
     return uniforms, noise
+
+
+def _mask_draft_probs(p_d: torch.Tensor, token_bitmask: torch.Tensor, rows: list[SamplingRow],
+                      offsets: list[int], num_draft: list[int]) -> None:
+    """p_d [R, K, V] of grammar sequences, in place: draft j's distribution restricted to the
+    tokens its row's grammar allows (verification row j: the state draft j was drawn in) and
+    renormalised."""
+    from deepinfer.structured.bitmask import apply_token_bitmask
+
+    for r, n in enumerate(num_draft):
+        if n == 0 or not rows[offsets[r]].grammar:
+            continue
+        sel = torch.arange(offsets[r], offsets[r] + n, device=p_d.device)
+        logp = p_d[r, :n].log().contiguous()                                             # [n, V]
+        apply_token_bitmask(logp, token_bitmask.index_select(0, sel), list(range(n)))
+        p_d[r, :n] = torch.softmax(logp, dim=-1)

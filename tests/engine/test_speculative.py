@@ -289,3 +289,27 @@ def test_dspark_varlen_verification(sps_table):
 def test_varlen_needs_confidences():
     with pytest.raises(ValueError, match="varlen"):
         LLM(device="cpu", speculative_config={"method": "ngram", "varlen": True})
+
+
+def test_structured_outputs_with_drafts():
+    """A grammar constrains every verification row (its matcher advanced over the drafts
+    before it, then rolled back), drafts are cut at the first token it refuses: greedy output
+    equals the engine's without drafts, and sampled output still matches the grammar."""
+    import re
+
+    from deepinfer.sampling_params import StructuredOutputsParams
+
+    pattern = r"(one two three )+(four|five)"
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = ["Count: one two three one two three", "List: one two"]
+    base = LLM(device="cpu")
+    want = [o.outputs[0].token_ids for o in base.generate(prompts, greedy, use_tqdm=False)]
+    spec = LLM(device="cpu", speculative_config=NGRAM)
+    got = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert spec.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    bounded = r"(one two three ){1,3}(four|five)"
+    sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=80,
+                             structured_outputs=StructuredOutputsParams(regex=bounded))
+    for out in spec.generate(prompts * 2, sampled, use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop" and re.fullmatch(bounded, out.outputs[0].text)
