@@ -120,7 +120,8 @@ class Engine:
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
                                    replay_keep_tokens=replay_keep,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                   num_lookahead_tokens=getattr(self.runner.drafter, "num_lookahead_tokens", 0))
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()

@@ -46,7 +46,9 @@ accepted drafts and the target's own next token are appended (stopping at the fi
 ends the sequence) and ``num_computed_tokens`` falls back to the tokens actually committed:
 the rejected drafts' KV entries stay in held blocks and are overwritten by position, so
 nothing else rolls back. Every step with speculation is synchronous (the next plan needs to
-know how many tokens were accepted).
+know how many tokens were accepted). A model drafter that writes cache slots past the fed
+tokens while proposing (the chained MTP drafter: ``num_lookahead_tokens``) gets blocks for
+them too when the pool has room; they are never worth a preemption.
 
 Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 ``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
@@ -78,10 +80,13 @@ from deepinfer.structured.base import CompiledGrammar
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0) -> None:
         self.config = config
         # Speculative decoding: the most draft tokens a sequence verifies per step (0: off).
         self.num_speculative_tokens = num_speculative_tokens
+        # Slots past a step's last fed token a model drafter writes while proposing (a chained
+        # drafter's later steps): held when the pool has room, never at the cost of a preemption.
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats = SpecDecodingStats()
         self.kv = kv
         self.max_model_len = max_model_len
@@ -230,7 +235,7 @@ class Scheduler:
             # Shrinking a new request's chunk to squeeze it in would only thrash the
             # running ones; it is done only when nothing runs.
             n = self._allocate(req, n) if not self.running else (
-                n if self.kv.allocate(req.request_id, hit, hit + n) else 0)
+                n if self._hold(req.request_id, hit, hit + n) else 0)
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
@@ -284,11 +289,19 @@ class Scheduler:
         that has not landed: the blocks that query reads stay held."""
         start = req.num_computed_tokens
         window_from = min([start, *self._in_flight.get(req.request_id, [])])
-        while not self.kv.allocate(req.request_id, window_from, start + n):
+        while not self._hold(req.request_id, window_from, start + n):
             if n == 1 or not self.config.enable_chunked_prefill:
                 return 0
             n //= 2
         return n
+
+    def _hold(self, req_id: str, num_computed: int, num_tokens: int) -> bool:
+        """``kv.allocate`` for ``num_tokens`` tokens, plus the drafter's lookahead slots when
+        the pool has room for them too (best effort: only the tokens decide success)."""
+        look = self.num_lookahead_tokens
+        if look and self.kv.allocate(req_id, num_computed, num_tokens + look):
+            return True
+        return self.kv.allocate(req_id, num_computed, num_tokens)
 
     def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData],
                    num_draft: int = 0) -> ScheduledSeq:
