@@ -80,13 +80,17 @@ from deepinfer.structured.base import CompiledGrammar
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
-                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0,
+                 prefix_hit_margin: int = 0) -> None:
         self.config = config
         # Speculative decoding: the most draft tokens a sequence verifies per step (0: off).
         self.num_speculative_tokens = num_speculative_tokens
         # Slots past a step's last fed token a model drafter writes while proposing (a chained
         # drafter's later steps): held when the pool has room, never at the cost of a preemption.
         self.num_lookahead_tokens = num_lookahead_tokens
+        # Positions before a prefix hit's end that the model drafter's rows make stale (they
+        # depend on the token after them): a hit stops before them.
+        self.prefix_hit_margin = prefix_hit_margin
         self.spec_stats = SpecDecodingStats()
         self.kv = kv
         self.max_model_len = max_model_len
@@ -225,7 +229,12 @@ class Scheduler:
             tokens = req.all_token_ids
             hit = 0
             if not req.wants_prompt_logprobs:
-                hit = self.kv.find_prefix_hit(req.request_id, tokens, self._max_prefix_hit(req))
+                cap = self._max_prefix_hit(req)
+                hit = self.kv.find_prefix_hit(req.request_id, tokens, cap)
+                if hit and self.prefix_hit_margin:
+                    # The drafter's rows just before the hit's end depend on the token after
+                    # them (the writer's): recompute them (a shorter hit, at its granularity).
+                    hit = self.kv.find_prefix_hit(req.request_id, tokens, hit - self.prefix_hit_margin)
             remaining = req.num_tokens - hit
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:

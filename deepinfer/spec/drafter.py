@@ -85,6 +85,9 @@ class ModelDrafter(ABC):
     # proposing (a chained drafter's later steps): the scheduler holds blocks for them when
     # the pool has room (best effort; without them those writes are skipped, see spec/mtp.py).
     num_lookahead_tokens: int = 0
+    # Trailing positions of a prefix-cache hit whose drafter rows depend on the token after the
+    # hit (which the writer's sequence chose): the scheduler stops a hit before them.
+    prefix_hit_margin: int = 0
 
     @abstractmethod
     def kv_cache_layers(self) -> list[nn.Module]:

@@ -35,6 +35,13 @@ MLA + MoE block (its own KV entry at ``i``) and predicts the token at ``i + 2``.
      reads the null block there: its drafts are poor, never wrong output (verification
      decides).
 
+Prefix-cache hits and preemption need nothing more: the MTP entries live in the same
+pages as the target's. One care: the entry at position ``i`` reads the token at ``i + 1``,
+so a hit's last entry was written with the *writer's* next token; the drafter asks the
+scheduler (``prefix_hit_margin`` = 1) to stop hits one position short (one hit step, at the
+cache's granularity), so that entry is recomputed with the reader's own token and drafts
+stay a function of the sequence alone.
+
 Cost: the context pass is one MTP layer over the step's rows (about 1/61 of V3's target
 work); the chain adds N - 1 sequential one-token MTP forwards and N LM-head projections
 ([B, V] each), so drafting cost grows linearly with N.
@@ -48,8 +55,6 @@ Known approximations (drafts only; output is exact whatever the drafts are):
 - Only module 0 is used. A checkpoint with several MTP modules (``num_nextn_predict_layers``
   > 1; DeepSeek's V3/R1/V3.1 ship one) would need a context pass per module to keep each
   module's KV in sync; the others are not run (a warning says so).
-- A prefix-cache hit of ``h`` tokens brings the MTP entry at ``h - 1``, written with the
-  writer's token at ``h``; when the reader's token at ``h`` differs, that one entry is stale.
 - A fork sibling (``n`` > 1) drafts in its first step from its parent's anchor (it shares
   the parent's row until the scheduler forks its blocks).
 - No embedding zeroing at position 0 (vLLM zeroes it; HF's MtpModel and
@@ -92,6 +97,8 @@ class MTPEngineDrafter(ModelDrafter):
         self.max_draft = config.num_speculative_tokens
         # Chain step k (2..N) writes position s + k - 1; the step fed up to at least s.
         self.num_lookahead_tokens = self.max_draft - 1
+        # The entry at the hit's last position depends on the token after it.
+        self.prefix_hit_margin = 1
         self.vocab_size = mtp.args.vocab_size
         self.attn = mtp.layers[self.MODULE].block.self_attn
         if len(mtp.layers) > 1:

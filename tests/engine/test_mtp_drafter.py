@@ -160,8 +160,9 @@ def reference_drafts(model, full: list[int], s: int, n: int) -> tuple[list[int],
 @pytest.mark.parametrize("settings", [SETTINGS["batched"], SETTINGS["chunked"]], ids=["batched", "chunked"])
 def test_mtp_drafts_equal_the_module_run_directly(v3_mtp_dir, settings):
     """Every proposal (its context rows written by the engine's steps into the paged cache,
-    through chunks, page boundaries and prefix hits; its chain over lookahead slots) equals
-    MTP module 0 chained by hand over cache-free forwards at the same position."""
+    through chunks, steps that commit nothing, page boundaries and prefix hits, also one that
+    ends where the sequences differ; its chain over lookahead slots) equals MTP module 0
+    chained by hand over cache-free forwards at the same position."""
     spec = LLM(model=str(v3_mtp_dir), device="cpu", speculative_config=MTP, **settings)
     drafter = spec.engine.runner.drafter
     seen: list[tuple[str, int, int, list[int]]] = []
@@ -176,9 +177,15 @@ def test_mtp_drafts_equal_the_module_run_directly(v3_mtp_dir, settings):
     drafter.propose = recording
     ps = prompts()
     lone = [[(5 * j + 1) % VOCAB for j in range(45)]]    # alone: its first chunks commit nothing
+    # Shares lone's first 20 tokens, then differs: a hit ending at 20 would bring an MTP entry
+    # (position 19) written with lone's token at 20.
+    variant = [lone[0][:20] + [(3 * j + 2) % VOCAB for j in range(10)]]
     full = {}
-    for batch in (ps, ps, lone):                         # the second run hits the prefix cache
-        full.update({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in run(spec, batch)})
+    for batch in (ps, ps, lone, variant):                # the second run hits the prefix cache
+        outs = run(spec, batch)
+        full.update({o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs})
+    if settings.get("block_size") == 4:                  # the hit stops a page short of 20
+        assert outs[0].num_cached_tokens == 16
     model = spec.engine.model
     checked = 0
     for req_id, s, anchor, drafts in seen:
