@@ -122,7 +122,9 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
                                    replay_keep_tokens=replay_keep,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                   varlen_sps=self._varlen_sps() if spec and spec.varlen else None)
+                                   varlen_sps=self._varlen_sps() if spec and spec.varlen else None,
+                                   num_lookahead_tokens=getattr(self.runner.drafter, "num_lookahead_tokens", 0),
+                                   prefix_hit_margin=getattr(self.runner.drafter, "prefix_hit_margin", 0))
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()

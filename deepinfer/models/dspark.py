@@ -463,7 +463,7 @@ class DSparkDrafter(nn.Module):
             e = w_embed[prev]                                                            # [B, r]
             z = base[:, i] + e @ w_head.t()                                              # [B, V]
             conf.append(torch.cat([hidden[:, i].float(), e], dim=-1) @ w_conf)          # [B]
-            token, q = _pick(z, sampling, None if noise is None else noise[:, i])
+            token, q = pick_draft(z, sampling, None if noise is None else noise[:, i])
             tokens.append(token)
             logits.append(z)
             probs.append(q)
@@ -472,9 +472,11 @@ class DSparkDrafter(nn.Module):
                              logits=torch.stack(logits, 1), probs=torch.stack(probs, 1))
 
 
-def _pick(z: torch.Tensor, sampling: DraftSampling | None, noise: torch.Tensor | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft slot: z [B, V] float32 -> (token [B] int64, its draft distribution [B, V])."""
+def pick_draft(z: torch.Tensor, sampling: DraftSampling | None, noise: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft slot: z [B, V] float32 logits -> (token [B] int64, its draft distribution [B, V]),
+    as :class:`DraftSampling` says; ``noise`` [B, V] Exp(1) draws for the sampled rows (unused
+    when ``sampling`` is None). Shared with the chained MTP drafter (spec/mtp.py)."""
     greedy_tok = z.argmax(-1)                                                            # [B]
     one_hot = torch.zeros_like(z).scatter_(1, greedy_tok[:, None], 1.0)
     if sampling is None:

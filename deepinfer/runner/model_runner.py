@@ -300,14 +300,18 @@ class ModelRunner:
                 hidden, draft_state = drafting.forward(self.model, input_ids, ctx,
                                                        lambda t: self._select(t, rows))
         self._last_sampled = None
+        committed = None
         if rows:
             with record_function("deepinfer.sample"):
                 logits = self.model.compute_logits(hidden)                      # [N, V]
                 committed = self._launch_sampling(plan, logits, handle)
-            if drafting is not None and committed is not None:
-                with record_function("deepinfer.draft"):
-                    commit = self._step_commit(plan, input_ids, ctx, handle, *committed)
-                    drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator)
+        if drafting is not None:
+            # Every step, even one that committed nothing (a prompt chunk): a drafter may keep
+            # rows of every position (the MTP layer's KV needs each row's next token).
+            with record_function("deepinfer.draft"):
+                commit = self._step_commit(plan, input_ids, ctx, handle, *(committed or (None, None)))
+                drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator)
+                if commit.req_ids:
                     handle.draft_ids = commit.req_ids
                     handle.drafts = copy_to_host(drafts)
                     confidence = drafting.confidences()
@@ -391,8 +395,9 @@ class ModelRunner:
                      sampled: torch.Tensor | None, verified: VerifyTensors | None) -> StepCommit:
         """What the step committed, on the device (no host sync), for a model drafter: every
         sequence that got a token (the sampled ones, fork siblings included, then the
-        verified ones), the row of its last committed position and the token after it, and
-        for every row the token at its position + 1 where the step knows it."""
+        verified ones; none in a step of prompt chunks only), the row of its last committed
+        position and the token after it, and for every row the token at its position + 1
+        where the step knows it."""
         row_of = {seq.req_id: b for b, seq in enumerate(plan.seqs)}
         parent_of = {child: seq.req_id for seq in plan.seqs for child in seq.fork_ids}
         q = ctx.query_start_loc
@@ -430,6 +435,8 @@ class ModelRunner:
             anchors.append(verified.rows.token_ids[self._indices(handle.verified_offsets) + verified.num_tokens - 1])
         req_ids = handle.sampled_ids + handle.verified_ids
         states = [self.requests[r] for r in req_ids]
+        if not req_ids:                                                                   # nothing committed
+            last_rows = anchors = [torch.empty(0, dtype=torch.long, device=self.device)]
         return StepCommit(req_ids=req_ids, params=[st.params for st in states],
                           stream_indices=[st.stream_index for st in states],
                           table_rows=[row_of[parent_of.get(r, r)] for r in req_ids],

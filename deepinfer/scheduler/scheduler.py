@@ -49,6 +49,9 @@ nothing else rolls back. Every step with speculation is synchronous (the next pl
 know how many tokens were accepted). With varlen verification (``varlen_sps``), each
 decoding sequence verifies the prefix of its drafts that DSpark's hardware-aware scheduler
 picks from the drafts' confidences (``_varlen_lengths``); otherwise all of them.
+A model drafter that writes cache slots past the fed tokens while proposing (the chained MTP
+drafter: ``num_lookahead_tokens``) gets blocks for them too when the pool has room; they are
+never worth a preemption.
 
 Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 ``CausalLM.replay_keep_tokens``): the model's late layers compute only a prompt's
@@ -84,13 +87,20 @@ from deepinfer.structured.base import CompiledGrammar
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
-                 num_speculative_tokens: int = 0, varlen_sps: SPSTable | None = None) -> None:
+                 num_speculative_tokens: int = 0, varlen_sps: SPSTable | None = None,
+                 num_lookahead_tokens: int = 0, prefix_hit_margin: int = 0) -> None:
         self.config = config
         # Speculative decoding: the most draft tokens a sequence verifies per step (0: off),
         # and with varlen verification the target's steps per second by token batch size.
         self.num_speculative_tokens = num_speculative_tokens
         self.varlen_sps = varlen_sps
         self._draft_budget: dict[str, int] = {}     # varlen: req_id -> drafts this plan verifies
+        # Slots past a step's last fed token a model drafter writes while proposing (a chained
+        # drafter's later steps): held when the pool has room, never at the cost of a preemption.
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # Positions before a prefix hit's end that the model drafter's rows make stale (they
+        # depend on the token after them): a hit stops before them.
+        self.prefix_hit_margin = prefix_hit_margin
         self.spec_stats = SpecDecodingStats()
         self.kv = kv
         self.max_model_len = max_model_len
@@ -231,7 +241,12 @@ class Scheduler:
             tokens = req.all_token_ids
             hit = 0
             if not req.wants_prompt_logprobs:
-                hit = self.kv.find_prefix_hit(req.request_id, tokens, self._max_prefix_hit(req))
+                cap = self._max_prefix_hit(req)
+                hit = self.kv.find_prefix_hit(req.request_id, tokens, cap)
+                if hit and self.prefix_hit_margin:
+                    # The drafter's rows just before the hit's end depend on the token after
+                    # them (the writer's): recompute them (a shorter hit, at its granularity).
+                    hit = self.kv.find_prefix_hit(req.request_id, tokens, hit - self.prefix_hit_margin)
             remaining = req.num_tokens - hit
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -241,7 +256,7 @@ class Scheduler:
             # Shrinking a new request's chunk to squeeze it in would only thrash the
             # running ones; it is done only when nothing runs.
             n = self._allocate(req, n) if not self.running else (
-                n if self.kv.allocate(req.request_id, hit, hit + n) else 0)
+                n if self._hold(req.request_id, hit, hit + n) else 0)
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
@@ -317,11 +332,19 @@ class Scheduler:
         that has not landed: the blocks that query reads stay held."""
         start = req.num_computed_tokens
         window_from = min([start, *self._in_flight.get(req.request_id, [])])
-        while not self.kv.allocate(req.request_id, window_from, start + n):
+        while not self._hold(req.request_id, window_from, start + n):
             if n == 1 or not self.config.enable_chunked_prefill:
                 return 0
             n //= 2
         return n
+
+    def _hold(self, req_id: str, num_computed: int, num_tokens: int) -> bool:
+        """``kv.allocate`` for ``num_tokens`` tokens, plus the drafter's lookahead slots when
+        the pool has room for them too (best effort: only the tokens decide success)."""
+        look = self.num_lookahead_tokens
+        if look and self.kv.allocate(req_id, num_computed, num_tokens + look):
+            return True
+        return self.kv.allocate(req_id, num_computed, num_tokens)
 
     def _scheduled(self, req: Request, n: int, new_requests: list[NewRequestData],
                    num_draft: int = 0) -> ScheduledSeq:

@@ -76,11 +76,19 @@ class StepCommit:
 
 class ModelDrafter(ABC):
     """A drafter that runs on the device inside the step (see the module docstring). Per step
-    the runner calls :meth:`forward` (instead of the model's own) and, when tokens were
-    committed, :meth:`propose`."""
+    the runner calls :meth:`forward` (instead of the model's own) and then :meth:`propose`,
+    every step: with B = 0 committed sequences when the step committed nothing (prompt
+    chunks), so that a drafter keeping rows of every position sees every row's next token."""
 
     max_draft: int
     has_confidences: bool = False    # :meth:`confidences` gives values
+    # Positions past the step's last fed token whose cache slots the drafter writes while
+    # proposing (a chained drafter's later steps): the scheduler holds blocks for them when
+    # the pool has room (best effort; without them those writes are skipped, see spec/mtp.py).
+    num_lookahead_tokens: int = 0
+    # Trailing positions of a prefix-cache hit whose drafter rows depend on the token after the
+    # hit (which the writer's sequence chose): the scheduler stops a hit before them.
+    prefix_hit_margin: int = 0
 
     @abstractmethod
     def kv_cache_layers(self) -> list[nn.Module]:
@@ -98,7 +106,8 @@ class ModelDrafter(ABC):
     def propose(self, state: Any, commit: StepCommit, ctx: ForwardContext,
                 generator: torch.Generator) -> torch.Tensor:
         """Drafts [B, max_draft] int64 (device) for the committed sequences, in ``commit``'s
-        order; no host sync. Keeps sampled drafts' distributions for :meth:`draft_probs`."""
+        order ([0, max_draft] when B = 0); no host sync. Keeps sampled drafts' distributions
+        for :meth:`draft_probs`."""
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         """[max_draft, V] the distributions the sequence's last drafts were drawn from, or
@@ -122,6 +131,11 @@ def make_drafter(config: SpeculativeConfig, model: nn.Module) -> Drafter | Model
         from deepinfer.spec.dspark import DSparkEngineDrafter
 
         return DSparkEngineDrafter.for_model(config, model)
+    if config.method == "mtp":
+        from deepinfer.spec.mtp import MTPEngineDrafter
+
+        return MTPEngineDrafter.for_model(config, model)
     raise NotImplementedError(
         f"speculative_config method={config.method!r} is not built yet for {type(model).__name__}; "
-        "methods available: 'ngram', and 'dspark' for DeepSeek-V4.1 checkpoints with a DSpark module")
+        "methods available: 'ngram', 'dspark' for DeepSeek-V4.1 checkpoints with a DSpark module, "
+        "and 'mtp' for DeepSeek-V3 checkpoints with MTP layers")

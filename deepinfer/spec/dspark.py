@@ -40,17 +40,12 @@ from torch import nn
 from deepinfer.config import SpeculativeConfig
 from deepinfer.forward_context import ForwardContext
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.models.dspark import DraftSampling, DSparkDrafter, window_positions
-from deepinfer.runner.sampler import stream_seed
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.models.dspark import DSparkDrafter, window_positions
+from deepinfer.spec.draft_sampling import draft_sampling
 from deepinfer.spec.drafter import ModelDrafter, StepCommit
 from deepinfer.transfer import to_device
 
 logger = logging.getLogger(__name__)
-
-# Mixed into a seeded request's key: the drafter's draws are independent of the sampler's
-# and the verifier's.
-_DRAFT_DOMAIN = 0xD5_9A_4C_11_0F_EE_D1_A7
 
 
 class DSparkContextCache(nn.Module):
@@ -139,6 +134,9 @@ class DSparkEngineDrafter(ModelDrafter):
         """Drafts [B, max_draft] from each committed sequence's last token over its context
         rows (gathered from the cache). Keeps the sampled rows' draft distributions."""
         dev = commit.anchors.device
+        if not commit.req_ids:                                                            # nothing committed
+            self._confidence = None
+            return torch.empty(0, self.max_draft, dtype=torch.long, device=dev)
         last_positions = ctx.positions.index_select(0, commit.last_rows)                  # [B] s
         positions, valid = window_positions(last_positions, self.window)                 # [B, W]
         group = ctx.groups[self.cache.group_id]
@@ -148,7 +146,8 @@ class DSparkEngineDrafter(ModelDrafter):
         context = self.cache.read(blocks * bs + positions % bs)                          # [B, W, S, D]
         valid = valid & (blocks > 0)                                                      # freed or unheld: null block
         params = commit.params
-        sampling = self._sampling(params, commit.stream_indices, last_positions, generator, dev)
+        sampling = draft_sampling(params, commit.stream_indices, last_positions, generator,
+                                  self.module.cfg.block_size, self.module.cfg.vocab_size)
         proposal = self.module.propose(commit.anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid,
                                        sampling)
         logits = proposal.confidence_logits[:, :self.max_draft]                           # [B, max_draft]
@@ -159,27 +158,3 @@ class DSparkEngineDrafter(ModelDrafter):
             else:
                 self._probs[req_id] = proposal.probs[i, :self.max_draft]
         return proposal.tokens[:, :self.max_draft]
-
-    def _sampling(self, params: list[SamplingParams], stream_indices: list[int], last_positions: torch.Tensor,
-                  generator: torch.Generator, dev: torch.device) -> DraftSampling | None:
-        if all(p.greedy for p in params):
-            return None
-        cfg = self.module.cfg
-        v = cfg.vocab_size
-        noise = None
-        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
-        if seeded:
-            noise = torch.empty(len(params), cfg.block_size, v, device=dev).exponential_(generator=generator)
-            starts = last_positions.tolist()     # a host sync, for seeded sampled requests only
-            for i in seeded:
-                gen = torch.Generator(device=dev)
-                gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], starts[i]) ^ _DRAFT_DOMAIN)
-                noise[i].exponential_(generator=gen)
-        filters = any(p.min_p > 0 or 0 < p.top_k < v or p.top_p < 1.0 for p in params)
-        return DraftSampling(
-            greedy=to_device([p.greedy for p in params], torch.bool, dev),
-            temperature=to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev),
-            min_p=to_device([p.min_p for p in params], torch.float32, dev) if filters else None,
-            top_k=to_device([p.top_k if 0 < p.top_k < v else v for p in params], torch.long, dev) if filters else None,
-            top_p=to_device([p.top_p for p in params], torch.float32, dev) if filters else None,
-            noise=noise, generator=generator)

@@ -1,0 +1,58 @@
+"""How a model drafter samples its drafts, per request: shared by DSpark (spec/dspark.py) and
+the chained MTP drafter (spec/mtp.py).
+
+What belongs here: turning the committed requests' sampling parameters into a
+:class:`~deepinfer.models.dspark.DraftSampling` (temperature, the engine's min-p / top-k /
+top-p filters, and the exponential-race noise of seeded requests). What does not: picking a
+token from logits (:func:`~deepinfer.models.dspark.pick_draft`) or verification.
+
+A seeded sampled request's noise is keyed by (seed, sample index, ``s``), ``s`` its last
+committed position: no earlier round of the request drafted from the same ``s``, and the key
+does not depend on which other requests share the step, so its drafts (hence its tokens)
+are reproducible. Unseeded sampled rows draw from the runner's generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.models.dspark import DraftSampling
+from deepinfer.runner.sampler import stream_seed
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.transfer import to_device
+
+# Mixed into a seeded request's key: the drafter's draws are independent of the sampler's
+# and the verifier's.
+DRAFT_DOMAIN = 0xD5_9A_4C_11_0F_EE_D1_A7
+
+
+def draft_sampling(params: list[SamplingParams], stream_indices: list[int], last_positions: torch.Tensor,
+                   generator: torch.Generator, num_slots: int, vocab_size: int) -> DraftSampling | None:
+    """The sampling of B requests' drafts (None when every one is greedy).
+
+    last_positions: [B] int64 on the device (each request's ``s``); num_slots: draft slots a
+    proposal draws (G). Seeded sampled rows get their ``noise`` [B, G, V] from their own
+    generators (a host sync on ``last_positions``, for seeded sampled requests only); with
+    none seeded, ``noise`` is None and the drafter draws from ``generator``.
+    """
+    if all(p.greedy for p in params):
+        return None
+    dev = last_positions.device
+    v = vocab_size
+    noise = None
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if seeded:
+        noise = torch.empty(len(params), num_slots, v, device=dev).exponential_(generator=generator)
+        starts = last_positions.tolist()
+        for i in seeded:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], starts[i]) ^ DRAFT_DOMAIN)
+            noise[i].exponential_(generator=gen)
+    filters = any(p.min_p > 0 or 0 < p.top_k < v or p.top_p < 1.0 for p in params)
+    return DraftSampling(
+        greedy=to_device([p.greedy for p in params], torch.bool, dev),
+        temperature=to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, dev),
+        min_p=to_device([p.min_p for p in params], torch.float32, dev) if filters else None,
+        top_k=to_device([p.top_k if 0 < p.top_k < v else v for p in params], torch.long, dev) if filters else None,
+        top_p=to_device([p.top_p for p in params], torch.float32, dev) if filters else None,
+        noise=noise, generator=generator)
