@@ -279,11 +279,13 @@ def test_dspark_varlen_verification(sps_table):
     out = run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in out] == expected["greedy_noquant"].tolist()
     stats = llm.engine.scheduler.spec_stats
-    assert stats.num_drafts > 0
     if sps_table is not None:
-        assert stats.num_draft_tokens < 4 * stats.num_drafts          # some drafts were trimmed
+        assert 0 < stats.num_draft_tokens < 4 * stats.num_drafts      # drafts verified, some trimmed
     else:
-        assert llm.engine.scheduler.varlen_sps.points[0][0] == 1
+        # On the CPU a step's time grows with its tokens and this random drafter's confidences
+        # are low: the scheduler may rightly verify nothing, so only the table is checked.
+        sizes = [b for b, _ in llm.engine.scheduler.varlen_sps.points]
+        assert sizes[0] == 1 and sizes == sorted(sizes) and sizes[-1] == 64 * 5
 
 
 def test_varlen_needs_confidences():
