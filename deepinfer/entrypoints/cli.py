@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "default: DEEPINFER_BATCH_INVARIANT, else off")
     p.add_argument("--speculative-config", type=_json_dict, default=None,
                    help="speculative decoding, as vLLM's JSON, e.g. '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 4}' (methods: ngram; num_speculative_tokens "
+                        "\"num_speculative_tokens\": 4}' (methods: ngram, dspark, mtp; num_speculative_tokens "
                         "defaults to DEEPINFER_USE_NEXTN_DECODE, else 5)")
     p.add_argument("--yoco-prefill-keep-tokens", type=int, default=None,
                    help="trailing prompt tokens bounded replay keeps for the late layers; default: "
