@@ -144,7 +144,8 @@ V41_CONFIG = dict(
     # engram_compressed_vocab_size and engram_num_embeddings come from the tokenizer (v41_config).
     engram_layer_ids=[1], engram_max_ngram_size=4, engram_vocab_size=1000, engram_n_heads=2,
     engram_head_dim=32,
-    # No MTP / DSpark drafter is trained.
+    # No MTP / DSpark drafter is trained here: scripts/train_dspark_drafter.py trains one on the
+    # written model and adds it (run it again after this script).
     num_nextn_predict_layers=0,
 )
 # Weight of the indexers' distillation loss (KL to the attention distribution over entries).

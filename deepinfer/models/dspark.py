@@ -393,7 +393,12 @@ class DSparkDrafter(nn.Module):
 
     # -- context rows ------------------------------------------------------------------
     def _round(self, rows: torch.Tensor) -> torch.Tensor:
-        return reference.round_mxfp8(rows) if self.round_kv else rows
+        if not self.round_kv:
+            return rows
+        rounded = reference.round_mxfp8(rows)
+        # Training (rows that need a gradient): straight through, the rounding's gradient
+        # taken as the identity. Otherwise the rounded rows themselves.
+        return rows + (rounded - rows).detach() if rows.requires_grad else rounded
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The context rows of committed positions, for every stage.
@@ -407,16 +412,12 @@ class DSparkDrafter(nn.Module):
                             for stage in self.stages])                                     # [S, T, D]
 
     # -- the draft block ---------------------------------------------------------------
-    def propose(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: torch.Tensor,
-                context_valid: torch.Tensor, sampling: DraftSampling | None = None) -> DraftProposal:
-        """Draft G tokens after each anchor.
-
-        anchor_ids: [B] the token the target picked for position s+1; anchor_positions: [B]
-        (= s+1); context: [S, B, W, D] each stage's rows of the request's positions
-        ``max(0, s-W+1) .. s`` in any order (:func:`window_positions`), W <= window;
-        context_valid: [B, W] bool, False for rows to ignore (positions < 0, not yet written);
-        sampling: None for greedy. Never synchronises with the host.
-        """
+    def block_states(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: torch.Tensor,
+                     context_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel backbone over each request's block ``[a, n, .., n]``: (pre-norm head
+        hidden states h_i [B, G, Hd], base logits U_i [B, G, V] float32, without the Markov
+        bias). Arguments as :meth:`propose`. Differentiable (the training forward of
+        scripts/train_dspark_drafter.py); :meth:`propose` adds the Markov chain."""
         cfg = self.cfg
         b, g = anchor_ids.shape[0], cfg.block_size
         if context.dim() != 4 or context.shape[:2] != (cfg.num_stages, b) or context.shape[2] > cfg.window:
@@ -444,14 +445,37 @@ class DSparkDrafter(nn.Module):
         else:
             hidden = self.hc_head(streams)
         base = lm_head(self.norm(hidden)).float().view(b, g, -1)                         # [B, G, V] U_i
-        return self._markov_chain(base, hidden.view(b, g, -1), anchor_ids, sampling)
+        return hidden.view(b, g, -1), base
+
+    def markov_logits(self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head of slots whose feeding tokens are known: base [B, K, V] float32 U_i,
+        hidden [B, K, Hd] h_i, prev [B, K] the token feeding each slot (the anchor for slot
+        0, then draft i-1) -> (z_i = U_i + Markov bias [B, K, V] float32, confidence logits
+        l_i [B, K] float32). :meth:`propose` calls it one slot at a time with its own drafts;
+        training calls it on the whole block with the true tokens (teacher forcing)."""
+        e = self.markov.embed[prev.long()]                                               # [B, K, r]
+        z = base + e @ self.markov.head.t()                                              # [B, K, V]
+        conf = torch.cat([hidden.float(), e], dim=-1) @ self.confidence.weight[0]       # [B, K]
+        return z, conf
+
+    def propose(self, anchor_ids: torch.Tensor, anchor_positions: torch.Tensor, context: torch.Tensor,
+                context_valid: torch.Tensor, sampling: DraftSampling | None = None) -> DraftProposal:
+        """Draft G tokens after each anchor.
+
+        anchor_ids: [B] the token the target picked for position s+1; anchor_positions: [B]
+        (= s+1); context: [S, B, W, D] each stage's rows of the request's positions
+        ``max(0, s-W+1) .. s`` in any order (:func:`window_positions`), W <= window;
+        context_valid: [B, W] bool, False for rows to ignore (positions < 0, not yet written);
+        sampling: None for greedy. Never synchronises with the host.
+        """
+        hidden, base = self.block_states(anchor_ids, anchor_positions, context, context_valid)
+        return self._markov_chain(base, hidden, anchor_ids, sampling)
 
     def _markov_chain(self, base: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                       sampling: DraftSampling | None) -> DraftProposal:
         # base: [B, G, V] float32 U_i; hidden: [B, G, Hd] pre-norm h_i; anchor_ids: [B]
-        b, g, v = base.shape
-        w_embed, w_head = self.markov.embed, self.markov.head                           # [V, r] float32
-        w_conf = self.confidence.weight[0]                                               # [Hd + r] float32
+        g = base.shape[1]
         noise = None
         if sampling is not None and sampling.noise is None:
             noise = torch.empty_like(base).exponential_(generator=sampling.generator)   # [B, G, V]
@@ -460,11 +484,11 @@ class DSparkDrafter(nn.Module):
         prev = anchor_ids.long()
         tokens, conf, logits, probs = [], [], [], []
         for i in range(g):
-            e = w_embed[prev]                                                            # [B, r]
-            z = base[:, i] + e @ w_head.t()                                              # [B, V]
-            conf.append(torch.cat([hidden[:, i].float(), e], dim=-1) @ w_conf)          # [B]
+            z, c = self.markov_logits(base[:, i:i + 1], hidden[:, i:i + 1], prev[:, None])
+            z, c = z[:, 0], c[:, 0]                                                      # [B, V], [B]
             token, q = pick_draft(z, sampling, None if noise is None else noise[:, i])
             tokens.append(token)
+            conf.append(c)
             logits.append(z)
             probs.append(q)
             prev = token

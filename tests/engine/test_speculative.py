@@ -11,6 +11,8 @@ corrupted, so every step accepts some drafts and rejects others."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -243,10 +245,21 @@ def test_dspark_in_the_engine_drafts_as_the_official_reference(settings):
     assert kv.num_free_blocks == kv.pool.num_blocks - 1
 
 
-def test_dspark_needs_a_checkpoint_with_the_module():
+def test_dspark_needs_a_checkpoint_with_the_module(tmp_path):
+    # The embedded model without its drafter (its mtp.* tensors and config keys).
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.entrypoints.llm import DEFAULT_MODEL
+
+    shutil.copytree(DEFAULT_MODEL, tmp_path, dirs_exist_ok=True)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: t for k, t in weights.items() if not k.startswith("mtp.")}, tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"] = {k: v for k, v in config["text_config"].items() if not k.startswith("dspark_")}
+    config["text_config"]["num_nextn_predict_layers"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no DSpark module"):
-        LLM(device="cpu", hf_overrides={"architectures": ["DeepseekV41ForCausalLM"]},
-            speculative_config={"method": "dspark"})
+        LLM(model=str(tmp_path), device="cpu", speculative_config={"method": "dspark"})
 
 
 @pytest.mark.parametrize("method", ["ngram", "dspark"])
