@@ -13,12 +13,20 @@ Why the CPU needs it: torch's CPU GEMM picks its blocking by the problem's shape
 batch_invariant_ops does on CUDA, replaces aten ops on the CPU dispatch key while the
 mode is on:
 
-- ``mm``, ``addmm``, ``bmm``: rows are split into tiles of ``TILE_ROWS`` (the last
-  zero-padded) and each tile runs the same-shape GEMM, so every row is always computed
-  by a call of one shape whatever ``M`` is.
+- ``mm``, ``addmm`` (and ``addmm_``), ``bmm``: one tiled batched product. Batch entries
+  and rows go in tiles of ``TILE_ROWS``, columns in tiles of ``KEY_TILE``, and the reduction
+  over K in ``KEY_TILE`` slices at absolute offsets added in order (all zero-padded), so
+  every output element comes from calls of one shape whatever ``M``, the batch count, or
+  the padding of attention-shaped products (K and N set by the batch's longest key list)
+  are; ``mm`` goes through the batched form because einsum folds a batch of one into it.
 - ``_softmax``, ``_log_softmax``, ``mean.dim``, ``sum.dim_IntList`` over the last
   dimension: the same row tiles, since a reduction may split one long row across threads
-  when it is alone (``M = 1``) and not otherwise.
+  when it is alone (``M = 1``) and not otherwise; the softmaxes also pad rows with -inf to
+  a multiple of ``VECTOR_WIDTH`` so a row lengthened by padding keeps its entries' lanes.
+- Transcendental unary ops (sigmoid, exp, log, tanh, silu, softplus, gelu, cos, sin, erf,
+  log1p, expm1): vector code for most elements, scalar code for those a chunk ends with,
+  so an element's bits depend on where it falls; they run on row tiles padded to
+  ``VECTOR_WIDTH``. Exactly rounded ops (add, mul, div, sqrt, rsqrt) need nothing.
 
 The originals are reached through the ``.out`` overloads, which are not replaced.
 Attention (:func:`paged_attention`) reduces over keys in tiles of ``KEY_TILE`` at
@@ -44,10 +52,13 @@ import torch
 TILE_ROWS = 16
 # Keys per attention tile; tiles start at absolute positions that are multiples of it.
 KEY_TILE = 64
+# Elements of the widest CPU vector register (fp32, AVX-512) a padded row is a multiple of.
+VECTOR_WIDTH = 16
 
 # Architectures whose CPU forward is covered (every reduction goes through the ops above
 # or :func:`paged_attention`) and tested bitwise; others are refused in the mode.
-CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"})
+CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                               "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"})
 
 _lock = threading.Lock()
 _depth = 0
@@ -79,36 +90,51 @@ def _row_tiles(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m = a.shape[0]
-    a = _row_tiles(a)
-    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
-    for i in range(0, a.shape[0], TILE_ROWS):
-        torch.ops.aten.mm.out(a[i:i + TILE_ROWS], b, out=out[i:i + TILE_ROWS])
-    return out[:m]
+    # Through the batched form: a product that is an mm for one sequence (einsum folds a
+    # batch of 1) and a bmm for several must give the same bits.
+    return _bmm(a[None], b[None])[0]
 
 
 def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
            alpha: float = 1) -> torch.Tensor:
-    m = a.shape[0]
-    a = _row_tiles(a)
-    bias = bias.expand(m, b.shape[1])
-    bias = _row_tiles(bias)
-    out = a.new_empty((a.shape[0], b.shape[1]), dtype=torch.result_type(a, b))
-    for i in range(0, a.shape[0], TILE_ROWS):
-        torch.ops.aten.addmm.out(bias[i:i + TILE_ROWS], a[i:i + TILE_ROWS], b, beta=beta, alpha=alpha,
-                                 out=out[i:i + TILE_ROWS])
-    return out[:m]
+    prod = _mm(a, b)
+    if alpha != 1:
+        prod = prod * alpha
+    return prod + (bias if beta == 1 else bias * beta)
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m = a.shape[1]
-    a = _row_tiles(a.transpose(0, 1)).transpose(0, 1)
-    out = a.new_empty((a.shape[0], a.shape[1], b.shape[2]), dtype=torch.result_type(a, b))
-    for i in range(0, a.shape[1], TILE_ROWS):
-        tile = torch.empty((a.shape[0], TILE_ROWS, b.shape[2]), dtype=out.dtype)
-        torch.ops.aten.bmm.out(a[:, i:i + TILE_ROWS], b, out=tile)
-        out[:, i:i + TILE_ROWS] = tile
-    return out[:, :m]
+    """Tiles of TILE_ROWS batch entries x TILE_ROWS rows x KEY_TILE columns, reducing over K
+    in KEY_TILE slices added in order: the CPU kernel picks its strategy from the whole call's
+    size (batch count included), and attention-shaped products have K and N set by the
+    longest sequence of the batch (padding), so only fixed tile shapes and a reduction split
+    at absolute offsets keep one entry's bits independent of the rest of the call (zero
+    padding adds exact zeros)."""
+    batch, m, n = a.shape[0], a.shape[1], b.shape[2]
+    a = _pad_to(_pad_to(_pad_to(a, 0, TILE_ROWS), 1, TILE_ROWS), 2, KEY_TILE)      # [B', M', K']
+    b = _pad_to(_pad_to(_pad_to(b, 0, TILE_ROWS), 1, KEY_TILE), 2, KEY_TILE)       # [B', K', N']
+    dtype = torch.result_type(a, b)
+    out = torch.zeros((a.shape[0], a.shape[1], b.shape[2]), dtype=dtype)
+    tile = torch.empty((TILE_ROWS, TILE_ROWS, KEY_TILE), dtype=dtype)
+    for e in range(0, a.shape[0], TILE_ROWS):
+        for i in range(0, a.shape[1], TILE_ROWS):
+            for j in range(0, b.shape[2], KEY_TILE):
+                acc = out[e:e + TILE_ROWS, i:i + TILE_ROWS, j:j + KEY_TILE]
+                for k in range(0, a.shape[2], KEY_TILE):
+                    torch.ops.aten.bmm.out(a[e:e + TILE_ROWS, i:i + TILE_ROWS, k:k + KEY_TILE].contiguous(),
+                                           b[e:e + TILE_ROWS, k:k + KEY_TILE, j:j + KEY_TILE].contiguous(), out=tile)
+                    acc += tile
+    return out[:batch, :m, :n]
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to a multiple of ``multiple``."""
+    pad = -x.shape[dim] % multiple
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
 def _last_dim(x: torch.Tensor, dim: int | list[int] | None) -> bool:
@@ -116,9 +142,10 @@ def _last_dim(x: torch.Tensor, dim: int | list[int] | None) -> bool:
     return x.dim() >= 1 and len(dims) == 1 and dims[0] % x.dim() == x.dim() - 1
 
 
-def _rows(x: torch.Tensor, fn, width: int) -> torch.Tensor:
+def _rows(x: torch.Tensor, fn, width: int | None) -> torch.Tensor:
     """``fn`` of each TILE_ROWS-row tile of ``x`` viewed as rows of its last dim, ``width``
-    outputs per row, reshaped back (leading dims kept)."""
+    outputs per row (None: as many as inputs), reshaped back (leading dims kept)."""
+    width = x.shape[-1] if width is None else width
     flat = x.reshape(-1, x.shape[-1])
     m = flat.shape[0]
     flat = _row_tiles(flat)
@@ -130,15 +157,25 @@ def _rows(x: torch.Tensor, fn, width: int) -> torch.Tensor:
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     if not _last_dim(x, dim):
         return torch.ops.aten._softmax.out(x, dim, half_to_float, out=_empty_like(x, half_to_float))
-    return _rows(x, lambda t: torch.ops.aten._softmax.out(t, -1, half_to_float,
-                                                          out=_empty_like(t, half_to_float)), x.shape[-1])
+    return _rows(_neg_inf_padded(x), lambda t: torch.ops.aten._softmax.out(
+        t, -1, half_to_float, out=_empty_like(t, half_to_float)), None)[..., :x.shape[-1]]
 
 
 def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     if not _last_dim(x, dim):
         return torch.ops.aten._log_softmax.out(x, dim, half_to_float, out=_empty_like(x, half_to_float))
-    return _rows(x, lambda t: torch.ops.aten._log_softmax.out(t, -1, half_to_float,
-                                                              out=_empty_like(t, half_to_float)), x.shape[-1])
+    return _rows(_neg_inf_padded(x), lambda t: torch.ops.aten._log_softmax.out(
+        t, -1, half_to_float, out=_empty_like(t, half_to_float)), None)[..., :x.shape[-1]]
+
+
+def _neg_inf_padded(x: torch.Tensor) -> torch.Tensor:
+    """x with its last dim padded with -inf to a multiple of VECTOR_WIDTH: a row that grows by
+    padding (attention over the batch's longest key list) keeps every real entry in its
+    vector lane, and the padding adds exact zeros to the softmax's sum."""
+    pad = -x.shape[-1] % VECTOR_WIDTH
+    if pad == 0 or not x.is_floating_point():
+        return x
+    return torch.cat([x, x.new_full((*x.shape[:-1], pad), float("-inf"))], dim=-1)
 
 
 def _empty_like(x: torch.Tensor, half_to_float: bool) -> torch.Tensor:
@@ -164,8 +201,50 @@ def _sum(x: torch.Tensor, dim, keepdim: bool = False, *, dtype: torch.dtype | No
     return _reduce(torch.ops.aten.sum.IntList_out, x, dim, keepdim, dtype)
 
 
-_OVERRIDES = (("mm", _mm), ("addmm", _addmm), ("bmm", _bmm), ("_softmax", _softmax),
-              ("_log_softmax", _log_softmax), ("mean.dim", _mean), ("sum.dim_IntList", _sum))
+def _elementwise(out_op):
+    """A transcendental unary op (``out_op``: its ``.out`` overload) on row tiles of the input
+    viewed as rows of its last dim, each row padded to a multiple of ``VECTOR_WIDTH``: the CPU
+    kernels compute such functions (sigmoid, exp, silu, cos, ...) with vector code except
+    for the elements a thread's chunk or the whole tensor ends with, so the bits of one
+    element depend on where it falls in the call; in fixed-shape tiles of padded rows every
+    element of a row takes the same lanes whatever else is in the call."""
+    def fn(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if x.dim() == 0 or x.numel() == 0 or not x.is_floating_point():
+            return out_op(x, *args, **kwargs, out=torch.empty_like(x))
+        rows = x.reshape(-1, x.shape[-1])
+        m, w = rows.shape
+        width = -(-w // VECTOR_WIDTH) * VECTOR_WIDTH
+        tiles = torch.zeros((-(-m // TILE_ROWS) * TILE_ROWS, width), dtype=x.dtype)
+        tiles[:m, :w] = rows
+        out = torch.empty_like(tiles)
+        for i in range(0, tiles.shape[0], TILE_ROWS):
+            out_op(tiles[i:i + TILE_ROWS], *args, **kwargs, out=out[i:i + TILE_ROWS])
+        return out[:m, :w].reshape(x.shape)
+    return fn
+
+
+def _elementwise_(op):
+    """The in-place form of :func:`_elementwise`."""
+    def fn(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return x.copy_(op(x, *args, **kwargs))
+    return fn
+
+
+# Unary ops whose CPU kernels approximate in vector code and compute tails in scalar code.
+_TRANSCENDENTAL = ("sigmoid", "exp", "log", "tanh", "silu", "cos", "sin", "erf", "log1p", "expm1")
+_TRANSCENDENTAL_OVERRIDES = tuple(
+    [(name, _elementwise(getattr(torch.ops.aten, name).out)) for name in _TRANSCENDENTAL]
+    + [(name + "_", _elementwise_(_elementwise(getattr(torch.ops.aten, name).out))) for name in _TRANSCENDENTAL]
+    + [("softplus", _elementwise(torch.ops.aten.softplus.out)),
+       ("gelu", _elementwise(torch.ops.aten.gelu.out))])
+
+def _addmm_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1) -> torch.Tensor:
+    return x.copy_(_addmm(x, a, b, beta=beta, alpha=alpha))
+
+
+_OVERRIDES = (("mm", _mm), ("addmm", _addmm), ("addmm_", _addmm_), ("bmm", _bmm), ("_softmax", _softmax),
+              ("_log_softmax", _log_softmax), ("mean.dim", _mean), ("sum.dim_IntList", _sum),
+              *_TRANSCENDENTAL_OVERRIDES)
 
 
 @contextlib.contextmanager

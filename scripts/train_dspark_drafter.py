@@ -338,34 +338,55 @@ def write(target, drafter) -> None:
 
 # -- evaluation -------------------------------------------------------------------------------
 
-def evaluate(prompts: list[list[int]]) -> dict:
+def evaluate(prompts: list[list[int]], device: str = "cpu") -> dict:
     """Greedy generation of each held-out prompt alone, with the drafter verifying a full
     block each step: per-position acceptance (P(slot k accepted) over verifications), tau, and
-    output tokens per engine step (the prefill step included)."""
+    output tokens per engine step (the prefill step included); then the same prompts without
+    speculation on an engine of the same settings: per-user speed (output tokens / wall time of
+    each request, alone) in both, measured in one run, and that the outputs are equal."""
+    import time
+
     from deepinfer import LLM, SamplingParams
 
     config = json.loads((MODEL_DIR / "config.json").read_text())["text_config"]
     g = int(config["dspark_block_size"])
-    llm = LLM(model=str(MODEL_DIR), device="cpu",
-              speculative_config={"method": "dspark", "num_speculative_tokens": g})
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=EVAL_NEW_TOKENS, ignore_eos=True)
-    steps = tokens = 0
-    for p in prompts:
-        engine.add_request(p, params)
+
+    def run(llm: LLM) -> tuple[list[list[int]], int, float]:
+        engine, outputs, steps = llm.engine, [], 0
+        engine.add_request(prompts[0], params)            # warm-up (compilation, first-call costs)
         while engine.has_unfinished():
-            outs = engine.step()
-            steps += 1
-            tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
-    stats = engine.scheduler.spec_stats
+            engine.step()
+        engine.scheduler.spec_stats.__init__()
+        start = time.perf_counter()
+        for p in prompts:
+            engine.add_request(p, params)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        outputs.append(out.outputs[0].token_ids)
+                steps += 1
+        return outputs, steps, time.perf_counter() - start
+
+    spec = LLM(model=str(MODEL_DIR), device=device,
+               speculative_config={"method": "dspark", "num_speculative_tokens": g})
+    spec_out, steps, spec_s = run(spec)
+    stats = spec.engine.scheduler.spec_stats
+    del spec
+    plain_out, _, plain_s = run(LLM(model=str(MODEL_DIR), device=device))
+    tokens = len(prompts) * EVAL_NEW_TOKENS
     per_pos = [a / stats.num_drafts for a in stats.accepted_per_pos] + [0.0] * (g - len(stats.accepted_per_pos))
-    result = {"prompts": len(prompts), "new_tokens": EVAL_NEW_TOKENS, "verifications": stats.num_drafts,
-              "acceptance_rate": stats.acceptance_rate, "accepted_per_position": per_pos,
-              "tau": stats.mean_committed, "tokens_per_step": tokens / steps}
-    print(f"held-out eval ({len(prompts)} prompts x {EVAL_NEW_TOKENS} tokens, greedy, "
+    result = {"prompts": len(prompts), "new_tokens": EVAL_NEW_TOKENS, "device": device,
+              "verifications": stats.num_drafts, "acceptance_rate": stats.acceptance_rate,
+              "accepted_per_position": per_pos, "tau": stats.mean_committed, "tokens_per_step": tokens / steps,
+              "per_user_tok_s": tokens / spec_s, "per_user_tok_s_without": tokens / plain_s,
+              "outputs_equal": spec_out == plain_out}
+    print(f"held-out eval on {device} ({len(prompts)} prompts x {EVAL_NEW_TOKENS} tokens, greedy, each alone, "
           f"num_speculative_tokens={g}): tau {result['tau']:.3f}, acceptance {result['acceptance_rate']:.3f}, "
-          f"per position [{' '.join(f'{a:.3f}' for a in per_pos)}], tokens/step {result['tokens_per_step']:.3f}",
-          flush=True)
+          f"per position [{' '.join(f'{a:.3f}' for a in per_pos)}], tokens/step {result['tokens_per_step']:.3f}; "
+          f"per-user {result['per_user_tok_s']:.1f} tok/s with DSpark, {result['per_user_tok_s_without']:.1f} "
+          f"without ({result['per_user_tok_s'] / result['per_user_tok_s_without']:.2f}x); outputs equal: "
+          f"{result['outputs_equal']}", flush=True)
     return result
 
 
@@ -378,6 +399,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--eval-only", action="store_true", help="only measure the written drafter")
+    parser.add_argument("--eval-device", default="cpu", help="where the evaluation runs (cpu, cuda)")
+    parser.add_argument("--eval-json", default=None, help="also write the evaluation as JSON to this path")
     args = parser.parse_args()
 
     t0 = time.time()
@@ -396,7 +419,9 @@ def main() -> None:
         train(target, drafter, stream, args.steps, args.windows, args.seq_len, args.anchors, args.lr)
         print(f"training took {time.time() - t0:.1f}s", flush=True)
         write(target, drafter)
-    evaluate(prompts)
+    result = evaluate(prompts, args.eval_device)
+    if args.eval_json:
+        Path(args.eval_json).write_text(json.dumps(result, indent=2))
     print(f"wall time {time.time() - t0:.1f}s", flush=True)
 
 

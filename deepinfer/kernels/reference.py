@@ -300,7 +300,9 @@ def sparse_attention(
     scores = torch.einsum("thd,tkd->thk", q.float(), kv) * scale                 # [T, H, K]
     scores = scores.masked_fill(~ok[:, None, :], float("-inf"))
     sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)                # [T, H, 1]
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    # The sink first: K grows with the batch's longest row (padding), and a sink after the
+    # keys would move within the softmax's vector lanes with it (batch-invariant mode).
+    probs = torch.softmax(torch.cat([sink, scores], dim=-1), dim=-1)[..., 1:]
     return torch.einsum("thk,tkd->thd", probs, kv).to(q.dtype)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,10 +19,21 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_si
          "hidden_act": "silu", "tie_word_embeddings": False}
 
 
-# The other covered architectures; Mistral with a sliding window shorter than the needle.
+# The other covered architectures on random weights; Mistral with a sliding window shorter
+# than the needle. (DeepSeek-V4 and V4.1 run from checkpoints: test_deepseek_checkpoints.)
 ARCHITECTURES = {"LlamaForCausalLM": {},
                  "Qwen3ForCausalLM": {"model_type": "qwen3", "head_dim": 16},
-                 "MistralForCausalLM": {"model_type": "mistral", "sliding_window": 48}}
+                 "MistralForCausalLM": {"model_type": "mistral", "sliding_window": 48},
+                 "Qwen3MoeForCausalLM": {"model_type": "qwen3_moe", "head_dim": 16, "moe_intermediate_size": 32,
+                                         "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                         "norm_topk_prob": True, "mlp_only_layers": []},
+                 "DeepseekV3ForCausalLM": {"model_type": "deepseek_v3", "moe_intermediate_size": 32,
+                                           "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 24,
+                                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                                           "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                                           "num_nextn_predict_layers": 0}}
+DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def llama(arch: str = "LlamaForCausalLM", **options) -> LLM:
@@ -70,7 +83,7 @@ def test_mode_is_scoped_and_reentrant():
 
 def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list:
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs],
-             [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs])
+             [None if pos is None else {t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs or []])
             for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
@@ -90,6 +103,48 @@ def test_engine_outputs_are_bitwise_equal_alone_batched_and_chunked(arch):
         assert batched[1] == alone
         assert chunked[3] == alone
         assert len(alone[0]) == 8 and len(alone[2]) == 90
+
+
+# DeepSeek-V4.1 (the embedded model, trained; DeepSeek's tiny reference checkpoint with its
+# compressed ratio-2 / ratio-1 sources, indexers and engram) and DeepSeek-V4 (the tiny trained
+# one: sliding, CSA and HCA layers, hash routing).
+CHECKPOINTS = {"embedded-v41": (None, {}),
+               "reference-v41": (str(DATA / "v41_reference" / "checkpoint"),
+                                 {"dtype": "float32", "kv_cache_dtype": "float32"}),
+               "tiny-v4": (str(DATA / "tiny-v4-model"), {})}
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_deepseek_checkpoints(name):
+    """Alone, inside a batch, chunked, after a prefix-cache hit and after preemption: the
+    needle's greedy tokens, logprobs and prompt logprobs are bitwise the same."""
+    model, options = CHECKPOINTS[name]
+    vocab = 300
+    needle = [(7 * i) % vocab + 1 for i in range(70)]
+    others = [[(3 * i) % vocab + 2 for i in range(n)] for n in (5, 33, 100)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, logprobs=4, prompt_logprobs=2)
+
+    def make(**more) -> LLM:
+        return LLM(model=model, device="cpu", batch_invariant=True, **options, **more)
+
+    alone = _run(make(), [needle], [greedy])[0]
+    assert _run(make(), [others[0], needle, *others[1:]], [greedy] * 4)[1] == alone
+    assert _run(make(max_num_batched_tokens=16, block_size=16), [*others, needle], [greedy] * 4)[3] == alone
+    # A prefix hit: the needle's first 48 tokens come from another request's blocks (requests
+    # with prompt logprobs compute every position, so these ask for none).
+    no_plp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=4, ignore_eos=True)
+    want = _run(make(), [needle], [no_plp])[0][:2]
+    hit = make(block_size=16)
+    _run(hit, [needle[:50] + [5, 6, 7]], [no_plp])
+    after = hit.generate([{"prompt_token_ids": needle}], no_plp, use_tqdm=False)[0]
+    assert after.num_cached_tokens >= 32
+    assert [after.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                         for pos in after.outputs[0].logprobs]] == list(want)
+    # Preemption: a pool too small for all four at once.
+    tight = make(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+    got = _run(tight, [*others, needle], [no_plp] * 4)[3][:2]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
 
 
 def test_normal_mode_differs_for_the_same_comparison():
@@ -132,7 +187,6 @@ def test_refused_where_not_built():
     with pytest.raises(NotImplementedError, match="batch-invariant kernels for cuda are not built yet"):
         build_engine_config("x", hf_config=dict(LLAMA), load_format="dummy", device=torch.device("cuda"),
                             batch_invariant=True)
-    # The embedded default model (DeepSeek-V4.1): its sparse attention, compressor and
-    # hyper-connections are not covered on the CPU yet.
-    with pytest.raises(NotImplementedError, match="DeepseekV41ForCausalLM.*not made batch-invariant"):
-        LLM(device="cpu", batch_invariant=True)
+    # An architecture whose CPU forward is not covered.
+    with pytest.raises(NotImplementedError, match="GPT2LMHeadModel.*not made batch-invariant"):
+        batch_invariant.check_supported(torch.device("cpu"), "GPT2LMHeadModel")
