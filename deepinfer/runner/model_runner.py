@@ -373,8 +373,7 @@ class ModelRunner:
             if isinstance(self.drafter, ModelDrafter):
                 probs = [self.drafter.draft_probs(req_id) for req_id in handle.verified_ids]
             verified = verify(self.sampler, self._select(logits, verify_rows), verify_sampling,
-                              num_draft, draft_ids, self.config.speculative.num_speculative_tokens, probs,
-                              self._verification_bitmask(handle.verified_states, draft_ids))
+                              num_draft, draft_ids, probs, self._verification_bitmask(handle.verified_states, draft_ids))
             handle.verified = verified.to_host()
         else:
             verified = None
@@ -439,6 +438,7 @@ class ModelRunner:
             last_rows = anchors = [torch.empty(0, dtype=torch.long, device=self.device)]
         return StepCommit(req_ids=req_ids, params=[st.params for st in states],
                           stream_indices=[st.stream_index for st in states],
+                          prompt_lens=[len(st.prompt_token_ids) for st in states],
                           table_rows=[row_of[parent_of.get(r, r)] for r in req_ids],
                           last_rows=torch.cat(last_rows), anchors=torch.cat(anchors), next_ids=next_ids)
 
@@ -627,12 +627,16 @@ class ModelRunner:
                 block_size=group.block_size,
                 block_table=to_device(padded, torch.int32, self.device),
                 slot_mapping=to_device(slots, torch.long, self.device)))
+        # Batch-invariant mode runs decode steps through the general path too, so a token's
+        # bits do not depend on whether it was a step's only token (a decode, or a verification
+        # that kept no draft) or one of several (a chunk, a verification).
+        decode_only = inputs.decode_only and not self.config.batch_invariant
         replay_starts = None
-        if self.bounded_replay and not inputs.decode_only:
+        if self.bounded_replay and not decode_only:
             replay_starts = [self.requests[seq.req_id].replay_start for seq in seqs]
         ctx = ForwardContext(positions=to_device(inputs.positions, torch.long, self.device),
                              query_start_loc=inputs.query_start_loc, seq_lens=inputs.seq_lens,
-                             groups=groups, decode_only=inputs.decode_only,
+                             groups=groups, decode_only=decode_only,
                              query_start_loc_t=to_device(inputs.query_start_loc, torch.int32, self.device),
                              seq_lens_t=to_device(inputs.seq_lens, torch.int32, self.device),
                              token_seq=to_device(inputs.token_seq, torch.int32, self.device),

@@ -6,10 +6,14 @@ What belongs here: turning the committed requests' sampling parameters into a
 top-p filters, and the exponential-race noise of seeded requests). What does not: picking a
 token from logits (:func:`~deepinfer.models.dspark.pick_draft`) or verification.
 
-A seeded sampled request's noise is keyed by (seed, sample index, ``s``), ``s`` its last
-committed position: no earlier round of the request drafted from the same ``s``, and the key
-does not depend on which other requests share the step, so its drafts (hence its tokens)
-are reproducible. Unseeded sampled rows draw from the runner's generator.
+A seeded sampled request's draft for output index i (the token at position
+``prompt_len + i``) races against the very noise the sampler draws for that output index
+(``stream_seed(seed, sample index, i)``, runner/sampler.py). Verification of seeded
+requests is exact match against the sampler's own tokens (spec/verify.py), so the drafts
+never change the output; drawing them with the same noise makes a draft agree with the
+target's token whenever the two distributions put the race's winner in the same place (the
+Gumbel-max coupling), which keeps acceptance close to rejection sampling's. Unseeded
+sampled rows draw from the runner's generator.
 """
 
 from __future__ import annotations
@@ -21,19 +25,16 @@ from deepinfer.runner.sampler import stream_seed
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.transfer import to_device
 
-# Mixed into a seeded request's key: the drafter's draws are independent of the sampler's
-# and the verifier's.
-DRAFT_DOMAIN = 0xD5_9A_4C_11_0F_EE_D1_A7
-
-
-def draft_sampling(params: list[SamplingParams], stream_indices: list[int], last_positions: torch.Tensor,
-                   generator: torch.Generator, num_slots: int, vocab_size: int) -> DraftSampling | None:
+def draft_sampling(params: list[SamplingParams], stream_indices: list[int], prompt_lens: list[int],
+                   last_positions: torch.Tensor, generator: torch.Generator, num_slots: int,
+                   vocab_size: int) -> DraftSampling | None:
     """The sampling of B requests' drafts (None when every one is greedy).
 
-    last_positions: [B] int64 on the device (each request's ``s``); num_slots: draft slots a
-    proposal draws (G). Seeded sampled rows get their ``noise`` [B, G, V] from their own
-    generators (a host sync on ``last_positions``, for seeded sampled requests only); with
-    none seeded, ``noise`` is None and the drafter draws from ``generator``.
+    last_positions: [B] int64 on the device (each request's ``s``; slot k drafts the token at
+    position ``s + 2 + k``); num_slots: draft slots a proposal draws (G). Seeded sampled rows
+    get their ``noise`` [B, G, V] from the sampler's keyed generators (a host sync on
+    ``last_positions``, for seeded sampled requests only); with none seeded, ``noise`` is
+    None and the drafter draws from ``generator``.
     """
     if all(p.greedy for p in params):
         return None
@@ -45,9 +46,11 @@ def draft_sampling(params: list[SamplingParams], stream_indices: list[int], last
         noise = torch.empty(len(params), num_slots, v, device=dev).exponential_(generator=generator)
         starts = last_positions.tolist()
         for i in seeded:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], starts[i]) ^ DRAFT_DOMAIN)
-            noise[i].exponential_(generator=gen)
+            first = starts[i] + 2 - prompt_lens[i]               # output index of slot 0's token
+            for k in range(num_slots):
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(stream_seed(params[i].seed, stream_indices[i], first + k))
+                noise[i, k] = torch.empty(v, dtype=torch.float32, device=dev).exponential_(generator=gen)
     filters = any(p.min_p > 0 or 0 < p.top_k < v or p.top_p < 1.0 for p in params)
     return DraftSampling(
         greedy=to_device([p.greedy for p in params], torch.bool, dev),

@@ -67,6 +67,7 @@ class StepCommit:
     req_ids: list[str]
     params: list[SamplingParams]
     stream_indices: list[int]
+    prompt_lens: list[int]        # position p holds output token p - prompt_len
     table_rows: list[int]         # each one's row in the step's block tables (a fork sibling: its parent's)
     last_rows: torch.Tensor       # [B] int64 the row of its last committed position s
     anchors: torch.Tensor         # [B] int64 the token it committed last (position s + 1, not fed yet)

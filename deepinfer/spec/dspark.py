@@ -146,7 +146,7 @@ class DSparkEngineDrafter(ModelDrafter):
         context = self.cache.read(blocks * bs + positions % bs)                          # [B, W, S, D]
         valid = valid & (blocks > 0)                                                      # freed or unheld: null block
         params = commit.params
-        sampling = draft_sampling(params, commit.stream_indices, last_positions, generator,
+        sampling = draft_sampling(params, commit.stream_indices, commit.prompt_lens, last_positions, generator,
                                   self.module.cfg.block_size, self.module.cfg.vocab_size)
         proposal = self.module.propose(commit.anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid,
                                        sampling)

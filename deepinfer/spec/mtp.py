@@ -157,7 +157,8 @@ class MTPEngineDrafter(ModelDrafter):
         if b == 0:
             return torch.empty(0, n, dtype=torch.long, device=dev)
         last_positions = ctx.positions.index_select(0, commit.last_rows)                  # [B] s
-        sampling = draft_sampling(commit.params, commit.stream_indices, last_positions, generator, n, v)
+        sampling = draft_sampling(commit.params, commit.stream_indices, commit.prompt_lens, last_positions,
+                                  generator, n, v)
         noise = None
         if sampling is not None:
             noise = sampling.noise if sampling.noise is not None else \

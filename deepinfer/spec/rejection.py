@@ -3,16 +3,16 @@ the target adds, so that the committed tokens are distributed exactly as if the
 target had sampled them one at a time (lossless speculative decoding).
 
 What belongs here: the accept/reject rule over a ragged batch (``rejection_sample``),
-its greedy form (``greedy_verify``), and the random draws the rule consumes
-(``random_draws``, ``seeded_draws``). What does not: producing the probabilities
+its greedy form (``greedy_verify``, also the exact-match rule of seeded requests), and
+the random draws the rule consumes (``random_draws``). What does not: producing the probabilities
 (the caller applies the request's sampling transforms to the target logits, and
 passes the exact distribution each draft token was sampled from), choosing how
 many tokens to verify (scheduling.py), KV rollback, the runner.
 
-Everything stays on the device with no host sync, vectorised over requests; the
-only loop is in the seeded draws, one per seeded request as in the plain sampler.
-The randomness is an argument, so a seeded request's tokens depend only on its
-own seed and position, never on which rows share the batch.
+Everything stays on the device with no host sync, vectorised over requests. The
+randomness is an argument. (Seeded requests are not verified here: spec/verify.py
+verifies them by exact match against the sampler's own keyed draws, which makes their
+output independent of the drafts and of the batch.)
 
 Shapes: R requests, K the batch's draft width (request r drafts ``num_draft[r]``
 <= K tokens; rows past that are padding), V vocabulary. Position k = 0..K of a
@@ -22,16 +22,7 @@ request's K+1 verified positions is the output position ``start + k``, where
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-from deepinfer.runner.sampler import stream_seed
-
-# Mixed into a seeded request's key so the verifier's draws are independent of
-# the plain sampler's (a drafter that samples with the plain sampler's key
-# stream_seed(seed, stream, position) would otherwise share its noise).
-_VERIFY_DOMAIN = 0x5EC0_DEC0_DE5A_3E1F
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -50,7 +41,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     uniforms: [R, K] float32 in [0, 1), one per draft token.
     noise: [R, V] or [R, K+1, V] float32 Exp(1) draws for the one token sampled
         from a distribution; [R, V] suffices (its position is chosen without
-        looking at the noise) and is what ``random_draws``/``seeded_draws`` make.
+        looking at the noise) and is what ``random_draws`` makes.
 
     Returns token_ids [R, K+1] int64 (committed tokens, -1 after them) and
     num_tokens [R] int64 (accepted drafts + 1).
@@ -132,24 +123,4 @@ def random_draws(num_rows: int, max_draft: int, vocab_size: int, generator: torc
     dev = generator.device
     uniforms = torch.rand(num_rows, max_draft, generator=generator, device=dev)          # [R, K]
     noise = torch.empty(num_rows, vocab_size, device=dev).exponential_(generator=generator)  # [R, V]
-    return uniforms, noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def seeded_draws(seeds: Sequence[int], stream_indices: Sequence[int], starts: Sequence[int],
-                 max_draft: int, vocab_size: int, device: torch.device | str = "cpu"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws for seeded rows, as ``random_draws``: row r's come from a generator
-    keyed by (seeds[r], stream_indices[r], starts[r]), starts[r] being the output
-    position of the step's first verified token. Each step starts at a position no
-    earlier step reached, so no key is used twice. Pass the engine's fixed draft
-    width as ``max_draft`` (slice the uniforms to the batch's K): the generator's
-    output may depend on how many values are drawn, and a row's draws must not
-    depend on the other rows."""
-    uniforms = torch.empty(len(seeds), max_draft, device=device)                       # [R, K]
-    noise = torch.empty(len(seeds), vocab_size, device=device)                         # [R, V]
-    for r, (seed, stream, start) in enumerate(zip(seeds, stream_indices, starts)):
-        gen = torch.Generator(device=device)
-        gen.manual_seed(stream_seed(seed, stream, start) ^ _VERIFY_DOMAIN)
-        noise[r].exponential_(generator=gen)
-        uniforms[r].uniform_(generator=gen)
     return uniforms, noise.clamp_min_(torch.finfo(noise.dtype).tiny)

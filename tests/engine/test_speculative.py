@@ -262,21 +262,34 @@ def test_dspark_needs_a_checkpoint_with_the_module(tmp_path):
         LLM(model=str(tmp_path), device="cpu", speculative_config={"method": "dspark"})
 
 
-@pytest.mark.parametrize("method", ["ngram", "dspark"])
-def test_seeded_sampling_with_speculation_is_reproducible(method):
-    """A seeded request's tokens with drafts depend only on its prompt and seed: the same
-    alone and among other requests, run after run."""
+@pytest.mark.parametrize("method", ["ngram", "dspark", "dspark-varlen"])
+def test_seeded_sampling_with_speculation_equals_without(method):
+    """Deterministic sampling: a seeded request is verified by exact match against the
+    sampler's own keyed draws, so its tokens are those it gets without speculation, alone
+    or among other requests, with varlen verification choosing different widths per batch,
+    and through preemption."""
     _, prompts = reference_prompts()
-    llm = dspark_llm() if method == "dspark" else LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32",
-                                                      kv_cache_dtype="float32", speculative_config=NGRAM)
+    config = {"method": "dspark", "num_speculative_tokens": 4}
+    if method == "ngram":
+        config = NGRAM
+    elif method == "dspark-varlen":
+        config = {**config, "varlen": True, "sps_table": ((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0))}
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
-    alone = run(llm, prompts[:1], seeded)[0].outputs[0].token_ids
+    plain = LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32", kv_cache_dtype="float32")
+    want = run(plain, prompts[:1], seeded)[0].outputs[0].token_ids
+    llm = LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32", kv_cache_dtype="float32",
+              speculative_config=config)
+    assert run(llm, prompts[:1], seeded)[0].outputs[0].token_ids == want
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], [seeded, other, other, seeded],
                         use_tqdm=False)
-    assert outs[0].outputs[0].token_ids == alone
-    assert run(llm, prompts[:1], seeded)[0].outputs[0].token_ids == alone
+    assert outs[0].outputs[0].token_ids == want
     assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    tight = LLM(model=str(V41_REFERENCE), device="cpu", dtype="float32", kv_cache_dtype="float32",
+                speculative_config=config, **SETTINGS["preempting"])
+    outs = tight.generate([{"prompt_token_ids": p} for p in prompts], [seeded] + [other] * 7, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert outs[0].outputs[0].token_ids == want
 
 
 @pytest.mark.parametrize("sps_table", [((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0)), None],

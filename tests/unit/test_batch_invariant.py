@@ -190,3 +190,24 @@ def test_refused_where_not_built():
     # An architecture whose CPU forward is not covered.
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel.*not made batch-invariant"):
         batch_invariant.check_supported(torch.device("cpu"), "GPT2LMHeadModel")
+
+
+def test_speculative_decoding_in_the_mode():
+    """With DSpark drafts, a seeded request's tokens and logprobs are bitwise the same alone
+    and in a batch, and its tokens are those it gets without speculation (verification is
+    exact match against the sampler's keyed draws). Its logprobs without speculation differ
+    in the last bits: a verified row comes from a multi-token step. Varlen verification,
+    whose widths follow the batch, is refused in the mode."""
+    needle = [(7 * i) % 300 + 1 for i in range(40)]
+    others = [[(3 * i) % 300 + 2 for i in range(n)] for n in (5, 33)]
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=5, logprobs=3)
+    other = SamplingParams(max_tokens=10, temperature=1.0, seed=9, logprobs=1)
+    spec = {"method": "dspark", "num_speculative_tokens": 4}
+    plain = _run(LLM(device="cpu", batch_invariant=True), [needle], [seeded])[0][0]
+    llm = LLM(device="cpu", batch_invariant=True, speculative_config=spec)
+    alone = _run(llm, [needle], [seeded])[0][:2]
+    assert alone[0] == plain
+    assert _run(llm, [others[0], needle, others[1]], [other, seeded, other])[1][:2] == alone
+    assert llm.engine.scheduler.spec_stats.num_drafts > 0
+    with pytest.raises(NotImplementedError, match="varlen"):
+        LLM(device="cpu", batch_invariant=True, speculative_config={**spec, "varlen": True})

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from deepinfer.spec.rejection import greedy_verify, random_draws, rejection_sample, seeded_draws
+from deepinfer.spec.rejection import greedy_verify, random_draws, rejection_sample
 
 V, K, LENGTH = 6, 3, 3
 TRIALS = 1_000_000
@@ -205,29 +205,6 @@ def test_residual_without_mass_falls_back_to_the_target():
     rejected = num == 1
     assert rejected.any()
     assert (tokens[rejected, 0] == (target[rejected, 0] / noise[rejected]).argmax(1)).all()
-
-
-def test_seeded_rows_do_not_depend_on_the_batch():
-    gen = torch.Generator().manual_seed(8)
-    target, draft, drafts, num_draft = random_batch(6, gen)
-    seeds, streams, starts = [11, 12, 13, 14, 15, 16], [0, 1, 0, 0, 2, 0], [0, 5, 9, 3, 3, 40]
-    u, q = seeded_draws(seeds, streams, starts, K, V)
-    tokens, num = rejection_sample(target, draft, drafts, num_draft, u, q)
-
-    # Reversed order, two rows replaced by other requests.
-    other_t, other_d, other_x, other_n = random_batch(2, gen)
-    perm = torch.tensor([5, 4, 3, 2])
-    t2, d2 = torch.cat([target[perm], other_t]), torch.cat([draft[perm], other_d])
-    x2, n2 = torch.cat([drafts[perm], other_x]), torch.cat([num_draft[perm], other_n])
-    u2, q2 = seeded_draws([seeds[i] for i in perm] + [21, 22], [streams[i] for i in perm] + [0, 0],
-                          [starts[i] for i in perm] + [1, 1], K, V)
-    tokens2, num2 = rejection_sample(t2, d2, x2, n2, u2, q2)
-    assert torch.equal(tokens2[:4], tokens[perm]) and torch.equal(num2[:4], num[perm])
-
-    # The key is (seed, stream, start): changing any one changes the draws.
-    for s, st, p in [(11, 0, 1), (11, 1, 0), (12, 0, 0)]:
-        u3, q3 = seeded_draws([s], [st], [p], K, V)
-        assert not torch.equal(q3[0], q[0]) and not torch.equal(u3[0], u[0])
 
 
 def test_random_draws_ranges():

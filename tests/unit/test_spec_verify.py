@@ -25,7 +25,7 @@ def test_greedy_verification_commits_the_argmax_chain():
     drafts[0][:2] = argmax[0:2]                 # sequence 0: two accepted, the third rejected
     drafts[2] = argmax[5:7]                     # sequence 2: all accepted, then the bonus
     sampler = Sampler(V, {0})
-    out = verify(sampler, logits, rows_for(SamplingParams(temperature=0.0), num_draft, drafts), num_draft, drafts, 3)
+    out = verify(sampler, logits, rows_for(SamplingParams(temperature=0.0), num_draft, drafts), num_draft, drafts)
     assert out.num_tokens.tolist() == [3, 1, 3]
     tokens = out.rows.token_ids.tolist()
     assert tokens[0:3] == argmax[0:3] and tokens[4] == argmax[4] and tokens[5:8] == argmax[5:8]
