@@ -286,7 +286,7 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     from deepinfer.kernels.reference import gather_kv
 
     out = torch.empty_like(q)
-    hq, bs, hkv = q.shape[1], cache.shape[1], cache.shape[3]
+    hq, hkv = q.shape[1], cache.shape[3]
     for b in range(len(seq_lens)):
         s, e = query_start_loc[b], query_start_loc[b + 1]
         if e == s:
