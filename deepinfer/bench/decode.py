@@ -242,10 +242,24 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                          args.steps, gen, args.profile, args.compare_sync, spec)
     del engine
     free_memory(model.device)
+    if args.batch_invariant:
+        # The same engine settings in batch-invariant mode, on the same prompts (same seed).
+        engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
+                              max_model_len=max_model_len, batch_invariant=True)
+        invariant = measure_decode(engine, args.batch_size, args.context_len, args.warmup, args.steps,
+                                   torch.Generator().manual_seed(args.seed))
+        del engine
+        free_memory(model.device)
+        result["batch_invariant"] = {"ms_per_step": invariant["ms_per_step"],
+                                     "slowdown": invariant["ms_per_step"] / point["engine"]["ms_per_step"]}
     if not args.no_hf:
         add_hf([point], model, args, gen)
     result.update(point)
     report(result, [point])
+    if args.batch_invariant:
+        bi = result["batch_invariant"]
+        print(f"batch-invariant mode: {bi['ms_per_step']:.4g} ms/step, {bi['slowdown']:.3g}x the normal mode's "
+              f"{point['engine']['ms_per_step']:.4g} ms/step (same run)")
     write_json(args.output_json, result)
     return result
 

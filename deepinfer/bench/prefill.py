@@ -145,6 +145,15 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
                         lambda: measure_prefill(engine, args.batch_size, args.prompt_len, 0, 1, gen))
     del engine
     free_memory(model.device)
+    if args.batch_invariant:
+        # The same engine settings in batch-invariant mode, on the same prompts (same seed).
+        engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
+                              max_model_len=args.prompt_len + 1, batch_invariant=True)
+        invariant = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters,
+                                    torch.Generator().manual_seed(args.seed))
+        del engine
+        free_memory(model.device)
+        result["batch_invariant"] = {"ms": invariant["ms"], "slowdown": invariant["ms"] / result["engine"]["ms"]}
 
     work = model.cost.prefill(args.batch_size, args.prompt_len)
     floor = {**work, **floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])}
@@ -174,6 +183,10 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 hf.close()
     report(result)
+    if args.batch_invariant:
+        bi = result["batch_invariant"]
+        print(f"batch-invariant mode: {bi['ms']:.4g} ms per batch of prompts, {bi['slowdown']:.3g}x the normal "
+              f"mode's {result['engine']['ms']:.4g} ms (same run)")
     write_json(args.output_json, result)
     return result
 

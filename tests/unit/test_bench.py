@@ -260,3 +260,18 @@ def test_bench_multiturn_hits_with_caching_only(tmp_path):
     assert on["cached_tokens"] >= 2 * 48 and on["hit_step"] == 16
     assert 0 < on["prefix_hit_rate"] < 1
     assert len(on["ttft_ms_per_turn"]) == 2 and all(t["mean"] > 0 for t in on["ttft_ms_per_turn"])
+
+
+def test_decode_and_prefill_batch_invariant_cost(tiny_config, tmp_path, capsys):
+    """--batch-invariant measures the same model in the mode in the same run and reports its
+    time against the normal mode's."""
+    d = run(["bench", "decode", "--config", tiny_config, *COMMON, "--batch-size", "2", "--context-len", "24",
+             "--steps", "3", "--no-hf", "--no-compare-sync", "--batch-invariant"], tmp_path / "d.json")
+    bi = d["batch_invariant"]
+    positive(bi, "ms_per_step", "slowdown")
+    assert bi["slowdown"] == pytest.approx(bi["ms_per_step"] / d["engine"]["ms_per_step"])
+    p = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "32", "--iters", "1",
+             "--no-hf", "--batch-invariant"], tmp_path / "p.json")
+    positive(p["batch_invariant"], "ms", "slowdown")
+    assert p["batch_invariant"]["slowdown"] == pytest.approx(p["batch_invariant"]["ms"] / p["engine"]["ms"])
+    assert "batch-invariant mode:" in capsys.readouterr().out
