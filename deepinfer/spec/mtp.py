@@ -112,6 +112,10 @@ class MTPEngineDrafter(ModelDrafter):
 
         if not isinstance(model, DeepseekV3ForCausalLM):
             name = type(model).__name__
+            if name == "DeepseekV41ForCausalLM":
+                raise NotImplementedError(
+                    "speculative_config method='mtp' runs DeepSeek-V3 MTP modules; a DeepSeek-V4.1 checkpoint's "
+                    "mtp.* tensors are its DSpark drafter: use method='dspark'")
             if "DeepseekV4" in name:
                 raise NotImplementedError(
                     f"speculative_config method='mtp' runs DeepSeek-V3 MTP modules; {name}'s MTP layers "

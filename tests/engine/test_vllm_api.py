@@ -75,7 +75,7 @@ def test_no_op_options_are_accepted_and_logged(kwargs, caplog):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(speculative_config={"method": "mtp", "num_speculative_tokens": 1}), NotImplementedError,
-     r"speculative_config method='mtp' is not built yet"),
+     r"speculative_config method='mtp' runs DeepSeek-V3 MTP modules.*use method='dspark'"),
     (dict(cpu_offload_gb=4), ValueError, "offloading weights to CPU memory is not supported"),
     (dict(enable_lora=True), ValueError, "LoRA adapters are not supported"),
     (dict(tokenizer_mode="slow"), ValueError, r"tokenizer_mode='slow'\) is not supported"),
