@@ -497,23 +497,27 @@ def release_tensors(model) -> dict[str, torch.Tensor]:
         parts = name.split(".", 3)                          # model, layers, L, the rest
         if parts[:2] != ["model", "layers"] or len(parts) < 4:
             raise ValueError(f"no DeepSeek name for {name!r}")
-        raw, rest = f"layers.{parts[2]}", parts[3]
-        if rest == "mlp.experts.gate_up_proj":
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{raw}.ffn.experts.{e}.w1.weight"] = t[e, :inter].clone()
-                out[f"{raw}.ffn.experts.{e}.w3.weight"] = t[e, inter:].clone()
-            continue
-        if rest == "mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{raw}.ffn.experts.{e}.w2.weight"] = t[e].clone()
-            continue
-        for native, ours in _LAYER_RENAMES:
-            if rest == ours or rest.startswith(ours + "."):
-                rest = native + rest[len(ours):]
-                break
-        out[f"{raw}.{rest}"] = t
+        out.update(raw_block_tensors(f"layers.{parts[2]}", parts[3], t, _LAYER_RENAMES))
     return out
+
+
+def raw_block_tensors(raw: str, rest: str, t: torch.Tensor,
+                      renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """One block tensor (our name ``rest`` inside a block, its tensor ``t``) under DeepSeek's
+    raw names below ``raw`` (e.g. ``layers.3``, ``mtp.0``): stacked experts split per expert
+    into w1, w3, w2; the rest renamed by ``renames`` ((native, ours) prefix pairs)."""
+    if rest == "mlp.experts.gate_up_proj":
+        inter = t.shape[1] // 2
+        return {name: tensor for e in range(t.shape[0]) for name, tensor in
+                ((f"{raw}.ffn.experts.{e}.w1.weight", t[e, :inter].clone()),
+                 (f"{raw}.ffn.experts.{e}.w3.weight", t[e, inter:].clone()))}
+    if rest == "mlp.experts.down_proj":
+        return {f"{raw}.ffn.experts.{e}.w2.weight": t[e].clone() for e in range(t.shape[0])}
+    for native, ours in renames:
+        if rest == ours or rest.startswith(ours + "."):
+            rest = native + rest[len(ours):]
+            break
+    return {f"{raw}.{rest}": t}
 
 
 def write_v41_model_files(model, tok, text_config: dict, out: Path) -> None:

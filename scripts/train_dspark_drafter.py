@@ -268,22 +268,7 @@ def release_tensors(drafter) -> dict[str, torch.Tensor]:
             out[top[name]] = t
             continue
         _, i, rest = name.split(".", 2)                          # stages, i, the rest
-        raw = f"mtp.{i}"
-        if rest == "mlp.experts.gate_up_proj":
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{raw}.ffn.experts.{e}.w1.weight"] = t[e, :inter].clone()
-                out[f"{raw}.ffn.experts.{e}.w3.weight"] = t[e, inter:].clone()
-            continue
-        if rest == "mlp.experts.down_proj":
-            for e in range(t.shape[0]):
-                out[f"{raw}.ffn.experts.{e}.w2.weight"] = t[e].clone()
-            continue
-        for native, ours in BLOCK_RENAMES:
-            if rest == ours or rest.startswith(ours + "."):
-                rest = native + rest[len(ours):]
-                break
-        out[f"{raw}.{rest}"] = t
+        out.update(tiny.raw_block_tensors(f"mtp.{i}", rest, t, BLOCK_RENAMES))
     return out
 
 
