@@ -286,7 +286,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor, expert, data, context and pipeline parallel sizes (all 1 until parallelism lands)."""
+    """Tensor (``tp``), expert (``ep``), data (``dp``), context (``cp``) and pipeline (``pp``)
+    parallel sizes.
+
+    Tensor and expert parallelism run now; data, context and pipeline parallelism are refused
+    as not yet supported. The world is ``max(tp, ep)`` ranks, one process (and on CUDA one
+    device) each; both sizes must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
+    group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; every rank runs every step,
+    so tensor-parallel groups beyond the first repeat the first one's work (``tp=2, ep=4``:
+    attention on two ranks, twice; experts over all four)."""
 
     tp: int = 1
     ep: int = 1
@@ -301,10 +309,18 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} ({long_name}) must be an int >= 1")
-            if value > 1:
+            if value > 1 and name in ("dp", "cp", "pp"):
                 raise NotImplementedError(
-                    f"{name}={value} ({long_name}): parallelism needs {value} devices and is not yet "
-                    f"supported; run with {name}=1")
+                    f"{name}={value} ({long_name}): {long_name.split('_size')[0].replace('_', ' ')} is not "
+                    f"yet supported; run with {name}=1 (tensor and expert parallelism are: tp, ep)")
+        if self.world_size % self.tp or self.world_size % self.ep:
+            raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
+                             f"must divide each other: the world is max(tp, ep)={self.world_size} ranks")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, devices) the engine runs its model on."""
+        return max(self.tp, self.ep)
 
 
 SPECULATIVE_METHODS = ("ngram", "dspark", "mtp")

@@ -39,6 +39,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.parallel.executor import ExecutorDeadError, MultiprocExecutor
 from deepinfer.request import Request, RequestStatus
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -107,13 +108,19 @@ class Engine:
         self.tokenizer = None if config.model.skip_tokenizer_init else Tokenizer(config.model.tokenizer_path)
         eos_ids = (config.model.config_eos_token_ids if self.tokenizer is None
                    else self.tokenizer.eos_token_ids)
-        self.model = load_model(config.model, config.device, config.seed)
-        # Bounded replay: the model checks the mode (a model without it refuses the truncated
-        # ones) and says how many trailing prompt tokens its late layers compute (None: all).
         sched = config.scheduler
-        replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
-        self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
-        specs = [layer.kv_spec for layer in self.runner.kv_cache_layers()]
+        if config.parallel.world_size > 1:
+            # Every rank, 0 included, runs in a worker process; this process holds no model.
+            self.model = None
+            self.runner = MultiprocExecutor(config, eos_ids)
+            replay_keep = self.runner.replay_keep
+        else:
+            self.model = load_model(config.model, config.device, config.seed)
+            # Bounded replay: the model checks the mode (a model without it refuses the truncated
+            # ones) and says how many trailing prompt tokens its late layers compute (None: all).
+            replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
+            self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
+        specs = self.runner.kv_cache_specs()
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)
@@ -123,8 +130,8 @@ class Engine:
                                    replay_keep_tokens=replay_keep,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                    varlen_sps=self._varlen_sps() if spec and spec.varlen else None,
-                                   num_lookahead_tokens=getattr(self.runner.drafter, "num_lookahead_tokens", 0),
-                                   prefix_hit_margin=getattr(self.runner.drafter, "prefix_hit_margin", 0))
+                                   num_lookahead_tokens=self.runner.num_lookahead_tokens,
+                                   prefix_hit_margin=self.runner.prefix_hit_margin)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -134,6 +141,8 @@ class Engine:
         self._in_flight: _Launched | None = None   # launched step not finished yet (overlap only)
         # Requests refused at add_request (prompt can never fit): reported by the next step.
         self._rejected: set[str] = set()
+        # Why the model can no longer run (a parallel worker died); requests are refused then.
+        self.dead: str | None = None
         self.stats = EngineStats()
         per_token, per_sequence = kv_bytes_per_token(groups)
         logger.info("KV cache: %d blocks of %d B, groups %s; %.1f B per token of context, plus up to "
@@ -162,6 +171,8 @@ class Engine:
                     request_id: str | None = None) -> str:
         """Queue a request. Raises ValueError for invalid input; a prompt that can
         never fit is accepted and finishes at once with finish_reason "error"."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine cannot run requests any more: {self.dead}")
         params = params or SamplingParams()
         model = self.config.model
         params.verify_for_model(model.vocab_size, model.max_logprobs)
@@ -284,6 +295,9 @@ class Engine:
             return
         try:
             handle = self.runner.launch(plan)
+        except ExecutorDeadError as exc:
+            self._fail_all(plan, str(exc))
+            return
         except Exception as exc:  # an internal fault ends the batch's requests, not the engine
             logger.exception("step failed")
             self.scheduler.fail(plan, f"internal error: {exc}")
@@ -299,6 +313,9 @@ class Engine:
         """Wait for a launched step, apply its results and detokenise what it touched."""
         try:
             result = self.runner.finish(launched.handle)
+        except ExecutorDeadError as exc:
+            self._fail_all(launched.plan, str(exc))
+            return []
         except Exception as exc:
             logger.exception("step failed")
             self.scheduler.fail(launched.plan, f"internal error: {exc}")
@@ -313,6 +330,23 @@ class Engine:
         for req in touched:
             self._detokenize(req)
         return touched
+
+    def _fail_all(self, plan: StepPlan, reason: str) -> None:
+        """The model cannot run any more (a parallel worker died): ``plan`` and every request
+        not finished end with the error, and the engine refuses new ones."""
+        self.dead = reason
+        error = f"internal error: {reason}"
+        self.scheduler.fail(plan, error)
+        for user in self.requests.values():
+            for req in user.seqs:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
+
+    def close(self) -> None:
+        """Stop a parallel engine's worker processes (idempotent; nothing to do in one process).
+        The engine runs no step afterwards."""
+        if isinstance(self.runner, MultiprocExecutor):
+            self.runner.close()
+            self.dead = self.dead or "the engine was closed"
 
     def _reports(self, parent_id: str) -> bool:
         """Whether this step returns the request's output: every step it advanced, or for

@@ -122,6 +122,17 @@ class LLM:
         self._generation_config = args.generation_config
         self._default_params: SamplingParams | None = None
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (with tensor or expert parallelism; nothing to do
+        in one process). Also on leaving a ``with LLM(...) as llm:`` block."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

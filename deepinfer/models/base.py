@@ -23,6 +23,7 @@ from torch import nn
 
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.moe import FusedMoE
+from deepinfer.parallel.tensor import ParallelLMHead, VocabParallelEmbedding, shard_of
 
 # Per-expert checkpoint names (``...mlp.experts.7.up_proj.weight``), loaded into
 # the stacked weights of a FusedMoE module at ``...mlp.experts``.
@@ -67,6 +68,15 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.dtype = dtype
 
+    @classmethod
+    def check_parallel(cls, hf_config: dict, tp: int) -> None:
+        """Raise (before anything loads) unless this model can be built with tensor parallel
+        size ``tp``: a model with tensor-parallel layers overrides it to check that ``tp``
+        divides its sharded widths. The default has none and takes tp=1 only."""
+        if tp > 1:
+            raise NotImplementedError(f"tensor_parallel_size={tp}: {cls.__name__} has no tensor-parallel "
+                                      "layers yet; run it with tensor_parallel_size=1")
+
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> hidden states [T, H] (final norm applied)."""
         raise NotImplementedError(f"{type(self).__name__} does not implement forward")
@@ -103,8 +113,12 @@ class CausalLM(nn.Module):
 
     def make_lm_head(self, embed_tokens: nn.Embedding) -> nn.Linear:
         """The output projection; with ``tie_word_embeddings`` it shares the embedding
-        matrix, and a checkpoint may then omit ``lm_head.weight``."""
-        head = nn.Linear(embed_tokens.embedding_dim, embed_tokens.num_embeddings, bias=False)
+        matrix, and a checkpoint may then omit ``lm_head.weight``. A vocabulary-parallel
+        embedding gets a vocabulary-parallel head (its logits gathered), sharded alike."""
+        if isinstance(embed_tokens, VocabParallelEmbedding):
+            head = ParallelLMHead(embed_tokens.embedding_dim, embed_tokens.vocab_size, group=embed_tokens.tp)
+        else:
+            head = nn.Linear(embed_tokens.embedding_dim, embed_tokens.num_embeddings, bias=False)
         if self.hf_config.get("tie_word_embeddings", False):
             head.weight = embed_tokens.weight
         return head
@@ -164,7 +178,8 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
                         remap: Callable[[str], str | ParamSlice | None],
                         optional_modules: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``module``'s parameters and persistent buffers (cast to
-    their dtype and device), each to where ``remap(name)`` says (None: skipped). Raises ValueError on an unexpected name, a
+    their dtype and device), each to where ``remap(name)`` says (None: skipped); a tensor-parallel
+    shard (``parallel/tensor.py``) takes only this rank's part of its tensor. Raises ValueError on an unexpected name, a
     mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
     checkpoint left (partly) unfilled. Tied parameters load through their first name.
     Refuses a model whose experts ``after_load`` packed (their parameters no longer have
@@ -199,6 +214,8 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
             raise ValueError(f"checkpoint tensor {name!r} writes {pname}{_fmt(index)}, "
                              "which an earlier tensor already wrote")
         dst = targets[pname].data[index]
+        if not index:
+            tensor = shard_of(targets[pname], tensor)
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"but {pname}{_fmt(index)} has shape {tuple(dst.shape)}")

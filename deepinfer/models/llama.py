@@ -9,6 +9,11 @@ Shape legend:
 
 Module names follow the HF checkpoint (``model.layers.N.self_attn.q_proj``, ...),
 so the default ``CausalLM.load_weights`` maps tensors 1:1.
+
+Tensor parallelism (``parallel/tensor.py``): built under a tensor-parallel group of size tp,
+each rank keeps Hq/tp query and Hkv/tp key/value heads (q/k/v column-parallel, o_proj
+row-parallel), I/tp of the MLP (gate/up column-, down row-parallel) and V/tp of the embedding
+and LM head; at tp=1 the layers are plain ``nn.Linear`` / ``nn.Embedding``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from deepinfer.layers.mlp import GatedMLP
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer.models.base import CausalLM, config_value
+from deepinfer.parallel.groups import current_groups
+from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -62,22 +69,25 @@ class DecoderArgs:
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, optional per-head q/k RMSNorm (Qwen3), rotary, attention, o_proj."""
+    """q/k/v projections, optional per-head q/k RMSNorm (Qwen3), rotary, attention, o_proj.
+    Under tensor parallelism this rank's heads only (``num_heads`` = Hq/tp, ...)."""
 
     def __init__(self, args: DecoderArgs, dtype: torch.dtype, sliding_window: int | None,
                  qk_norm: bool = False) -> None:
         super().__init__()
+        tp = current_groups().tp.size
         hq, hkv, d = args.num_heads, args.num_kv_heads, args.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.q_proj = nn.Linear(args.hidden_size, hq * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(args.hidden_size, hkv * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(args.hidden_size, hkv * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(hq * d, args.hidden_size, bias=args.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = hq // tp, hkv // tp, d
+        self.q_proj = ColumnParallelLinear(args.hidden_size, hq * d, bias=args.attention_bias)
+        self.k_proj = ColumnParallelLinear(args.hidden_size, hkv * d, bias=args.attention_bias)
+        self.v_proj = ColumnParallelLinear(args.hidden_size, hkv * d, bias=args.attention_bias)
+        self.o_proj = RowParallelLinear(hq * d, args.hidden_size, bias=args.attention_bias)
         if qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.attn = Attention(hq, hkv, d, scale=d ** -0.5, dtype=dtype, sliding_window=sliding_window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, scale=d ** -0.5, dtype=dtype,
+                              sliding_window=sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -112,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: DecoderArgs, layers: list[nn.Module], rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = rotary
@@ -131,6 +141,15 @@ class LlamaForCausalLM(CausalLM):
     :meth:`sliding_window_for`, :meth:`make_attention` and :meth:`make_mlp`."""
 
     supports_cuda_graphs = True
+
+    @classmethod
+    def check_parallel(cls, hf_config: dict, tp: int) -> None:
+        a = DecoderArgs.from_hf(hf_config)
+        sizes = {"num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+                 "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size}
+        for name, value in sizes.items():
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide config.json {name}={value}")
 
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)

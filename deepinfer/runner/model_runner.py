@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.kernels import backend
 from deepinfer.models.base import CausalLM
 from deepinfer.runner.cuda_graph import DecodeGraphs
@@ -202,6 +203,20 @@ class ModelRunner:
         if isinstance(self.drafter, ModelDrafter):
             layers += self.drafter.kv_cache_layers()
         return layers
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The KV-cache spec of each of :meth:`kv_cache_layers`, in order."""
+        return [layer.kv_spec for layer in self.kv_cache_layers()]
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past the last token the drafter writes (the scheduler reserves them)."""
+        return getattr(self.drafter, "num_lookahead_tokens", 0)
+
+    @property
+    def prefix_hit_margin(self) -> int:
+        """Positions a prefix-cache hit stops short of, for the drafter to recompute."""
+        return getattr(self.drafter, "prefix_hit_margin", 0)
 
     @property
     def drafter_has_confidences(self) -> bool:

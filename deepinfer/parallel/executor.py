@@ -1,0 +1,356 @@
+"""Running the model on several ranks: one worker process per rank, driven by the engine.
+
+What belongs here: checking parallel sizes against the model and the machine before anything
+loads, starting the workers (``multiprocessing`` spawn, ``torch.distributed`` over a free
+loopback port: gloo on the CPU, NCCL on CUDA), building each rank's process groups, and the
+:class:`MultiprocExecutor` that stands in for the ``ModelRunner`` in the engine. What does not:
+how layers shard (``tensor.py``, the MoE layers) and scheduling (``scheduler/``).
+
+Layout. The engine's process (the driver) keeps the tokenizer, the scheduler and the KV-cache
+bookkeeping; it holds no model. Every rank, 0 included, is a worker process that loads its
+shard of the model under :func:`~deepinfer.parallel.groups.use_groups` and owns a
+``ModelRunner`` (its device, its part of the KV cache). Each step the driver sends the same
+``StepPlan`` to every worker; all of them run it (their collectives meet inside the forward)
+and rank 0's ``StepResult`` goes back to the scheduler. Every rank samples from the same
+gathered logits with the same seeded generator, so all keep the same tokens for the next
+step's placeholders. Keeping rank 0 out of the driver means the driver never waits inside a
+collective: it only waits on pipes and on the workers' process sentinels, so a worker that
+dies is noticed at once, whatever the backend.
+
+Protocol. Each worker answers every message, in order: ``("ok", value)`` or ``("error",
+traceback)``. A reading thread in the worker drains the pipe into a queue so that the driver
+can send step N+1 (overlapped scheduling) while the worker still sends step N's result,
+without both blocking on full pipes. A worker exits when the driver's end of its pipe closes.
+
+Faults. A worker that dies or raises leaves the others' collectives in an unknown state, so
+any fault is fatal: the executor stops every worker and raises :class:`ExecutorDeadError`
+(from this call and every later one); the engine fails its requests with that message.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import socket
+import threading
+import traceback
+import weakref
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+
+from deepinfer.config import EngineConfig, ParallelConfig
+from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
+from deepinfer.scheduler.kv_cache import KVCacheGroup
+from deepinfer.scheduler.plan import StepPlan, StepResult
+from deepinfer.spec.scheduling import SPSTable
+
+logger = logging.getLogger(__name__)
+
+# How long (s) a stopping worker may take to exit before it is terminated, then killed.
+_STOP_TIMEOUT_S = 10.0
+
+# config.json fields that count a model's routed experts, by family.
+_EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died or failed: the model can no longer run."""
+
+
+def check_parallel(config: EngineConfig) -> None:
+    """Refuse parallel sizes that the model or the machine cannot take, before anything loads:
+    tp must divide the model's sharded widths (``CausalLM.check_parallel``), ep its routed
+    experts, and on CUDA the world must fit the visible devices."""
+    from deepinfer.models.registry import get_model_class
+
+    par = config.parallel
+    cls = get_model_class(config.model.architecture)
+    cls.check_parallel(config.model.hf_config, par.tp)
+    if par.ep > 1:
+        counts = [config.model.hf_config[k] for k in _EXPERT_COUNT_KEYS if config.model.hf_config.get(k)]
+        if not counts:
+            raise ValueError(f"expert_parallel_size={par.ep}: {config.model.architecture} has no routed experts "
+                             "to shard; run it with expert_parallel_size=1")
+        if int(counts[0]) % par.ep:
+            raise ValueError(f"expert_parallel_size={par.ep} must divide the model's {int(counts[0])} routed experts")
+    if config.device.type == "cuda":
+        available = torch.cuda.device_count()
+        if par.world_size > available:
+            raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep} need "
+                             f"{par.world_size} CUDA devices; {available} are visible")
+    spec = config.speculative
+    if spec is not None and spec.method != "ngram":
+        raise NotImplementedError(f"speculative_config method={spec.method!r} with {par.world_size} ranks: "
+                                  "model drafters are not yet supported under parallelism; use method='ngram'")
+
+
+def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
+    """This rank's groups: tensor-parallel blocks of ``tp`` consecutive ranks, expert-parallel
+    blocks of ``ep``. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    import torch.distributed as dist
+
+    def blocks(size: int) -> Group:
+        if size == 1:
+            return Group()
+        mine = None
+        for start in range(0, parallel.world_size, size):
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                mine = Group(size=size, rank=rank - start, group=group)
+        return mine
+
+    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep))
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """One rank's model and ModelRunner (in its worker process)."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], rank: int, port: int) -> None:
+        import torch.distributed as dist
+
+        from deepinfer.models.loader import load_model
+        from deepinfer.runner.model_runner import ModelRunner
+
+        world = config.parallel.world_size
+        device = config.device
+        if device.type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+        self.config = replace(config, device=device)
+        self.rank = rank
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        self.groups = build_groups(config.parallel, rank)
+        sched = config.scheduler
+        with use_groups(self.groups):
+            self.model = load_model(self.config.model, device, config.seed)
+            self.replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
+            self.runner = ModelRunner(self.config, self.model, eos_token_ids,
+                                      bounded_replay=self.replay_keep is not None)
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine asks of its runner before the first step."""
+        r = self.runner
+        return dict(replay_keep=self.replay_keep, kv_cache_specs=r.kv_cache_specs(),
+                    num_lookahead_tokens=r.num_lookahead_tokens, prefix_hit_margin=r.prefix_hit_margin,
+                    drafter_has_confidences=r.drafter_has_confidences)
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        """Run one step; rank 0 returns its result (the others' are the same)."""
+        if self.config.batch_invariant:
+            from deepinfer.batch_invariant import batch_invariant_mode
+            with batch_invariant_mode():
+                result = self.runner.finish(self.runner.launch(plan))
+        else:
+            result = self.runner.finish(self.runner.launch(plan))
+        return result if self.rank == 0 else None
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method == "execute":
+            return self.execute(*args)
+        if method == "describe":
+            return self.describe()
+        return getattr(self.runner, method)(*args)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _read_pipe(conn: Connection, inbox: queue.Queue) -> None:
+    """Move every message from the driver into ``inbox``; None once the driver is gone."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(None)
+
+
+def _worker_main(config: EngineConfig, eos_token_ids: set[int], rank: int, port: int, conn: Connection) -> None:
+    """A worker process: build the rank's model, then answer the driver's calls until told to
+    stop or the driver goes away."""
+    try:
+        worker = Worker(config, eos_token_ids, rank, port)
+    except BaseException:
+        conn.send(("error", f"rank {rank} failed to start:\n{traceback.format_exc()}"))
+        return
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_pipe, args=(conn, inbox), daemon=True).start()
+    conn.send(("ok", worker.describe()))
+    while True:
+        msg = inbox.get()
+        if msg is None or msg[0] == "stop":
+            break
+        method, args = msg
+        try:
+            reply = ("ok", worker.call(method, *args))
+        except BaseException:
+            reply = ("error", f"rank {rank}: {method} failed:\n{traceback.format_exc()}")
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, OSError):
+            break
+    worker.close()
+    conn.close()
+
+
+def _stop_workers(procs: list[mp.process.BaseProcess], conns: list[Connection], graceful: bool) -> None:
+    """Stop worker processes: ask them to exit (``graceful``), then terminate, then kill."""
+    if graceful:
+        for conn in conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        # After a fault the others may wait in a collective forever: no grace for them.
+        if graceful:
+            proc.join(timeout=_STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=_STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+class MultiprocExecutor:
+    """The engine's runner for ``ParallelConfig.world_size`` > 1: the ModelRunner methods the
+    engine calls, each run on every worker (module docstring)."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        check_parallel(config)
+        self.world_size = config.parallel.world_size
+        self.dead: str | None = None
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._launched = 0
+        for rank in range(self.world_size):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, eos_token_ids, rank, port, theirs),
+                               name=f"deepinfer-rank{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.conns.append(mine)
+        self._stopper = weakref.finalize(self, _stop_workers, self.procs, self.conns, True)
+        logger.info("started %d worker processes (tp=%d, ep=%d): pids %s", self.world_size,
+                    config.parallel.tp, config.parallel.ep, [p.pid for p in self.procs])
+        info = self._collect()[0]
+        self.replay_keep: int | None = info["replay_keep"]
+        self._kv_cache_specs: list[KVCacheSpec] = info["kv_cache_specs"]
+        self.num_lookahead_tokens: int = info["num_lookahead_tokens"]
+        self.prefix_hit_margin: int = info["prefix_hit_margin"]
+        self.drafter_has_confidences: bool = info["drafter_has_confidences"]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -- the runner's interface -----------------------------------------------------
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        return list(self._kv_cache_specs)
+
+    def determine_num_blocks(self, groups: list[KVCacheGroup]) -> int:
+        """The fewest blocks any rank's budget holds (every rank keeps the same block ids)."""
+        return min(self._call_all("determine_num_blocks", groups))
+
+    def allocate_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
+        self._call_all("allocate_kv_cache", groups, num_blocks)
+
+    def profile_steps_per_second(self, sizes: list[int], seq_len: int) -> SPSTable:
+        return self._call_all("profile_steps_per_second", sizes, seq_len)[0]
+
+    def reset_idle_clock(self) -> None:
+        self._call_all("reset_idle_clock")
+
+    def launch(self, plan: StepPlan) -> int:
+        """Send ``plan`` to every worker; the handle is the step's number."""
+        self._send_all("execute", plan)
+        self._launched += 1
+        return self._launched
+
+    def finish(self, handle: int) -> StepResult:
+        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order)."""
+        return self._collect()[0]
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        self._send_all(method, *args)
+        return self._collect()
+
+    def _send_all(self, method: str, *args: Any) -> None:
+        self._check_alive()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) is gone "
+                           f"(exit code {self.procs[rank].exitcode})")
+
+    def _collect(self) -> list[Any]:
+        """One reply from every worker; a worker that exits before replying, or replies with an
+        error, kills the executor."""
+        self._check_alive()
+        replies: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending:
+            waits: dict[Any, tuple[int, bool]] = {}
+            for r in pending:
+                waits[self.conns[r]] = (r, True)
+                waits[self.procs[r].sentinel] = (r, False)
+            for obj in wait(list(waits)):
+                rank, is_conn = waits[obj]
+                if rank not in pending:
+                    continue
+                conn = self.conns[rank]
+                if not is_conn and not conn.poll():
+                    self.procs[rank].join(timeout=1.0)
+                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
+                               f"(exit code {self.procs[rank].exitcode})")
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe "
+                               f"(exit code {self.procs[rank].exitcode})")
+                if status == "error":
+                    self._fail(value)
+                replies[rank] = value
+                pending.discard(rank)
+        return replies
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise ExecutorDeadError(self.dead)
+
+    def _fail(self, reason: str) -> None:
+        logger.error("parallel executor failed: %s", reason)
+        self.dead = reason
+        self._stopper.detach()
+        _stop_workers(self.procs, self.conns, graceful=False)
+        raise ExecutorDeadError(reason)
+
+    def close(self) -> None:
+        """Stop every worker (idempotent): they leave their process group and exit. Also run
+        when the executor is garbage-collected."""
+        if self.dead is None:
+            self.dead = "the engine was shut down"
+        self._stopper()
