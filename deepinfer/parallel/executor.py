@@ -147,8 +147,11 @@ class Worker:
                     num_lookahead_tokens=r.num_lookahead_tokens, prefix_hit_margin=r.prefix_hit_margin,
                     drafter_has_confidences=r.drafter_has_confidences)
 
-    def execute(self, plan: StepPlan) -> StepResult | None:
-        """Run one step; rank 0 returns its result (the others' are the same)."""
+    def execute(self, plan: StepPlan, after_idle: bool) -> StepResult | None:
+        """Run one step (``after_idle``: the engine was idle before it, so the device's idle time
+        is not measured); rank 0 returns its result (the others' are the same)."""
+        if after_idle:
+            self.runner.reset_idle_clock()
         if self.config.batch_invariant:
             from deepinfer.batch_invariant import batch_invariant_mode
             with batch_invariant_mode():
@@ -243,6 +246,7 @@ class MultiprocExecutor:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._launched = 0
+        self._idle = False    # the engine went idle since the last launch
         for rank in range(self.world_size):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, eos_token_ids, rank, port, theirs),
@@ -280,11 +284,13 @@ class MultiprocExecutor:
         return self._call_all("profile_steps_per_second", sizes, seq_len)[0]
 
     def reset_idle_clock(self) -> None:
-        self._call_all("reset_idle_clock")
+        # Told with the next step: no round trip to the workers while the engine is idle.
+        self._idle = True
 
     def launch(self, plan: StepPlan) -> int:
         """Send ``plan`` to every worker; the handle is the step's number."""
-        self._send_all("execute", plan)
+        self._send_all("execute", plan, self._idle)
+        self._idle = False
         self._launched += 1
         return self._launched
 
@@ -329,13 +335,23 @@ class MultiprocExecutor:
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) closed its pipe "
+                    self.procs[rank].join(timeout=1.0)
+                    self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) died "
                                f"(exit code {self.procs[rank].exitcode})")
                 if status == "error":
-                    self._fail(value)
+                    self._fail(self._first_death() or value)
                 replies[rank] = value
                 pending.discard(rank)
         return replies
+
+    def _first_death(self) -> str | None:
+        """Which worker died, if one did within a second: a rank's collective fails when a peer
+        dies, and the death, not the failed collective, is the cause to report."""
+        wait([p.sentinel for p in self.procs], timeout=1.0)
+        for rank, proc in enumerate(self.procs):
+            if proc.exitcode is not None:
+                return f"worker rank {rank} (pid {proc.pid}) died (exit code {proc.exitcode})"
+        return None
 
     def _check_alive(self) -> None:
         if self.dead is not None:

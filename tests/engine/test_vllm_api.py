@@ -81,8 +81,8 @@ def test_no_op_options_are_accepted_and_logged(kwargs, caplog):
     (dict(tokenizer_mode="slow"), ValueError, r"tokenizer_mode='slow'\) is not supported"),
     (dict(task="embed"), ValueError, "generates text only"),
     (dict(quantization="awq"), ValueError, "quantization='awq'.*quantising weights at load time is not supported"),
-    (dict(tensor_parallel_size=2), NotImplementedError, r"tp=2 \(tensor_parallel_size\): parallelism needs 2 "
-                                                        "devices and is not yet supported"),
+    (dict(tensor_parallel_size=2), NotImplementedError, r"tensor_parallel_size=2: DeepseekV41ForCausalLM has no "
+                                                        "tensor-parallel layers yet"),
     (dict(pipeline_parallel_size=4), NotImplementedError, r"pp=4 \(pipeline_parallel_size\).*not yet supported"),
     (dict(data_parallel_size=2), NotImplementedError, r"dp=2 \(data_parallel_size\)"),
     (dict(tensor_parallel_sise=1), ValueError, "unknown keyword argument 'tensor_parallel_sise'; did you mean "

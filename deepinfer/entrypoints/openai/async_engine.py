@@ -177,6 +177,8 @@ class AsyncEngine:
                 # Gauges first, so that a client that got its last output sees them settled.
                 self.metrics.observe_engine(self.engine)
                 self._dispatch(outputs)
+                if self.engine.dead is not None:   # a parallel worker died: nothing can run now
+                    raise EngineDeadError(self.engine.dead)
         except BaseException as exc:
             logger.exception("the engine thread failed; the server can no longer generate")
             self._dead = exc

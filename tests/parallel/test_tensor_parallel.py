@@ -1,0 +1,263 @@
+"""Tensor parallelism on the CPU (gloo, worker processes): the sharded layers against their
+full single-device selves, whole engines at tp=2 against the single-process run (greedy tokens
+equal, float32 logprobs within 1e-5), a killed worker failing its requests without a hang, and
+bad sizes refused before anything loads. The engine tests run the same code at tp=1."""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.entrypoints.llm import build_engine_config
+from deepinfer.parallel.executor import check_parallel, free_port
+from deepinfer.parallel.groups import Group
+from deepinfer.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_of,
+)
+from tests.engine.conftest import make_checkpoint
+
+# A hang anywhere (a collective that never completes) ends the test process with tracebacks.
+HANG_TIMEOUT_S = 240
+LOGPROB_TOL = 1e-5
+NEW_TOKENS = 8
+
+MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp")
+    return {"LlamaForCausalLM": make_checkpoint(root, "LlamaForCausalLM", attention_bias=True),
+            "Qwen3ForCausalLM": make_checkpoint(root, "Qwen3ForCausalLM", head_dim=16),
+            "Qwen3MoeForCausalLM": make_checkpoint(root, "Qwen3MoeForCausalLM", **MOE)}
+
+
+# -- the layers --------------------------------------------------------------------------------
+def test_layers_at_size_1_are_the_plain_modules():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 12, generator=g)
+    col, row = ColumnParallelLinear(12, 8), RowParallelLinear(12, 8)
+    for layer in (col, row):
+        assert type(layer).__mro__[1] is torch.nn.Linear
+        assert not hasattr(layer.weight, "tp_shard")
+        layer.weight.data.normal_(generator=g)
+        layer.bias.data.normal_(generator=g)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    emb = VocabParallelEmbedding(10, 4)
+    assert emb.weight.shape == (10, 4)
+    ids = torch.tensor([0, 9, 3])
+    torch.testing.assert_close(emb(ids), emb.weight[ids], rtol=0, atol=0)
+
+
+def test_shard_of_cuts_this_ranks_part_and_names_bad_shapes():
+    param = torch.empty(3, 4)
+    param.tp_shard = (0, 1, 2)
+    full = torch.arange(24.0).view(6, 4)
+    assert torch.equal(shard_of(param, full), full[3:6])
+    param_cols = torch.empty(6, 2)
+    param_cols.tp_shard = (1, 1, 2)
+    assert torch.equal(shard_of(param_cols, full), full[:, 2:4])
+    with pytest.raises(ValueError, match=r"cannot be split into 2 shards of \(3, 4\) along dim 0"):
+        shard_of(param, torch.zeros(5, 4))
+
+
+def _layer_worker(rank: int, world: int, port: int, errors: mp.Queue) -> None:
+    """Each rank builds the sharded layers, loads its shards of full random weights (seeded
+    alike on every rank), and checks the outputs against the full single-device computation."""
+    try:
+        torch.manual_seed(0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        tp = Group(size=world, rank=rank, group=dist.new_group(list(range(world))))
+        g = torch.Generator().manual_seed(1)
+        t, k, n, v = 5, 12, 8, 10
+        x = torch.randn(t, k, generator=g)
+        w1, b1 = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        w2, b2 = torch.randn(k, n, generator=g), torch.randn(k, generator=g)
+        table = torch.randn(v, k, generator=g)
+        ids = torch.randint(0, v, (t,), generator=g)
+
+        def load(layer: torch.nn.Module, **full: torch.Tensor) -> torch.nn.Module:
+            for name, tensor in full.items():
+                param = getattr(layer, name)
+                param.data.copy_(shard_of(param, tensor))
+            return layer
+
+        col = load(ColumnParallelLinear(k, n, group=tp), weight=w1, bias=b1)
+        row = load(RowParallelLinear(n, k, group=tp), weight=w2, bias=b2)
+        gathered = load(ColumnParallelLinear(k, n, gather_output=True, group=tp), weight=w1, bias=b1)
+        emb = load(VocabParallelEmbedding(v, k, group=tp), weight=table)
+        head = load(ParallelLMHead(k, v, group=tp), weight=table)
+        with torch.inference_mode():
+            h = F.linear(x, w1, b1)
+            assert col.weight.shape == (n // world, k)
+            torch.testing.assert_close(col(x), h[:, rank * n // world:(rank + 1) * n // world])
+            # Column- then row-parallel: the whole MLP-shaped product, summed across ranks.
+            torch.testing.assert_close(row(col(x)), F.linear(h, w2, b2), rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(gathered(x), h)
+            torch.testing.assert_close(emb(ids), table[ids], rtol=0, atol=0)
+            torch.testing.assert_close(head(x), x @ table.T)
+        dist.destroy_process_group()
+    except BaseException as exc:
+        errors.put(f"rank {rank}: {exc!r}")
+        raise
+
+
+def test_sharded_layers_equal_the_full_layers_on_two_ranks():
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_layer_worker, args=(r, 2, port, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a layer worker hung"
+    assert errors.empty(), errors.get()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+# -- whole engines ---------------------------------------------------------------------------------
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 19, 40)]
+
+
+def _run(path: Path, tp: int) -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
+    """Greedy tokens with prompt and sample logprobs (synchronous steps, chunked prefill), then
+    greedy tokens again under overlapped scheduling with prefix-cache hits."""
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
+                                   prompt_logprobs=3, logprobs=3)
+    plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(model=str(path), device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=16,
+             dtype="float32") as llm:
+        outs = llm.generate(_prompts(), with_logprobs, use_tqdm=False)
+        again = llm.generate(_prompts(), plain, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in pos.items()} for pos in o.prompt_logprobs[1:] + o.outputs[0].logprobs]
+                for o in outs]
+    return tokens, logprobs, [o.outputs[0].token_ids for o in again]
+
+
+_reference: dict[str, tuple] = {}
+
+
+def _single_process(checkpoints: dict[str, Path], arch: str) -> tuple:
+    if arch not in _reference:
+        _reference[arch] = _run(checkpoints[arch], tp=1)
+    return _reference[arch]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tensor_parallel_engine_equals_single_process(checkpoints, arch, tp):
+    ref_tokens, ref_logprobs, _ = _single_process(checkpoints, arch)
+    tokens, logprobs, again = _run(checkpoints[arch], tp)
+    assert tokens == ref_tokens
+    assert again == ref_tokens
+    for ref_seq, seq in zip(ref_logprobs, logprobs):
+        assert len(seq) == len(ref_seq)
+        for ref_pos, pos in zip(ref_seq, seq):
+            # The same top tokens (up to ties), each logprob within tolerance.
+            common = ref_pos.keys() & pos.keys()
+            assert len(common) >= len(ref_pos) - 1
+            for t in common:
+                assert abs(ref_pos[t] - pos[t]) <= LOGPROB_TOL, (t, ref_pos[t], pos[t])
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_requests_without_hanging(checkpoints):
+    llm = LLM(model=str(checkpoints["LlamaForCausalLM"]), device="cpu", tensor_parallel_size=2)
+    engine = llm.engine
+    pids = engine.runner.pids
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in _prompts()]
+    engine.step()
+    engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    finished: dict[str, str | None] = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline, "the engine did not fail its requests"
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.error
+    assert sorted(finished) == sorted(ids)
+    for error in finished.values():
+        assert error is not None and "worker rank 1" in error and "died" in error, error
+    with pytest.raises(RuntimeError, match="cannot run requests any more: worker rank 1"):
+        engine.add_request([1, 2, 3], params)
+    llm.close()
+    assert not any(p.is_alive() for p in engine.runner.procs)
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_close_stops_the_workers(checkpoints):
+    with LLM(model=str(checkpoints["Qwen3ForCausalLM"]), device="cpu", tensor_parallel_size=2) as llm:
+        procs = llm.engine.runner.procs
+        assert all(p.is_alive() for p in procs)
+    assert [p.exitcode for p in procs] == [0, 0]
+    with pytest.raises(RuntimeError, match="the engine was closed|shut down"):
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+
+
+# -- sizes refused before anything loads ------------------------------------------------------------
+@pytest.mark.parametrize("arch, kwargs, error, message", [
+    ("LlamaForCausalLM", dict(tensor_parallel_size=3), ValueError,
+     r"tensor_parallel_size=3 must divide config.json num_attention_heads=4"),
+    ("LlamaForCausalLM", dict(tensor_parallel_size=4), ValueError,
+     r"tensor_parallel_size=4 must divide config.json num_key_value_heads=2"),
+    ("LlamaForCausalLM", dict(expert_parallel_size=2), ValueError, "has no routed experts"),
+    ("Qwen3MoeForCausalLM", dict(expert_parallel_size=3), ValueError,
+     "expert_parallel_size=3 must divide the model's 8 routed experts"),
+    ("Qwen3MoeForCausalLM", dict(tensor_parallel_size=2, expert_parallel_size=3), ValueError,
+     r"must divide each other: the world is max\(tp, ep\)=3 ranks"),
+    ("LlamaForCausalLM", dict(data_parallel_size=2), NotImplementedError,
+     r"dp=2 \(data_parallel_size\): data parallel is not yet supported"),
+    ("LlamaForCausalLM", dict(context_parallel_size=2), NotImplementedError, r"cp=2 .*not yet supported"),
+    ("LlamaForCausalLM", dict(tensor_parallel_size=2, speculative_config={"method": "mtp"}),
+     NotImplementedError, "model drafters are not yet supported under parallelism"),
+])
+def test_bad_sizes_are_refused_before_loading(checkpoints, arch, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        LLM(model=str(checkpoints[arch]), device="cpu", **kwargs)
+    assert not mp.active_children()
+
+
+def test_a_model_without_tensor_parallel_layers_is_refused():
+    with pytest.raises(NotImplementedError, match="DeepseekV41ForCausalLM has no tensor-parallel layers yet"):
+        LLM(device="cpu", tensor_parallel_size=2)
+    assert not mp.active_children()
+
+
+def test_more_ranks_than_cuda_devices_is_refused(checkpoints, monkeypatch):
+    config = build_engine_config(str(checkpoints["LlamaForCausalLM"]), device="cpu", tensor_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="need 2 CUDA devices; 1 are visible"):
+        check_parallel(replace(config, device=torch.device("cuda")))
