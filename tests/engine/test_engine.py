@@ -225,8 +225,8 @@ def test_impossible_request_fails_alone():
 
 
 def test_parallel_flags_raise():
-    with pytest.raises(NotImplementedError, match="ep=2"):
-        LLM(device="cpu", expert_parallel_size=2)
+    with pytest.raises(NotImplementedError, match=r"dp=2 \(data_parallel_size\): data parallel is not yet supported"):
+        LLM(device="cpu", data_parallel_size=2)
 
 
 def test_streamed_deltas_add_up_and_hold_back_stop_strings(tiny_llm):
