@@ -23,7 +23,7 @@ Shape legend:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import inv_frequencies, rope_parameters
 from deepinfer.models.base import config_value
+from deepinfer.parallel.groups import current_groups
+from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 # HF and DeepSeek build q_a_layernorm and kv_a_layernorm with the default eps,
 # not config.rms_norm_eps.
@@ -187,25 +189,30 @@ class MLAttention(nn.Module):
     """MLA: low-rank (or direct) q, compressed kv latent, decoupled rope, o_proj.
 
     Declares one cache entry of R + Dr per token (``kv_spec``); the runner binds
-    ``kv_cache`` ([num_blocks, block_size, 1, 1, R + Dr]) and ``group_id``.
+    ``kv_cache`` ([num_blocks, block_size, 1, 1, R + Dr]) and ``group_id``. Under tensor
+    parallelism ``cfg.num_heads`` is this rank's Nh/tp heads.
     """
 
     def __init__(self, cfg: MLAConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.cfg = cfg
         h, nh = cfg.hidden_size, cfg.num_heads
+        # Tensor parallelism shards the heads: q/kv_b column-parallel (their rows are per-head
+        # blocks), o_proj row-parallel. The latent (kv_a) is every head's, so each rank
+        # computes and caches all of it.
+        tp = current_groups().tp.size
+        self.cfg = cfg = replace(cfg, num_heads=nh // tp)                # this rank's heads
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, nh * cfg.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(h, nh * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, nh * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                             bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(nh * cfg.v_head_dim, h, bias=cfg.attention_bias)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                              bias=False)
+        self.o_proj = RowParallelLinear(nh * cfg.v_head_dim, h, bias=cfg.attention_bias)
         self.scale = cfg.scale
         self.kv_spec = KVCacheSpec(kind="full", num_kv_heads=1,
                                    head_size=cfg.kv_lora_rank + cfg.qk_rope_head_dim,

@@ -160,6 +160,19 @@ class DeepseekV3ForCausalLM(CausalLM):
     # and experts sized from T alone.
     supports_cuda_graphs = True
 
+    @classmethod
+    def check_parallel(cls, hf_config: dict, tp: int) -> None:
+        # MLA heads, the dense and shared-expert MLPs and the vocabulary shard; routed experts
+        # stay whole under tensor parallelism (expert parallelism splits them).
+        moe = MoEArgs.from_hf(hf_config)
+        sizes = {"num_attention_heads": int(config_value(hf_config, "num_attention_heads")),
+                 "intermediate_size": int(config_value(hf_config, "intermediate_size")),
+                 "moe_intermediate_size * n_shared_experts": moe.intermediate_size * moe.num_shared_experts,
+                 "vocab_size": int(config_value(hf_config, "vocab_size"))}
+        for name, value in sizes.items():
+            if value % tp:
+                raise ValueError(f"tensor_parallel_size={tp} must divide config.json {name}={value}")
+
     def __init__(self, hf_config: dict, dtype: torch.dtype, with_mtp: bool = True) -> None:
         super().__init__(hf_config, dtype)
         self.args = DecoderArgs.from_hf(hf_config)

@@ -37,6 +37,10 @@ LOGPROB_TOL = 1e-5
 NEW_TOKENS = 8
 
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
+V3 = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4,
+          q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+          n_shared_experts=1)
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +55,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp")
     return {"LlamaForCausalLM": make_checkpoint(root, "LlamaForCausalLM", attention_bias=True),
             "Qwen3ForCausalLM": make_checkpoint(root, "Qwen3ForCausalLM", head_dim=16),
-            "Qwen3MoeForCausalLM": make_checkpoint(root, "Qwen3MoeForCausalLM", **MOE)}
+            "Qwen3MoeForCausalLM": make_checkpoint(root, "Qwen3MoeForCausalLM", **MOE),
+            "DeepseekV3ForCausalLM": make_checkpoint(root, "DeepseekV3ForCausalLM", **V3)}
 
 
 # -- the layers --------------------------------------------------------------------------------
@@ -124,6 +129,7 @@ def _layer_worker(rank: int, world: int, port: int, errors: mp.Queue) -> None:
         raise
 
 
+@pytest.mark.slow
 def test_sharded_layers_equal_the_full_layers_on_two_ranks():
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
@@ -173,7 +179,8 @@ def _single_process(checkpoints: dict[str, Path], arch: str) -> tuple:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                  "DeepseekV3ForCausalLM"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tensor_parallel_engine_equals_single_process(checkpoints, arch, tp):
     ref_tokens, ref_logprobs, _ = _single_process(checkpoints, arch)
@@ -234,6 +241,8 @@ def test_close_stops_the_workers(checkpoints):
     ("LlamaForCausalLM", dict(tensor_parallel_size=4), ValueError,
      r"tensor_parallel_size=4 must divide config.json num_key_value_heads=2"),
     ("LlamaForCausalLM", dict(expert_parallel_size=2), ValueError, "has no routed experts"),
+    ("DeepseekV3ForCausalLM", dict(tensor_parallel_size=3), ValueError,
+     r"tensor_parallel_size=3 must divide config.json num_attention_heads=4"),
     ("Qwen3MoeForCausalLM", dict(expert_parallel_size=3), ValueError,
      "expert_parallel_size=3 must divide the model's 8 routed experts"),
     ("Qwen3MoeForCausalLM", dict(tensor_parallel_size=2, expert_parallel_size=3), ValueError,
