@@ -3,8 +3,9 @@
     python examples/offline_inference.py                       # embedded tiny model
     python examples/offline_inference.py --model /path/to/ckpt --ep 8 --dp 8
 
-The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp;
-values above 1 raise a clear error until parallelism lands.
+The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp and --ep
+start one worker process per rank (CUDA devices, or the CPU with --device cpu); --dp and --cp
+above 1 raise a clear error until they land.
 """
 
 import argparse
@@ -19,11 +20,12 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--dp", type=int, default=1, help="data parallel size")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
 
-    llm = LLM(model=args.model, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
+    llm = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
               data_parallel_size=args.dp, context_parallel_size=args.cp)
     prompts = [
         "The meaning of a module is",
@@ -35,6 +37,7 @@ def main() -> None:
         print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
     chat = llm.chat([{"role": "user", "content": "What does the list type do?"}], params, use_tqdm=False)
     print(f"chat -> {chat[0].outputs[0].text!r}")
+    llm.close()
 
 
 if __name__ == "__main__":
