@@ -56,6 +56,8 @@ from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v4_attention import GroupedLinear, completing_tokens, PagedView, StepCaches
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
+from deepinfer.parallel.groups import current_groups
+from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_shard
 
 
 @dataclass(frozen=True)
@@ -243,22 +245,28 @@ class DeepseekV41Attention(nn.Module):
         super().__init__()
         self.layer_idx = cfg.layer_idx
         self.role = cfg.role
-        self.num_heads = cfg.num_heads
+        # Tensor parallelism shards the heads and with them the output groups: q_b and
+        # o_a (block-diagonal by group) keep this rank's, o_b sums the ranks' partial outputs.
+        # The one shared KV head, the compressor and the indexer are every rank's.
+        tp = current_groups().tp
+        self.num_heads = cfg.num_heads // tp.size
         self.head_dim = cfg.head_dim
-        self.o_groups = cfg.o_groups
+        self.o_groups = cfg.o_groups // tp.size
         self.sliding_window = cfg.sliding_window
         self.scale = cfg.head_dim ** -0.5
         self.round = cfg.round_kv
         self.rope_type = "compress" if cfg.role.ratio else "main"
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.o_a_proj = GroupedLinear(cfg.num_heads * cfg.head_dim // cfg.o_groups,
-                                      cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32))
+                                      self.o_groups * cfg.o_lora_rank, self.o_groups)
+        mark_shard(self.o_a_proj.weight, 0, tp)
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        mark_shard(self.sinks, 0, tp)
         self.compressor = V41Compressor(cfg) if cfg.role.kv_source else None
         self.indexer = V41Indexer(cfg) if cfg.role.index_source else None
         self.window_cache = CacheSlot(cfg.kv_spec("sliding", cfg.head_dim, "mxfp8",

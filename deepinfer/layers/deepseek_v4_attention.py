@@ -80,6 +80,8 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
 from deepinfer.layers.fused_linear import FusedProjection
+from deepinfer.parallel.groups import current_groups
+from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_shard
 from deepinfer.transfer import to_device
 
 SLIDING = "sliding_attention"
@@ -362,9 +364,13 @@ class Compressor(GatedPool):
 class DeepseekV4Attention(nn.Module):
     def __init__(self, cfg: DeepseekV4AttentionConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
+        # Tensor parallelism shards the heads and with them the output groups: q_b and
+        # o_a (block-diagonal by group) keep this rank's, o_b sums the ranks' partial outputs.
+        # The one shared KV head, the compressor and the indexer are every rank's.
+        tp = current_groups().tp
+        self.num_heads = cfg.num_heads // tp.size
         self.head_dim = cfg.head_dim
-        self.o_groups = cfg.o_groups
+        self.o_groups = cfg.o_groups // tp.size
         self.eps = cfg.rms_norm_eps
         self.sliding_window = cfg.sliding_window
         self.scale = cfg.head_dim ** -0.5
@@ -372,13 +378,15 @@ class DeepseekV4Attention(nn.Module):
         self.rope_type = "main" if cfg.layer_type == SLIDING else "compress"
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
         self.kv_proj = nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.o_a_proj = GroupedLinear(cfg.num_heads * cfg.head_dim // cfg.o_groups,
-                                      cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32))
+                                      self.o_groups * cfg.o_lora_rank, self.o_groups)
+        mark_shard(self.o_a_proj.weight, 0, tp)
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        mark_shard(self.sinks, 0, tp)
         self.compressor = Compressor(cfg) if cfg.layer_type != SLIDING else None
         self.window_cache = CacheSlot(KVCacheSpec(
             kind="sliding", num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype,

@@ -41,6 +41,7 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.models.base import CausalLM, ParamSlice, config_value
 from deepinfer.models.llama import DecoderArgs, LlamaDecoderLayer, LlamaModel
 from deepinfer.models.quant import pair_scales
+from deepinfer.parallel.tensor import check_divides
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(?P<layer>\d+)\.(?P<rest>.+)$")
 # Parts of an MTP module outside its decoder block (checkpoint names).
@@ -165,13 +166,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         # MLA heads, the dense and shared-expert MLPs and the vocabulary shard; routed experts
         # stay whole under tensor parallelism (expert parallelism splits them).
         moe = MoEArgs.from_hf(hf_config)
-        sizes = {"num_attention_heads": int(config_value(hf_config, "num_attention_heads")),
-                 "intermediate_size": int(config_value(hf_config, "intermediate_size")),
-                 "moe_intermediate_size * n_shared_experts": moe.intermediate_size * moe.num_shared_experts,
-                 "vocab_size": int(config_value(hf_config, "vocab_size"))}
-        for name, value in sizes.items():
-            if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} must divide config.json {name}={value}")
+        check_divides(tp, {"num_attention_heads": int(config_value(hf_config, "num_attention_heads")),
+                           "intermediate_size": int(config_value(hf_config, "intermediate_size")),
+                           "moe_intermediate_size * n_shared_experts": moe.intermediate_size * moe.num_shared_experts,
+                           "vocab_size": int(config_value(hf_config, "vocab_size"))})
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, with_mtp: bool = True) -> None:
         super().__init__(hf_config, dtype)

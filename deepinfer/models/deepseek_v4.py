@@ -44,6 +44,7 @@ from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE, DeepseekV4SharedExpe
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.quant import pair_scales
+from deepinfer.parallel.tensor import check_divides
 
 # DeepseekV4Config's defaults (transformers 5.23), for fields a config.json leaves out.
 _HF_DEFAULTS = {
@@ -351,6 +352,12 @@ class DeepseekV4ForCausalLM(CausalLM):
     optional_modules = ("mtp",)
     # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
     supports_cuda_graphs = True
+
+    @classmethod
+    def check_parallel(cls, hf_config: dict, tp: int) -> None:
+        # Tensor parallelism shards the attention heads and output groups only.
+        a = DeepseekV4Args.from_hf(hf_config)
+        check_divides(tp, {"num_attention_heads": a.num_heads, "o_groups": a.o_groups})
 
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)

@@ -56,6 +56,7 @@ from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, remap_block_tensor
 from deepinfer.models.quant import pair_scales
+from deepinfer.parallel.tensor import check_divides
 from deepinfer.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -474,6 +475,12 @@ class DeepseekV41ForCausalLM(CausalLM):
     # (storing at slot -1 where no pair completes), selections and candidate blocks are
     # fixed-shape tensor ops over ceil(max_seq_len / ratio) entry slots.
     supports_cuda_graphs = True
+
+    @classmethod
+    def check_parallel(cls, hf_config: dict, tp: int) -> None:
+        # Tensor parallelism shards the attention heads and output groups only.
+        a = DeepseekV41Args.from_hf(hf_config)
+        check_divides(tp, {"num_attention_heads": a.num_attention_heads, "o_groups": a.o_groups})
 
     def __init__(self, hf_config: dict, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         super().__init__(hf_config, dtype)

@@ -30,7 +30,12 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer.models.base import CausalLM, config_value
 from deepinfer.parallel.groups import current_groups
-from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from deepinfer.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_divides,
+)
 
 
 @dataclass(frozen=True)
@@ -145,11 +150,8 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:
         a = DecoderArgs.from_hf(hf_config)
-        sizes = {"num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
-                 "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size}
-        for name, value in sizes.items():
-            if value % tp:
-                raise ValueError(f"tensor_parallel_size={tp} must divide config.json {name}={value}")
+        check_divides(tp, {"num_attention_heads": a.num_heads, "num_key_value_heads": a.num_kv_heads,
+                           "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size})
 
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__(hf_config, dtype)

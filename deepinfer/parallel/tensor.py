@@ -49,6 +49,14 @@ def _local_size(full: int, group: Group, what: str) -> int:
     return full // group.size
 
 
+def check_divides(tp: int, sizes: dict[str, int]) -> None:
+    """Raise unless ``tp`` divides every config.json width in ``sizes`` (name -> value): the
+    check a model's ``check_parallel`` makes before anything loads."""
+    for name, value in sizes.items():
+        if value % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide config.json {name}={value}")
+
+
 def mark_shard(param: torch.Tensor, dim: int, group: Group) -> None:
     """Record that ``param`` holds this rank's part of a checkpoint tensor along ``dim``."""
     if not group.is_single:

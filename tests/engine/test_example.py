@@ -26,16 +26,16 @@ def test_example_generates():
 
 
 def test_example_unsupported_parallel_flags_fail_clearly():
-    for flag, message in (("--dp", "data parallel is not yet supported"),
-                          ("--cp", "context parallel is not yet supported"),
-                          ("--tp", "DeepseekV41ForCausalLM has no tensor-parallel layers yet")):
-        res = run("--device", "cpu", flag, "2")
+    for flag, value, message in (("--dp", "2", "data parallel is not yet supported"),
+                                 ("--cp", "2", "context parallel is not yet supported"),
+                                 ("--tp", "3", "tensor_parallel_size=3 must divide config.json num_attention_heads=4")):
+        res = run("--device", "cpu", flag, value)
         assert res.returncode != 0
         assert message in res.stderr
 
 
 @pytest.mark.slow
 def test_example_runs_on_two_cpu_ranks():
-    res = run("--device", "cpu", "--ep", "2", "--max-tokens", "4")
+    res = run("--device", "cpu", "--tp", "2", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
     assert res.stdout.count(" -> ") == 4

@@ -81,8 +81,7 @@ def test_no_op_options_are_accepted_and_logged(kwargs, caplog):
     (dict(tokenizer_mode="slow"), ValueError, r"tokenizer_mode='slow'\) is not supported"),
     (dict(task="embed"), ValueError, "generates text only"),
     (dict(quantization="awq"), ValueError, "quantization='awq'.*quantising weights at load time is not supported"),
-    (dict(tensor_parallel_size=2), NotImplementedError, r"tensor_parallel_size=2: DeepseekV41ForCausalLM has no "
-                                                        "tensor-parallel layers yet"),
+    (dict(tensor_parallel_size=4), ValueError, "tensor_parallel_size=4 must divide config.json o_groups=2"),
     (dict(pipeline_parallel_size=4), NotImplementedError, r"pp=4 \(pipeline_parallel_size\).*not yet supported"),
     (dict(data_parallel_size=2), NotImplementedError, r"dp=2 \(data_parallel_size\)"),
     (dict(tensor_parallel_sise=1), ValueError, "unknown keyword argument 'tensor_parallel_sise'; did you mean "

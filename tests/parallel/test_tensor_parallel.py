@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.entrypoints.llm import build_engine_config
+from deepinfer.entrypoints.llm import DEFAULT_MODEL, build_engine_config
 from deepinfer.parallel.executor import check_parallel, free_port
 from deepinfer.parallel.groups import Group
 from deepinfer.parallel.tensor import (
@@ -30,6 +30,11 @@ from deepinfer.parallel.tensor import (
     shard_of,
 )
 from tests.engine.conftest import make_checkpoint
+
+TINY_V4 = Path(__file__).resolve().parents[1] / "data" / "tiny-v4-model"
+# The packed FP8/FP4 KV records of V4.1 (its default) round, so a last-bit difference in a
+# cached entry can move a logprob by more than the tolerance: compare with unrounded float32.
+ENGINE_OPTIONS = {"DeepseekV41ForCausalLM": dict(kv_cache_dtype="float32")}
 
 # A hang anywhere (a collective that never completes) ends the test process with tracebacks.
 HANG_TIMEOUT_S = 240
@@ -56,7 +61,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {"LlamaForCausalLM": make_checkpoint(root, "LlamaForCausalLM", attention_bias=True),
             "Qwen3ForCausalLM": make_checkpoint(root, "Qwen3ForCausalLM", head_dim=16),
             "Qwen3MoeForCausalLM": make_checkpoint(root, "Qwen3MoeForCausalLM", **MOE),
-            "DeepseekV3ForCausalLM": make_checkpoint(root, "DeepseekV3ForCausalLM", **V3)}
+            "DeepseekV3ForCausalLM": make_checkpoint(root, "DeepseekV3ForCausalLM", **V3),
+            "DeepseekV4ForCausalLM": TINY_V4, "DeepseekV41ForCausalLM": Path(DEFAULT_MODEL)}
 
 
 # -- the layers --------------------------------------------------------------------------------
@@ -153,14 +159,14 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 19, 40)]
 
 
-def _run(path: Path, tp: int) -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
+def _run(path: Path, tp: int, **options) -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
     """Greedy tokens with prompt and sample logprobs (synchronous steps, chunked prefill), then
     greedy tokens again under overlapped scheduling with prefix-cache hits."""
     with_logprobs = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True,
                                    prompt_logprobs=3, logprobs=3)
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(model=str(path), device="cpu", tensor_parallel_size=tp, max_num_batched_tokens=16,
-             dtype="float32") as llm:
+             dtype="float32", **options) as llm:
         outs = llm.generate(_prompts(), with_logprobs, use_tqdm=False)
         again = llm.generate(_prompts(), plain, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
@@ -174,17 +180,17 @@ _reference: dict[str, tuple] = {}
 
 def _single_process(checkpoints: dict[str, Path], arch: str) -> tuple:
     if arch not in _reference:
-        _reference[arch] = _run(checkpoints[arch], tp=1)
+        _reference[arch] = _run(checkpoints[arch], tp=1, **ENGINE_OPTIONS.get(arch, {}))
     return _reference[arch]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-                                  "DeepseekV3ForCausalLM"])
+                                  "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tensor_parallel_engine_equals_single_process(checkpoints, arch, tp):
     ref_tokens, ref_logprobs, _ = _single_process(checkpoints, arch)
-    tokens, logprobs, again = _run(checkpoints[arch], tp)
+    tokens, logprobs, again = _run(checkpoints[arch], tp, **ENGINE_OPTIONS.get(arch, {}))
     assert tokens == ref_tokens
     assert again == ref_tokens
     for ref_seq, seq in zip(ref_logprobs, logprobs):
@@ -259,7 +265,20 @@ def test_bad_sizes_are_refused_before_loading(checkpoints, arch, kwargs, error, 
     assert not mp.active_children()
 
 
-def test_a_model_without_tensor_parallel_layers_is_refused():
+def test_sizes_that_do_not_divide_deepseek_v4_attention_are_refused():
+    # 4 heads in 2 output groups: tp=4 splits the heads but not the groups.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide config.json o_groups=2"):
+        LLM(device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide config.json num_attention_heads=4"):
+        LLM(model=str(TINY_V4), device="cpu", tensor_parallel_size=3)
+    assert not mp.active_children()
+
+
+def test_a_model_without_tensor_parallel_layers_is_refused(monkeypatch):
+    from deepinfer.models.base import CausalLM
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "check_parallel", classmethod(CausalLM.check_parallel.__func__))
     with pytest.raises(NotImplementedError, match="DeepseekV41ForCausalLM has no tensor-parallel layers yet"):
         LLM(device="cpu", tensor_parallel_size=2)
     assert not mp.active_children()
