@@ -6,7 +6,9 @@ values in any model that has it: ours, and HF transformers' (whose state-dict na
 ours follow), get identical weights without a copy of either. Values are never zeros
 and are scaled so activations stay O(1) through the layers:
 
-- matrices, stacked expert matrices, embeddings: ``N(0, 1/fan_in)``, fan_in = last dim;
+- matrices, stacked expert matrices, embeddings: ``N(0, 1/fan_in)``, fan_in = last dim (of the
+  whole matrix, for a tensor-parallel shard; each shard draws its own values, so a model at
+  tp > 1 does not get the tp=1 weights);
 - norm weights (1-D, "norm" in the name): ``1 + N(0, 0.1^2)``;
 - the router's score-correction bias: ``N(0, 0.01^2)``, so routing stays close to
   balanced, as a trained bias keeps it;
@@ -39,9 +41,11 @@ def _generator(name: str, seed: int, device: torch.device) -> torch.Generator:
 
 
 @torch.no_grad()
-def fill_dummy_(tensor: torch.Tensor, name: str, seed: int, num_experts: int | None = None) -> None:
+def fill_dummy_(tensor: torch.Tensor, name: str, seed: int, num_experts: int | None = None,
+                fan_in: int | None = None) -> None:
     """Fill ``tensor`` (named ``name`` in its model's state dict) in place; see the module docstring.
-    ``num_experts`` bounds the ids of an integer ``tid2eid`` table."""
+    ``num_experts`` bounds the ids of an integer ``tid2eid`` table; ``fan_in`` (default: the last
+    dim) is the full input width of a tensor-parallel shard of it."""
     if not tensor.is_contiguous():
         raise ValueError(f"dummy weights: tensor {name!r} is not contiguous")
     g = _generator(name, seed, tensor.device)
@@ -60,7 +64,7 @@ def fill_dummy_(tensor: torch.Tensor, name: str, seed: int, num_experts: int | N
             tensor[r0:r0 + rows].copy_(keys.argsort(dim=-1)[:, :tensor.shape[1]])
         return
     if tensor.dim() >= 2:
-        mean, std = 0.0, tensor.shape[-1] ** -0.5
+        mean, std = 0.0, (fan_in or tensor.shape[-1]) ** -0.5
     elif "norm" in name:
         mean, std = 1.0, _NORM_STD
     elif name.endswith("e_score_correction_bias"):
@@ -83,7 +87,10 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if id(tensor) in seen:
             continue
         seen.add(id(tensor))
-        fill_dummy_(tensor.data, name, seed, num_experts)
+        # A row-parallel shard holds 1/size of its inputs: scale as the whole matrix would.
+        shard = getattr(tensor, "tp_shard", None)
+        fan_in = tensor.shape[-1] * shard[2] if shard is not None and shard[0] == tensor.dim() - 1 else None
+        fill_dummy_(tensor.data, name, seed, num_experts, fan_in)
     device = next(model.parameters()).device
     for name, module in model.named_modules():
         fill = getattr(module, "fill_dummy_", None)

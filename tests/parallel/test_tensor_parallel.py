@@ -289,3 +289,16 @@ def test_more_ranks_than_cuda_devices_is_refused(checkpoints, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match="need 2 CUDA devices; 1 are visible"):
         check_parallel(replace(config, device=torch.device("cuda")))
+
+
+def test_dummy_weights_of_a_row_parallel_shard_scale_by_the_whole_fan_in():
+    from deepinfer.models.dummy import init_dummy_weights
+
+    layer = torch.nn.Linear(64, 512, bias=False)     # this rank's half of a [512, 128] matrix
+    layer.weight.tp_shard = (1, 0, 2)
+    init_dummy_weights(layer, seed=0)
+    assert abs(layer.weight.std().item() - 128 ** -0.5) < 0.05 * 128 ** -0.5
+    column = torch.nn.Linear(64, 512, bias=False)    # a column shard keeps its inputs whole
+    column.weight.tp_shard = (0, 0, 2)
+    init_dummy_weights(column, seed=0)
+    assert abs(column.weight.std().item() - 64 ** -0.5) < 0.05 * 64 ** -0.5
