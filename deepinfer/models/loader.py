@@ -2,7 +2,8 @@
 
 What belongs here: finding and reading a checkpoint's files, turning stored
 FP8/FP4 tensors into floating point (models/quant.py), and building a model
-on its device. What does not: name mapping and shape checks (``CausalLM.load_weights``
+on its device. Under tensor parallelism tensors are mapped from their files, so
+that a rank reads only the shard it copies. What does not: name mapping and shape checks (``CausalLM.load_weights``
 and the models' ``remap_weight_name``).
 """
 
@@ -23,6 +24,7 @@ from deepinfer.models.base import CausalLM
 from deepinfer.models.dummy import init_dummy_weights
 from deepinfer.models.quant import pair_scales
 from deepinfer.models.registry import get_model_class
+from deepinfer.parallel.groups import current_groups
 
 
 
@@ -101,14 +103,15 @@ def fp8_block_size(hf_config: dict) -> int:
     return int(block[0])
 
 
-def iter_weights(path: str, hf_config: dict,
-                 keep_quantized: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, hf_config: dict, keep_quantized: Callable[[str], bool] | None = None,
+                 map_all: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model takes them: FP8/FP4 weights dequantised
     with their scale tensors (which are consumed), everything else unchanged. Tensors named
     so that ``keep_quantized(name)`` is true (``CausalLM.keeps_quantized``) pass as stored,
-    mapped from the file (:func:`iter_checkpoint`)."""
-    return pair_scales(iter_checkpoint(path, keep_quantized), fp8_block=fp8_block_size(hf_config),
-                       keep=keep_quantized)
+    mapped from the file (:func:`iter_checkpoint`). With ``map_all`` every tensor comes mapped
+    from its file (read-only) instead of read whole."""
+    mapped = (lambda _: True) if map_all else keep_quantized
+    return pair_scales(iter_checkpoint(path, mapped), fp8_block=fp8_block_size(hf_config), keep=keep_quantized)
 
 
 @contextmanager
@@ -139,7 +142,11 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized))
+        # A tensor-parallel rank copies only its shard of each tensor (CausalLM.load_weights):
+        # mapped from the file, the rest of the tensor is never read into this process.
+        sharded = not current_groups().tp.is_single
+        model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized,
+                                        map_all=sharded))
     model.after_load()
     model.requires_grad_(False)
     return model.eval()

@@ -1,2 +1,3 @@
-"""Parallelism across devices. For now only the expert placement of expert parallelism's load
-balancer (eplb.py); the process groups, dispatch/combine and sharded layers are not built yet."""
+"""Parallelism across devices: the process groups a model is built under (groups.py), the
+tensor-parallel layers (tensor.py), the multi-process executor that runs one worker per rank
+(executor.py) and the expert placement of expert parallelism's load balancer (eplb.py)."""
