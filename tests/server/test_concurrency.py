@@ -122,3 +122,22 @@ def test_dead_engine_fails_health_and_requests():
         with pytest.raises(openai.InternalServerError) as info:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
         assert info.value.status_code == 503
+
+
+def test_engine_that_can_no_longer_run_stops_serving():
+    # What a parallel engine does when a worker dies: it fails its requests and sets ``dead``.
+    engine = make_engine(max_num_batched_tokens=256)
+    with serve(engine) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        step = engine.step
+
+        def step_then_die():
+            engine.dead = "worker rank 1 (pid 123) died (exit code -9)"
+            return step()
+
+        engine.step = step_then_die
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert info.value.status_code == 503 and "worker rank 1" in info.value.message
+        health = httpx2.get(s.url + "/health")
+        assert health.status_code == 503 and "worker rank 1" in health.json()["error"]["message"]
