@@ -66,6 +66,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
+        # The seed of the random weights (``load_format="dummy"``), or None for a checkpoint's:
+        # parts built after loading (a drafter) draw theirs from it.
+        self.dummy_seed: int | None = None
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids [T] int64 -> hidden states [T, H] (final norm applied)."""

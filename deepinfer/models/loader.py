@@ -138,6 +138,7 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     model.load_assets(model_config.path)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
+        model.dummy_seed = seed
     else:
         model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized))
     model.after_load()
