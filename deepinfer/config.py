@@ -431,12 +431,6 @@ class EngineConfig:
         if self.batch_invariant:
             from deepinfer.batch_invariant import check_supported
             check_supported(self.device, self.model.architecture)
-            if self.speculative is not None and self.speculative.varlen:
-                raise NotImplementedError(
-                    "batch_invariant=True with speculative varlen verification: the draft widths a step "
-                    "verifies follow the batch, and a position computed in a step of another width may "
-                    "differ in its logprobs' last bits (tokens of greedy and seeded requests do not); "
-                    "turn varlen off (DEEPINFER_ENABLE_MTP_VARLEN=0) in this mode")
         if self.scheduler.max_num_batched_tokens < self.cache.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens} must be >= "

@@ -91,10 +91,12 @@ def _add_decode_common(p: argparse.ArgumentParser, kind: str, steps: int) -> Non
     p.add_argument("--speculative", type=int, default=0, metavar="N",
                    help="also measure each point with speculative decoding of N draft tokens a step, on the "
                         "same engine, reported apart from the run without it (default 0: off)")
-    p.add_argument("--spec-method", choices=("fixed", "ngram"), default="fixed",
+    p.add_argument("--spec-method", choices=("fixed", "ngram", "dspark"), default="fixed",
                    help="drafter of --speculative: fixed (N drafts every step, so every step verifies 1 + N "
-                        "tokens per request: the cost of a verification step) or ngram (the engine's prompt "
-                        "lookup); the weights are random, so measured acceptance is not meaningful")
+                        "tokens per request: the cost of a verification step), ngram (the engine's prompt "
+                        "lookup) or dspark (a DeepSeek-V4.1 config's DSpark module at the release's shapes, "
+                        "random weights: the drafter's cost is in every step); the weights are random, so "
+                        "measured acceptance is not meaningful")
     p.add_argument("--assumed-nextn", type=int, default=3,
                    help="the assumed-acceptance figure's draft tokens; it needs --speculative equal to it")
     p.add_argument("--assumed-acceptance", type=float, default=0.75,

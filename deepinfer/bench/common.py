@@ -25,7 +25,7 @@ from deepinfer.bench.args import apply_device_defaults
 from deepinfer.bench.fit import check_fits
 from deepinfer.bench.floors import (DeepseekCost, DeepseekV4Cost, DeepseekV41Cost, measure_hbm_bandwidth,
                                     measure_matmul_tflops)
-from deepinfer.bench.model_shapes import V4_ARCH, V41_ARCH, resolve_config
+from deepinfer.bench.model_shapes import V4_ARCH, V41_ARCH, resolve_config, with_dspark
 from deepinfer.config import resolve_dtype
 from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import build_engine_config, resolve_device
@@ -76,6 +76,9 @@ class BenchModel:
         device = resolve_device(args.device)
         apply_device_defaults(args, device.type)
         label, hf_config = resolve_config(args.config, args.num_layers)
+        if getattr(args, "speculative", 0) and getattr(args, "spec_method", None) == "dspark":
+            hf_config = with_dspark(hf_config)
+            label += " + DSpark drafter"
         dtype = resolve_dtype(args.dtype, device)
         elem = torch.empty((), dtype=dtype).element_size()
         return cls(label, hf_config, device, dtype, model_cost(hf_config, elem, elem))

@@ -177,6 +177,31 @@ def with_num_layers(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any
     return cfg
 
 
+# DeepSeek-V4.1-Flash's DSpark drafter (dspark_module.md §1.1): three stages of 128 experts,
+# top-3, a 5-token block and a rank-256 Markov head.
+_V41_DSPARK: dict[str, Any] = {
+    "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": 128799,
+    "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+}
+
+
+def with_dspark(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V4.1 config with the release's DSpark drafter added (``bench --spec-method
+    dspark``). The release reads the streams entering its last three layers (37-39 of 40
+    positions, the final streams being 43); a config of N layers reads positions N-2..N
+    (fewer when N < 2), so the drafter's shapes and cost are the release's."""
+    if (hf_config.get("architectures") or [None])[0] != V41_ARCH:
+        raise ValueError(f"a DSpark drafter runs on DeepSeek-V4.1 ({V41_ARCH}) configs only; this config is "
+                         f"{hf_config.get('architectures')}")
+    cfg = copy.deepcopy(hf_config)
+    cfg.update(_V41_DSPARK)
+    n = int(cfg["num_hidden_layers"])
+    # The release's noise token, or the last one of a smaller vocabulary.
+    cfg["dspark_noise_token_id"] = min(cfg["dspark_noise_token_id"], int(cfg["vocab_size"]) - 1)
+    cfg["dspark_target_layer_ids"] = list(range(max(0, n - 2), n + 1))
+    return cfg
+
+
 def resolve_config(config: str, num_layers: int | None = None) -> tuple[str, dict[str, Any]]:
     """(label, HF config dict) for a preset name or a config.json path / model directory."""
     if config in PRESETS:

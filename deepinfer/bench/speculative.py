@@ -7,7 +7,10 @@ drafter is ``--spec-method``:
 
 - ``fixed`` (default): :class:`FixedDrafter` proposes N tokens every step, so every step
   verifies 1 + N tokens per request and its time is that of a verification step;
-- ``ngram``: the engine's own prompt lookup (spec/drafter.py); steps verify 1 + 0..N tokens.
+- ``ngram``: the engine's own prompt lookup (spec/drafter.py); steps verify 1 + 0..N tokens;
+- ``dspark``: a DeepSeek-V4.1 config with the release's DSpark drafter (random weights,
+  ``model_shapes.with_dspark``): every step runs the drafter and verifies 1 + N tokens, so the
+  step time is that of DSpark decoding at full acceptance.
 
 Reported for the speculative run, never mixed: full-acceptance throughput
 ``SPS x B x (1 + N) / cp``; effective throughput (tokens committed / time); measured tau
@@ -82,11 +85,13 @@ def check_spec_args(args: argparse.Namespace) -> None:
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """``build_engine`` settings: an n-gram speculative config of ``--speculative`` tokens (its
-    drafter is replaced for ``--spec-method fixed``), or none."""
+    """``build_engine`` settings: a speculative config of ``--speculative`` tokens, DSpark's for
+    ``--spec-method dspark`` and an n-gram one otherwise (its drafter replaced for ``fixed``),
+    or none."""
     if not args.speculative:
         return {}
-    return {"speculative_config": {"method": "ngram", "num_speculative_tokens": args.speculative,
+    method = "dspark" if args.spec_method == "dspark" else "ngram"
+    return {"speculative_config": {"method": method, "num_speculative_tokens": args.speculative,
                                    "varlen": False}}
 
 

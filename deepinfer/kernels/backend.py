@@ -127,7 +127,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor
     ([T] int ids, tokens of one id having candidate rows that agree wherever both are >= 0,
     as one sequence's tokens do) lets the Triton kernel load each key once for a block of
     tokens; the result does not depend on it."""
-    if use_triton(q):
+    if use_triton(q) or batch_invariant.enabled():
         return topk_slots(indexer_scores(q, weights, key_cache, slots, scale, groups), slots, topk)
     return reference.indexer_topk(q, weights, key_cache, slots, scale, topk)
 
@@ -156,7 +156,9 @@ def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Te
             return torch.where(scores > float("-inf"), slots, -1)
         if slots.shape[1] <= MAX_CANDIDATES:
             return kernel(scores, slots, topk)
-    return reference.topk_slots(scores, slots, topk)
+    # Batch-invariant mode: a row's selection must not depend on how many candidates its step
+    # padded it to, so ties go to the earliest candidate.
+    return reference.topk_slots(scores, slots, topk, earliest_ties=batch_invariant.enabled())
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -441,7 +443,7 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int
     if use_triton(scores):
         from deepinfer.kernels.candidate_blocks import candidate_block_mask as kernel
         return kernel(scores, visible, block, num_blocks)
-    return reference.candidate_block_mask(scores, visible, block, num_blocks)
+    return reference.candidate_block_mask(scores, visible, block, num_blocks, earliest_ties=batch_invariant.enabled())
 
 
 def engram_gate(streams: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -329,13 +329,25 @@ def indexer_topk(
     return topk_slots(indexer_scores(q, weights, key_cache, slots, scale), slots, topk)
 
 
+def topk_earliest(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` with ties broken by the earliest column (a stable descending sort).
+    torch.topk's order among equal values depends on the row's length, so a row padded with
+    more trailing -inf columns (a step with later tokens) may keep another of two tied
+    candidates; this choice does not."""
+    values, idx = x.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
+
+
 def topk_slots(
     scores: torch.Tensor,          # [T, N] float32, -inf for invisible candidates
     slots: torch.Tensor,           # [T, N] candidate slots
     topk: int,
+    earliest_ties: bool = False,
 ) -> torch.Tensor:                 # [T, min(topk, N)] by descending score, -1 where fewer are visible
-    """The slots of each row's ``topk`` largest scores (torch.topk; ties in its order)."""
-    best, idx = scores.topk(min(topk, slots.shape[1]), dim=-1)
+    """The slots of each row's ``topk`` largest scores (torch.topk, ties in its order; with
+    ``earliest_ties``, ties broken by the earliest candidate: :func:`topk_earliest`)."""
+    k = min(topk, slots.shape[1])
+    best, idx = topk_earliest(scores, k) if earliest_ties else scores.topk(k, dim=-1)
     return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
 
 
@@ -834,10 +846,12 @@ def pool_window(state_cache: torch.Tensor, state_table: torch.Tensor, seq: torch
     return (kv * gate.softmax(dim=1)).sum(dim=1)
 
 
-def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, num_blocks: int) -> torch.Tensor:
+def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int, num_blocks: int,
+                         earliest_ties: bool = False) -> torch.Tensor:
     """DeepSeek-V4.1's candidate blocks: each row's keys in runs of ``block``, a run scored by
     its best key, the run holding the newest visible key always kept, and the ``num_blocks``
-    best runs with a visible key allowed.
+    best runs with a visible key allowed (``earliest_ties``: the earliest runs on a tie at the
+    cut, as the Triton kernel keeps them; else torch.topk's order).
 
     scores: [T, N] float32 index scores (-inf for invisible keys); visible: [T] visible key
     count (keys ``0 .. visible-1``) -> [T, N] bool candidate mask.
@@ -850,7 +864,8 @@ def candidate_block_mask(scores: torch.Tensor, visible: torch.Tensor, block: int
     newest = torch.where(visible > 0, (visible - 1) // block, -1)               # [T]
     block_scores = torch.where(torch.arange(nb, device=scores.device)[None, :] == newest[:, None],
                                float("inf"), block_scores)
-    best, chosen = block_scores.topk(min(num_blocks, nb), dim=-1)
+    k = min(num_blocks, nb)
+    best, chosen = topk_earliest(block_scores, k) if earliest_ties else block_scores.topk(k, dim=-1)
     keep = torch.zeros(t, nb, dtype=torch.bool, device=scores.device)
     keep.scatter_(1, chosen, best > float("-inf"))
     return keep.repeat_interleave(block, dim=1)[:, :n]

@@ -67,6 +67,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.dtype = dtype
+        # The seed of the random weights (``load_format="dummy"``), or None for a checkpoint's:
+        # parts built after loading (a drafter) draw theirs from it.
+        self.dummy_seed: int | None = None
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:

@@ -72,6 +72,7 @@ from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
 from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.base import load_module_weights
 from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, remap_block_tensor
+from deepinfer.models.dummy import fill_dummy_
 from deepinfer.models.quant import pair_scales
 
 VARIANTS = ("v4.1", "v4")
@@ -364,9 +365,21 @@ class DSparkDrafter(nn.Module):
                               round_kv=getattr(target, "kv_cache_dtype", "auto") == "auto")
         finally:
             torch.set_default_dtype(previous)
-        drafter.load_weights(pair_scales(target.drafter_tensors.items(),
-                                         fp8_block=fp8_block_size(target.hf_config)))
+        if target.drafter_tensors:
+            drafter.load_weights(pair_scales(target.drafter_tensors.items(),
+                                             fp8_block=fp8_block_size(target.hf_config)))
+        elif target.dummy_seed is not None:
+            drafter.fill_dummy_(target.dummy_seed)
+        else:
+            raise ValueError("the target has no DSpark (mtp.*) tensors and no random weights to draw them from")
         return drafter.eval()
+
+    def fill_dummy_(self, seed: int) -> None:
+        """Random weights for a target with random weights (``load_format="dummy"``: benchmarks at
+        release widths): each of the drafter's own tensors drawn as models/dummy.py draws a
+        target's (the embedding and head are the target's, not in this module's state dict)."""
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            fill_dummy_(tensor.data, f"mtp.{name}", seed, self.cfg.n_routed_experts)
 
     # -- weights -----------------------------------------------------------------------
     def remap_weight_name(self, name: str) -> str | None:

@@ -141,6 +141,7 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     model.load_assets(model_config.path)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
+        model.dummy_seed = seed
     else:
         # A tensor-parallel rank copies only its shard of each tensor (CausalLM.load_weights):
         # mapped from the file, the rest of the tensor is never read into this process.

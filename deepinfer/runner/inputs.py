@@ -73,6 +73,17 @@ class StepInputs:
         q = self.query_start_loc
         return all(q[i + 1] - q[i] == 1 for i in range(self.num_seqs))
 
+    def per_token(self) -> "StepInputs":
+        """The same tokens with each one its own row: a row's length is its position + 1 and
+        its block tables are its sequence's. A step whose sequences feed a few tokens each
+        (speculative verification: the last token and its drafts) then has the decode shape,
+        which the decode graphs serve: each layer stores every row's entries before any row
+        reads the cache, so a row sees the rows before it in its sequence as cached tokens."""
+        rows = self.token_seq
+        return StepInputs(list(self.input_ids), list(self.positions), list(range(len(self.input_ids) + 1)),
+                          [p + 1 for p in self.positions], [[tables[b] for b in rows] for tables in self.block_tables],
+                          [list(s) for s in self.slot_mappings])
+
     @classmethod
     def build(cls, seqs: Sequence[ScheduledSeq], groups: Sequence[KVCacheGroup]) -> "StepInputs":
         ids: list[int] = []

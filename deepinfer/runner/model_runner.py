@@ -59,12 +59,23 @@ from deepinfer.structured.bitmask import allocate_token_bitmask
 
 logger = logging.getLogger(__name__)
 
+# The most tokens a verification step's CUDA graph holds (B sequences x (1 + drafts) rows).
+MAX_VERIFY_GRAPH_TOKENS = 512
+
 
 def _run_start(values: list[int]) -> int | None:
     """values[0] when ``values`` is a non-empty run of consecutive ints, else None."""
     if values and values[-1] - values[0] == len(values) - 1 and values == list(range(values[0], values[-1] + 1)):
         return values[0]
     return None
+
+
+def _verification_only(seqs: list[ScheduledSeq]) -> bool:
+    """Every sequence feeds its last sampled token and its drafts, and some have drafts: a
+    step the decode graphs serve with one row per token."""
+    return (any(seq.num_draft for seq in seqs)
+            and all(seq.sample and not seq.prompt_logprob_rows and len(seq.token_ids) == 1 + seq.num_draft
+                    for seq in seqs))
 
 
 @dataclass
@@ -267,8 +278,21 @@ class ModelRunner:
         replayed, without it the padded forward runs eagerly (tests check padding that way)."""
         if self.kv_buffer is None:
             raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
-        self.decode_graphs = DecodeGraphs(self.model, self.groups, self.config.scheduler.graph_batch_sizes,
+        self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(),
                                           self.config.model.max_model_len, self.device, capture)
+
+    def _graph_sizes(self) -> list[int]:
+        """Decode buckets (``scheduler.graph_batch_sizes``) and, with a drafter whose steps the
+        graphs serve (not a model drafter, which reads the forward's features), the token
+        counts of verification steps: each decode bucket times 1 + the draft length, up to the
+        step's token budget and ``MAX_VERIFY_GRAPH_TOKENS`` (varlen steps pad to the next)."""
+        sizes = set(self.config.scheduler.graph_batch_sizes)
+        spec = self.config.speculative
+        if spec is not None and not isinstance(self.drafter, ModelDrafter):
+            cap = min(self.config.scheduler.max_num_batched_tokens, MAX_VERIFY_GRAPH_TOKENS)
+            width = 1 + spec.num_speculative_tokens
+            sizes |= {n * width for n in sizes if n * width <= cap}
+        return sorted(sizes)
 
     # -- one step ----------------------------------------------------------------
     # A step is launched (inputs, forward, sampling queued on the device; the sampled ids
@@ -293,15 +317,15 @@ class ModelRunner:
             return handle
 
         with record_function("deepinfer.prepare"):
-            input_ids, ctx = self._prepare(plan.seqs)
-            self._fill_placeholders(input_ids, ctx.query_start_loc, plan.seqs)
+            input_ids, ctx, starts = self._prepare(plan.seqs)
+            self._fill_placeholders(input_ids, starts, plan.seqs)
         if self.device.type == "cuda":
             handle.start, handle.prev_end = torch.cuda.Event(enable_timing=True), self._prev_end
             handle.start.record()
         # Rows whose logits are needed: prompt-logprob rows, then per sampled sequence its last
         # row, or with draft tokens the rows of its last sampled token and of every draft.
         rows: list[int] = []
-        for seq, start in zip(plan.seqs, ctx.query_start_loc):
+        for seq, start in zip(plan.seqs, starts):
             rows.extend(range(start, start + seq.prompt_logprob_rows))
             if seq.sample:
                 end = start + len(seq.token_ids)
@@ -624,16 +648,21 @@ class ModelRunner:
             states[i].matcher.fill_bitmask(self._bitmask, i)
         return self._bitmask[:len(states)].to(self.device)
 
-    def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardContext]:
-        """Input ids [T] and the forward context of a step. A decode step that a graph bucket
-        holds gets views of the decode graphs' static buffers, padded to the bucket's size
-        (T = bucket; rows past len(seqs) are padding, see runner/cuda_graph.py)."""
+    def _prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+        """Input ids [T], the forward context of a step, and where each sequence's tokens start
+        in the flattened batch ([B+1]). A decode step that a graph bucket holds gets views of
+        the decode graphs' static buffers, padded to the bucket's size (T = bucket; rows past
+        the step's tokens are padding, see runner/cuda_graph.py); so does a verification step,
+        each token its own row (:meth:`StepInputs.per_token`)."""
         inputs = StepInputs.build(seqs, self.groups)
+        starts = inputs.query_start_loc
         graphs = self.decode_graphs
         # A model drafter reads the forward's features (not captured in the graphs): eager.
-        if (graphs is not None and inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None
-                and not isinstance(self.drafter, ModelDrafter)):
-            return graphs.prepare(inputs)
+        if graphs is not None and not isinstance(self.drafter, ModelDrafter):
+            if inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
+                return (*graphs.prepare(inputs), starts)
+            if _verification_only(seqs) and graphs.bucket_for(len(inputs.input_ids)) is not None:
+                return (*graphs.prepare(inputs.per_token()), starts)
         groups = []
         for group, tables, slots in zip(self.groups, inputs.block_tables, inputs.slot_mappings):
             width = max(1, max(len(t) for t in tables))
@@ -656,7 +685,7 @@ class ModelRunner:
                              seq_lens_t=to_device(inputs.seq_lens, torch.int32, self.device),
                              token_seq=to_device(inputs.token_seq, torch.int32, self.device),
                              replay_starts=replay_starts)
-        return to_device(inputs.input_ids, torch.long, self.device), ctx
+        return to_device(inputs.input_ids, torch.long, self.device), ctx, starts
 
     def _forward(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: list[int]) -> torch.Tensor:
         """Hidden states [N, H] of ``rows``: a decode graph's replay when ``_prepare`` gave its

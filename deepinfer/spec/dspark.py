@@ -96,7 +96,7 @@ class DSparkEngineDrafter(ModelDrafter):
             raise NotImplementedError(
                 f"speculative_config method='dspark' runs the DSpark module of DeepSeek-V4.1 checkpoints; "
                 f"{type(model).__name__} has none (method='ngram' works with any model)")
-        if not model.drafter_tensors:
+        if not model.drafter_tensors and model.dummy_seed is None:
             raise ValueError("speculative_config method='dspark': the checkpoint has no DSpark module "
                              "(no mtp.* tensors); use method='ngram'")
         return cls(config, DSparkDrafter.from_target(model))

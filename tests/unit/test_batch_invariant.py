@@ -192,22 +192,22 @@ def test_refused_where_not_built():
         batch_invariant.check_supported(torch.device("cpu"), "GPT2LMHeadModel")
 
 
-def test_speculative_decoding_in_the_mode():
-    """With DSpark drafts, a seeded request's tokens and logprobs are bitwise the same alone
-    and in a batch, and its tokens are those it gets without speculation (verification is
-    exact match against the sampler's keyed draws). Its logprobs without speculation differ
-    in the last bits: a verified row comes from a multi-token step. Varlen verification,
-    whose widths follow the batch, is refused in the mode."""
+@pytest.mark.parametrize("varlen", [False, True])
+def test_speculative_decoding_in_the_mode(varlen):
+    """With DSpark drafts, a seeded request's tokens and logprobs are bitwise the same alone,
+    in a batch, and without speculation: verification is exact match against the sampler's
+    keyed draws, and a position's logits do not depend on the width of the step that
+    computed it. With varlen verification the widths follow the batch's confidences, so the
+    same holds whatever width each step verified."""
     needle = [(7 * i) % 300 + 1 for i in range(40)]
     others = [[(3 * i) % 300 + 2 for i in range(n)] for n in (5, 33)]
-    seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=5, logprobs=3)
-    other = SamplingParams(max_tokens=10, temperature=1.0, seed=9, logprobs=1)
-    spec = {"method": "dspark", "num_speculative_tokens": 4}
-    plain = _run(LLM(device="cpu", batch_invariant=True), [needle], [seeded])[0][0]
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=5, logprobs=3)
+    other = SamplingParams(max_tokens=16, temperature=1.0, seed=9, logprobs=1)
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "varlen": varlen}
+    plain = _run(LLM(device="cpu", batch_invariant=True), [needle], [seeded])[0][:2]
     llm = LLM(device="cpu", batch_invariant=True, speculative_config=spec)
     alone = _run(llm, [needle], [seeded])[0][:2]
-    assert alone[0] == plain
+    assert alone == plain
     assert _run(llm, [others[0], needle, others[1]], [other, seeded, other])[1][:2] == alone
-    assert llm.engine.scheduler.spec_stats.num_drafts > 0
-    with pytest.raises(NotImplementedError, match="varlen"):
-        LLM(device="cpu", batch_invariant=True, speculative_config={**spec, "varlen": True})
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0

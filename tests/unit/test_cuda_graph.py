@@ -251,3 +251,70 @@ def test_padded_decode_matches_plain_on_llama(llama_dir):
 
 def test_padded_decode_matches_plain_with_sliding_layers(hybrid_dir):
     _padded_vs_plain(str(hybrid_dir))
+
+
+def _generate_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
+    return [(list(o.outputs[0].token_ids), [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _verification_through_graphs(model: str) -> None:
+    """Speculative verification steps (n-gram drafts) through the graphs' padded static
+    inputs, one row per token: the tokens and their logprobs equal the plain path's, and
+    steps of several tokens per sequence did run through the buckets."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    kwargs = dict(model=model, device="cpu", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
+                  max_num_batched_tokens=64, block_size=4, num_kv_blocks=200, speculative_config=spec)
+    # Each prompt followed by its greedy continuation and itself again, so that prompt lookup
+    # drafts the continuation (and the trained checkpoints accept some of it).
+    base = _prompts(model)
+    eager = LLM(**{k: v for k, v in kwargs.items() if k != "speculative_config"})
+    prompts = [p + list(o) + p for p, o in zip(base, _generate(eager, base))]
+    del eager
+    plain = LLM(**kwargs)
+    expected = _generate_logprobs(plain, prompts)
+    assert plain.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    del plain
+
+    padded = LLM(**kwargs)
+    runner = padded.engine.runner
+    runner.enable_decode_graphs(capture=False)
+    assert runner.decode_graphs.sizes == [1, 2, 4, 8, 16, 32]
+    shared_rows: list[int] = []
+    prepare = runner.decode_graphs.prepare
+
+    def counting_prepare(inputs):
+        # Rows of one sequence (per_token) hold its block-table row: count the rows that share.
+        shared_rows.append(len(inputs.input_ids) - len({id(r) for r in inputs.block_tables[0]}))
+        return prepare(inputs)
+
+    runner.decode_graphs.prepare = counting_prepare
+    got = _generate_logprobs(padded, prompts)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lp), (_, ref) in zip(got, expected):
+        assert lp == pytest.approx(ref, abs=1e-4)
+    assert padded.engine.scheduler.spec_stats.num_drafts > 0
+    assert max(shared_rows) > 0                     # verification steps ran through the buckets
+    kv = padded.engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+def test_verification_steps_through_graphs_on_the_tiny_deepseek_v4():
+    _verification_through_graphs(TINY_V4_MODEL)
+
+
+def test_verification_steps_through_graphs_on_deepseek_v3(v3_dir):
+    _verification_through_graphs(str(v3_dir))
+
+
+def test_verification_steps_through_graphs_on_deepseek_v41():
+    _verification_through_graphs(str(Path(__file__).resolve().parent.parent / "data" / "v41_reference" / "checkpoint"))
+
+
+def test_verification_steps_through_graphs_on_llama(llama_dir):
+    _verification_through_graphs(str(llama_dir))
+
+
+def test_verification_steps_through_graphs_with_sliding_layers(hybrid_dir):
+    _verification_through_graphs(str(hybrid_dir))
