@@ -133,6 +133,11 @@ class Worker:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.groups = build_groups(config.parallel, rank)
+        # One collective per group now: NCCL sets a communicator up on its first collective,
+        # which must not happen inside a CUDA-graph capture (the decode graphs).
+        for group in (self.groups.tp, self.groups.ep):
+            if not group.is_single:
+                dist.all_reduce(torch.zeros(1, device=device), group=group.group)
         sched = config.scheduler
         with use_groups(self.groups):
             self.model = load_model(self.config.model, device, config.seed)
