@@ -284,6 +284,9 @@ class SchedulerConfig:
         return tuple(sorted(sizes))
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor (``tp``), expert (``ep``), data (``dp``), context (``cp``) and pipeline (``pp``)
@@ -294,13 +297,18 @@ class ParallelConfig:
     device) each; both sizes must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
     group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; every rank runs every step,
     so tensor-parallel groups beyond the first repeat the first one's work (``tp=2, ep=4``:
-    attention on two ranks, twice; experts over all four)."""
+    attention on two ranks, twice; experts over all four).
+
+    ``distributed_executor_backend`` (vLLM's name): ``"mp"`` — the engine starts one worker
+    process per rank itself (parallel/executor.py); ``"external_launcher"`` — every rank is a
+    process someone else started (``torchrun``), each running the whole engine on its shard."""
 
     tp: int = 1
     ep: int = 1
     dp: int = 1
     cp: int = 1
     pp: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         for name, long_name in (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"),
@@ -313,6 +321,9 @@ class ParallelConfig:
                 raise NotImplementedError(
                     f"{name}={value} ({long_name}): {long_name.split('_size')[0].replace('_', ' ')} is not "
                     f"yet supported; run with {name}=1 (tensor and expert parallelism are: tp, ep)")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
+                             f"supported; choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
         if self.world_size % self.tp or self.world_size % self.ep:
             raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
                              f"must divide each other: the world is max(tp, ep)={self.world_size} ranks")

@@ -39,7 +39,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.parallel.executor import ExecutorDeadError, MultiprocExecutor
+from deepinfer.parallel.executor import ExecutorDeadError, MultiprocExecutor, join_external_launch
+from deepinfer.parallel.groups import ParallelGroups, use_groups
 from deepinfer.request import Request, RequestStatus
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -109,17 +110,25 @@ class Engine:
         eos_ids = (config.model.config_eos_token_ids if self.tokenizer is None
                    else self.tokenizer.eos_token_ids)
         sched = config.scheduler
-        if config.parallel.world_size > 1:
+        par = config.parallel
+        if par.world_size > 1 and par.distributed_executor_backend == "mp":
             # Every rank, 0 included, runs in a worker process; this process holds no model.
             self.model = None
             self.runner = MultiprocExecutor(config, eos_ids)
             replay_keep = self.runner.replay_keep
         else:
-            self.model = load_model(config.model, config.device, config.seed)
-            # Bounded replay: the model checks the mode (a model without it refuses the truncated
-            # ones) and says how many trailing prompt tokens its late layers compute (None: all).
-            replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
-            self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
+            groups = ParallelGroups()
+            if par.world_size > 1:
+                # This process is one rank of a torchrun launch, running its shard itself.
+                config, groups = join_external_launch(config)
+                self.config = config
+            with use_groups(groups):
+                self.model = load_model(config.model, config.device, config.seed)
+                # Bounded replay: the model checks the mode (a model without it refuses the truncated
+                # ones) and says how many trailing prompt tokens its late layers compute (None: all).
+                replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode,
+                                                            sched.prefill_keep_tokens)
+                self.runner = ModelRunner(config, self.model, eos_ids, bounded_replay=replay_keep is not None)
         specs = self.runner.kv_cache_specs()
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)

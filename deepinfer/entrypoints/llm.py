@@ -49,7 +49,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         seed: int = 0, device: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                         data_parallel_size: int = 1, context_parallel_size: int = 1,
-                        pipeline_parallel_size: int = 1, enforce_eager: bool = False,
+                        pipeline_parallel_size: int = 1, distributed_executor_backend: str = "mp",
+                        enforce_eager: bool = False,
                         cuda_graph_sizes: Sequence[int] | None = None,
                         hf_config: dict[str, Any] | None = None, hf_overrides: dict[str, Any] | None = None,
                         load_format: str = "auto", quantization: str | None = None,
@@ -73,7 +74,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     ``batch_invariant``: bitwise-reproducible outputs whatever the batch and chunking
     (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT).
     ``speculative_config``: vLLM's dict (``SpeculativeConfig.from_dict``); None: no
-    speculative decoding."""
+    speculative decoding. ``distributed_executor_backend``: how ranks start above one
+    (``ParallelConfig``): ``"mp"`` worker processes, or ``"external_launcher"`` under torchrun."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, max_logprobs=max_logprobs)
@@ -100,7 +102,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                   prefill_truncation_mode=yoco_prefill_truncation_mode,
                                   prefill_keep_tokens=yoco_prefill_keep_tokens),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
-                                dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size),
+                                dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size,
+                                distributed_executor_backend=distributed_executor_backend),
         device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
         speculative=None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config))
 

@@ -35,8 +35,7 @@ _NO_OP: dict[str, str] = {
     "code_revision": "deepinfer never runs code from a checkpoint",
     "hf_token": "deepinfer downloads nothing, so it needs no Hugging Face token",
     "swap_space": "preempted requests are recomputed, never swapped to CPU memory",
-    "disable_custom_all_reduce": "there is no all-reduce on one device",
-    "distributed_executor_backend": "the engine runs in this process on one device",
+    "disable_custom_all_reduce": "all-reduces are torch.distributed's (gloo or NCCL); there is no custom one",
     "max_parallel_loading_workers": "the checkpoint is read in this process, one file at a time",
     "max_seq_len_to_capture": "the decode CUDA graphs serve every context length",
     "disable_async_output_proc": "outputs are processed while the next step runs (async_scheduling) or not "

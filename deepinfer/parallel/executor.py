@@ -22,6 +22,9 @@ traceback)``. A reading thread in the worker drains the pipe into a queue so tha
 can send step N+1 (overlapped scheduling) while the worker still sends step N's result,
 without both blocking on full pipes. A worker exits when the driver's end of its pipe closes.
 
+Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) there is no driver:
+each launched process runs a whole engine on its rank (:func:`join_external_launch`).
+
 Faults. A worker that dies or raises leaves the others' collectives in an unknown state, so
 any fault is fatal: the executor stops every worker and raises :class:`ExecutorDeadError`
 (from this call and every later one); the engine fails its requests with that message.
@@ -107,6 +110,47 @@ def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
     return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep))
 
 
+def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
+    """One collective per group: NCCL sets a communicator up on its first collective, which
+    must not happen inside a CUDA-graph capture (the decode graphs)."""
+    import torch.distributed as dist
+
+    for group in (groups.tp, groups.ep):
+        if not group.is_single:
+            dist.all_reduce(torch.zeros(1, device=device), group=group.group)
+
+
+def join_external_launch(config: EngineConfig) -> tuple[EngineConfig, ParallelGroups]:
+    """This process as one rank of a launch someone else started (``torchrun``;
+    ``distributed_executor_backend="external_launcher"``): join ``torch.distributed`` from the
+    launcher's environment (``env://``) unless already joined, check the world size, and
+    return the config on this rank's device (CUDA: ``cuda:rank % devices``) with its groups.
+    Each rank then runs the whole engine, scheduler included: the ranks are given the same
+    requests in the same order, so they plan the same steps and their collectives meet.
+    Nothing watches the other ranks here: a dead peer fails the next collective (gloo) or
+    waits for the backend's timeout (NCCL)."""
+    import torch.distributed as dist
+
+    check_parallel(config)
+    device = config.device
+    if not dist.is_initialized():
+        try:
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="env://")
+        except ValueError as exc:
+            raise ValueError(f"distributed_executor_backend='external_launcher' joins a torchrun launch, "
+                             f"whose environment this process lacks: {exc}") from exc
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != config.parallel.world_size:
+        raise ValueError(f"the launch has {world} ranks, but tensor_parallel_size={config.parallel.tp} and "
+                         f"expert_parallel_size={config.parallel.ep} need {config.parallel.world_size}")
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    groups = build_groups(config.parallel, rank)
+    _first_collectives(groups, device)
+    return replace(config, device=device), groups
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface now (for the rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -133,11 +177,7 @@ class Worker:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.groups = build_groups(config.parallel, rank)
-        # One collective per group now: NCCL sets a communicator up on its first collective,
-        # which must not happen inside a CUDA-graph capture (the decode graphs).
-        for group in (self.groups.tp, self.groups.ep):
-            if not group.is_single:
-                dist.all_reduce(torch.zeros(1, device=device), group=group.group)
+        _first_collectives(self.groups, device)
         sched = config.scheduler
         with use_groups(self.groups):
             self.model = load_model(self.config.model, device, config.seed)

@@ -241,6 +241,56 @@ def test_close_stops_the_workers(checkpoints):
         llm.generate([[1, 2, 3]], use_tqdm=False)
 
 
+def _torchrun_rank(rank: int, world: int, port: int, path: str, results: mp.Queue) -> None:
+    """One rank as torchrun starts it: the launcher's environment, then a whole engine."""
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        tokens, logprobs, again = _run(Path(path), world, distributed_executor_backend="external_launcher")
+        results.put((rank, tokens, logprobs, again))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        results.put((rank, repr(exc), None, None))
+        raise
+
+
+@pytest.mark.slow
+def test_ranks_of_a_torchrun_launch_each_run_the_engine(checkpoints):
+    arch = "LlamaForCausalLM"
+    ref_tokens, ref_logprobs, _ = _single_process(checkpoints, arch)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_torchrun_rank, args=(r, 2, port, str(checkpoints[arch]), results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in procs:
+        rank, tokens, logprobs, again = results.get(timeout=120)
+        assert logprobs is not None, f"rank {rank}: {tokens}"
+        got[rank] = (tokens, logprobs, again)
+    for p in procs:
+        p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for tokens, logprobs, again in got.values():
+        assert tokens == ref_tokens and again == ref_tokens
+        for ref_seq, seq in zip(ref_logprobs, logprobs):
+            for ref_pos, pos in zip(ref_seq, seq):
+                for t in ref_pos.keys() & pos.keys():
+                    assert abs(ref_pos[t] - pos[t]) <= LOGPROB_TOL
+
+
+def test_external_launcher_outside_a_launch_is_refused(checkpoints, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="external_launcher' joins a torchrun launch"):
+        LLM(model=str(checkpoints["LlamaForCausalLM"]), device="cpu", tensor_parallel_size=2,
+            distributed_executor_backend="external_launcher")
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not supported"):
+        LLM(model=str(checkpoints["LlamaForCausalLM"]), device="cpu", distributed_executor_backend="ray")
+
+
 # -- sizes refused before anything loads ------------------------------------------------------------
 @pytest.mark.parametrize("arch, kwargs, error, message", [
     ("LlamaForCausalLM", dict(tensor_parallel_size=3), ValueError,
