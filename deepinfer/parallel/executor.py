@@ -44,10 +44,15 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from deepinfer.batch_invariant import batch_invariant_mode
 from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.models.loader import load_model
+from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
+from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.scheduler.kv_cache import KVCacheGroup
 from deepinfer.scheduler.plan import StepPlan, StepResult
 from deepinfer.spec.scheduling import SPSTable
@@ -69,8 +74,6 @@ def check_parallel(config: EngineConfig) -> None:
     """Refuse parallel sizes that the model or the machine cannot take, before anything loads:
     tp must divide the model's sharded widths (``CausalLM.check_parallel``), ep its routed
     experts, and on CUDA the world must fit the visible devices."""
-    from deepinfer.models.registry import get_model_class
-
     par = config.parallel
     cls = get_model_class(config.model.architecture)
     cls.check_parallel(config.model.hf_config, par.tp)
@@ -95,8 +98,6 @@ def check_parallel(config: EngineConfig) -> None:
 def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
     """This rank's groups: tensor-parallel blocks of ``tp`` consecutive ranks, expert-parallel
     blocks of ``ep``. Every rank creates every group, in the same order (torch.distributed's rule)."""
-    import torch.distributed as dist
-
     def blocks(size: int) -> Group:
         if size == 1:
             return Group()
@@ -113,8 +114,6 @@ def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
 def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
     """One collective per group: NCCL sets a communicator up on its first collective, which
     must not happen inside a CUDA-graph capture (the decode graphs)."""
-    import torch.distributed as dist
-
     for group in (groups.tp, groups.ep):
         if not group.is_single:
             dist.all_reduce(torch.zeros(1, device=device), group=group.group)
@@ -129,8 +128,6 @@ def join_external_launch(config: EngineConfig) -> tuple[EngineConfig, ParallelGr
     requests in the same order, so they plan the same steps and their collectives meet.
     Nothing watches the other ranks here: a dead peer fails the next collective (gloo) or
     waits for the backend's timeout (NCCL)."""
-    import torch.distributed as dist
-
     check_parallel(config)
     device = config.device
     if not dist.is_initialized():
@@ -162,11 +159,6 @@ class Worker:
     """One rank's model and ModelRunner (in its worker process)."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int], rank: int, port: int) -> None:
-        import torch.distributed as dist
-
-        from deepinfer.models.loader import load_model
-        from deepinfer.runner.model_runner import ModelRunner
-
         world = config.parallel.world_size
         device = config.device
         if device.type == "cuda":
@@ -198,7 +190,6 @@ class Worker:
         if after_idle:
             self.runner.reset_idle_clock()
         if self.config.batch_invariant:
-            from deepinfer.batch_invariant import batch_invariant_mode
             with batch_invariant_mode():
                 result = self.runner.finish(self.runner.launch(plan))
         else:
@@ -213,8 +204,6 @@ class Worker:
         return getattr(self.runner, method)(*args)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
