@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import socket
 import threading
 import traceback
@@ -220,6 +221,8 @@ def _read_pipe(conn: Connection, inbox: queue.Queue) -> None:
 def _worker_main(config: EngineConfig, eos_token_ids: set[int], rank: int, port: int, conn: Connection) -> None:
     """A worker process: build the rank's model, then answer the driver's calls until told to
     stop or the driver goes away."""
+    # Ctrl-C reaches the whole process group: the driver decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = Worker(config, eos_token_ids, rank, port)
     except BaseException:
