@@ -131,6 +131,7 @@ class ModelRunner:
         self.kv_buffer: torch.Tensor | None = None
         self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
         self.decode_graphs: DecodeGraphs | None = None  # made once the KV cache is bound
+        self.verify_graph_steps = 0     # verification steps that took the decode graphs' buffers
         # The last launch's sampled rows (req_id -> row) and token ids [N] on the device:
         # the next launch's placeholder tokens come from here.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
@@ -647,6 +648,7 @@ class ModelRunner:
             if inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
                 return (*graphs.prepare(inputs), starts)
             if _verification_only(seqs) and graphs.bucket_for(len(inputs.input_ids)) is not None:
+                self.verify_graph_steps += 1
                 return (*graphs.prepare(inputs.per_token()), starts)
         groups = []
         for group, tables, slots in zip(self.groups, inputs.block_tables, inputs.slot_mappings):
