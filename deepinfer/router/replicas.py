@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Iterator, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 # How long a replica may take to load its model and answer /health.
 START_TIMEOUT_S = 300.0
@@ -113,3 +113,38 @@ def replicas(count: int, serve_argv: Sequence[str], *, host: str = "127.0.0.1", 
         yield children
     finally:
         stop(children)
+
+
+@contextmanager
+def deployment(count: int, serve_argv: Sequence[str], policy: str, *, host: str = "127.0.0.1",
+               log: IO | int | None = None) -> Iterator[tuple[str, list[str]]]:
+    """``count`` replicas and a ``deepinfer router`` with ``policy`` in front of them, all
+    healthy when yielded (the router's URL, the replicas'), stopped on exit."""
+    with replicas(count, serve_argv, host=host, log=log) as children:
+        urls = [c.url for c in children]
+        port = free_port(host)
+        router = start("router", ["router", "--backend", *urls, "--policy", policy, "--host", host,
+                                  "--port", str(port)], f"http://{host}:{port}", log)
+        try:
+            wait_healthy([router], timeout_s=60.0)
+            yield router.url, urls
+        finally:
+            stop([router])
+
+
+def router_requests(router_url: str) -> dict[str, Any]:
+    """From a router's /metrics: the requests it sent to each backend and its affinity hits."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(router_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    requests: dict[str, float] = {}
+    hits = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "deepinfer_router_requests_total":
+                url = sample.labels["backend"]
+                requests[url] = requests.get(url, 0.0) + sample.value
+            elif sample.name == "deepinfer_router_affinity_hits_total":
+                hits += sample.value
+    return {"requests": requests, "affinity_hits": hits}

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.router.app import RouterConfig
 from deepinfer.router.policy import CacheAwareConfig
-from tests.router.fakes import FakeBackend, fake_backends, router_over
+from tests.router.fakes import fake_backends, router_over
 
 SYSTEM = "You are a helpful assistant. " * 8
 
