@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, Iterator, Sequence
 
+GENERATING_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
 # How long a replica may take to load its model and answer /health.
 START_TIMEOUT_S = 300.0
 
@@ -133,7 +135,8 @@ def deployment(count: int, serve_argv: Sequence[str], policy: str, *, host: str 
 
 
 def router_requests(router_url: str) -> dict[str, Any]:
-    """From a router's /metrics: the requests it sent to each backend and its affinity hits."""
+    """From a router's /metrics: the generation requests (completions and chat) it sent to each
+    backend, and its affinity hits."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(router_url + "/metrics", timeout=10) as resp:
@@ -142,7 +145,7 @@ def router_requests(router_url: str) -> dict[str, Any]:
     hits = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "deepinfer_router_requests_total":
+            if sample.name == "deepinfer_router_requests_total" and sample.labels["route"] in GENERATING_ROUTES:
                 url = sample.labels["backend"]
                 requests[url] = requests.get(url, 0.0) + sample.value
             elif sample.name == "deepinfer_router_affinity_hits_total":
