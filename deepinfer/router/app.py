@@ -81,6 +81,8 @@ class RouterConfig:
     request_timeout_s: float = 6 * 60 * 60
 
     def __post_init__(self) -> None:
+        # One spelling per backend: it names the backend in the metrics and the policy.
+        object.__setattr__(self, "backends", tuple(url.rstrip("/") for url in self.backends))
         if not self.backends:
             raise ValueError("backends: give at least one backend URL (--backend http://HOST:PORT)")
         for url in self.backends:
@@ -167,7 +169,7 @@ class Router:
         self.config = config
         self.policy = policy or make_policy(config.policy, config.cache_aware if config.policy == "cache-aware"
                                             else None)
-        self.backends = {b.url: b for b in (Backend(url.rstrip("/")) for url in config.backends)}
+        self.backends = {url: Backend(url) for url in config.backends}
         self.metrics = RouterMetrics(list(self.backends))
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
@@ -312,7 +314,7 @@ class Router:
                 resp.release()
                 raise _BackendFailed(f"HTTP {resp.status}: {text}")
             out_headers = _forward_headers(resp.headers)
-            if stream and resp.status == 200:
+            if stream and resp.status == 200 and resp.content_type == "text/event-stream":
                 handed_over = True       # the relay leaves the backend when the stream ends
                 return StreamingResponse(self._relay(backend, resp), status_code=resp.status, headers=out_headers)
             try:

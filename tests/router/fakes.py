@@ -38,7 +38,7 @@ class FakeBackend:
             # As a killed process: the connection closes with no answer.
             request.transport.close()
             return web.Response()
-        if body.get("stream"):
+        if body.get("stream") and not body.get("answer_json"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(3):

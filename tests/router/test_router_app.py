@@ -171,6 +171,9 @@ def test_pass_through_bodies_statuses_and_headers():
             routed = await post(s, url, body, "/v1/completions")
             direct = await post(s, backends[0].url, body, "/v1/completions")
             assert routed == direct == (200, {"backend": "b0", "body": body})
+            # A stream asked for but answered as JSON (a server without streaming) passes as it is.
+            body = {"prompt": "x", "stream": True, "answer_json": True}
+            assert await post(s, url, body, "/v1/completions") == (200, {"backend": "b0", "body": body})
             assert await post(s, url, {"bad": True, "prompt": "x"}, "/v1/completions") == \
                 (400, {"error": {"message": "bad: no", "code": 400}})
             async with s.get(url + "/v1/models") as resp:
@@ -208,7 +211,7 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="is not an http"):
         RouterConfig(backends=("localhost:8000",))
     with pytest.raises(ValueError, match="listed twice"):
-        RouterConfig(backends=("http://a:1", "http://a:1"))
+        RouterConfig(backends=("http://a:1", "http://a:1/"))
     with pytest.raises(ValueError, match="unknown routing policy"):
         RouterConfig(backends=("http://a:1",), policy="fastest")
     with pytest.raises(ValueError, match="max_retries"):
