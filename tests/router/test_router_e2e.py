@@ -87,6 +87,7 @@ def test_bench_serve_through_the_router(tmp_path: Path):
     assert code == 0
     r = json.loads(out.read_text())
     assert (r["completed"], r["failed"], r["router_policy"], r["replicas"]) == (6, 0, "cache-aware", 2)
+    assert (r["num_prompts"], r["multiturn_conversations"], r["multiturn_turns"]) == (6, 3, 2)
     assert sum(r["requests_per_replica"]) == 6 and r["router_affinity_hits"] >= 3
     assert 0 < r["prefix_hit_rate"] < 1 and r["total_cached_tokens"] > 0
     assert len(r["mean_ttft_ms_per_turn"]) == 2

@@ -123,7 +123,6 @@ async def _run_in(session: aiohttp.ClientSession, args: argparse.Namespace, base
         root = entry.get("root") if entry else None
     tokenizer_path = _resolve_tokenizer(args.tokenizer, root)
     tokenizer = Tokenizer(tokenizer_path)
-    # A text prompt on /v1/completions gets the tokenizer's special tokens (BOS) from the server.
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
                                   ("top_k", args.top_k)) if v is not None}
     extra_body = sampling | (args.extra_body or {})
@@ -133,7 +132,9 @@ async def _run_in(session: aiohttp.ClientSession, args: argparse.Namespace, base
             raise ValueError("--dataset-name multiturn sends conversations: use --endpoint /v1/chat/completions")
         results, turns, t0, duration = await _send_conversations(session, args, url, headers, model, tokenizer,
                                                                   tokenizer_path, extra_body)
-        multiturn = metrics.multiturn_metrics(results, turns)
+        multiturn = {"multiturn_conversations": args.multiturn_conversations,
+                     "multiturn_turns": args.multiturn_turns, "multiturn_system_len": args.multiturn_system_len,
+                     "multiturn_question_len": args.multiturn_question_len} | metrics.multiturn_metrics(results, turns)
     else:
         offsets = workload.arrival_times(args.num_prompts, args.request_rate, args.burstiness, args.seed)
         results, t0, duration = await _send_random(session, args, url, headers, model, kind, tokenizer,
@@ -153,6 +154,7 @@ async def _run_in(session: aiohttp.ClientSession, args: argparse.Namespace, base
                                 percentile_metrics=percentile_metrics, percentiles=percentiles))
     if multiturn:
         print(metrics.format_multiturn(multiturn))
+    num_prompts = args.multiturn_conversations * args.multiturn_turns if multiturn else args.num_prompts
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "endpoint_type": kind,
@@ -160,7 +162,7 @@ async def _run_in(session: aiohttp.ClientSession, args: argparse.Namespace, base
         "label": args.label,
         "model_id": model,
         "tokenizer_id": tokenizer_path,
-        "num_prompts": args.num_prompts,
+        "num_prompts": num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
@@ -180,6 +182,7 @@ async def _send_random(session: aiohttp.ClientSession, args: argparse.Namespace,
                        model: str, kind: str, tokenizer: Tokenizer, tokenizer_path: str, tokenize_prompt: bool,
                        extra_body: dict[str, Any], offsets: Any) -> tuple[list[RequestResult], float, float]:
     """The random workload at its arrival times; the results, the start and the duration."""
+    # A text prompt on /v1/completions gets the tokenizer's special tokens (BOS) from the server.
     added = len(tokenizer.encode("", add_special_tokens=True)) if kind == endpoint.COMPLETIONS else 0
     requests = workload.sample_random(
         tokenizer, num_prompts=args.num_prompts, input_len=args.random_input_len,
