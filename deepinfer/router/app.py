@@ -55,6 +55,9 @@ INSTALL_HINT = "pip install 'deepinfer[router]'"
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
 
+# Response headers the router's own server writes (uvicorn): not copied, or they would appear twice.
+_SERVER_OWN = frozenset({"date", "server"})
+
 # Statuses that say the backend, not the request, failed: another replica may serve it.
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -310,10 +313,15 @@ class Router:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 raise _BackendFailed(f"{type(exc).__name__}: {exc}") from exc
             if resp.status in _RETRY_STATUSES:
-                text = (await resp.read()).decode("utf-8", "replace")[:300]
-                resp.release()
+                try:
+                    text = (await resp.read()).decode("utf-8", "replace")[:300]
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    text = f"(body unreadable: {type(exc).__name__})"
+                finally:
+                    resp.release()
                 raise _BackendFailed(f"HTTP {resp.status}: {text}")
-            out_headers = _forward_headers(resp.headers)
+            out_headers = {k: v for k, v in _forward_headers(resp.headers).items()
+                           if k.lower() not in _SERVER_OWN}
             if stream and resp.status == 200 and resp.content_type == "text/event-stream":
                 handed_over = True       # the relay leaves the backend when the stream ends
                 return StreamingResponse(self._relay(backend, resp), status_code=resp.status, headers=out_headers)

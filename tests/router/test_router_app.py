@@ -178,6 +178,9 @@ def test_pass_through_bodies_statuses_and_headers():
                 (400, {"error": {"message": "bad: no", "code": 400}})
             async with s.get(url + "/v1/models") as resp:
                 assert (await resp.json())["data"] == [{"id": "fake", "root": "b0"}]
+                assert resp.content_type == "application/json"
+                # The backend's Date and Server are not copied beside the router's own.
+                assert len(resp.headers.getall("Date")) == len(resp.headers.getall("Server")) == 1
             async with s.get(url + "/health") as resp:
                 assert resp.status == 200
             # Malformed JSON is the backend's to refuse (routed with no key).
