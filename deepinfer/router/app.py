@@ -161,6 +161,12 @@ def _forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class _BackendFailed(Exception):
     """The backend failed a request before any of its answer reached the client."""
 
@@ -255,8 +261,23 @@ class Router:
 
     async def forward(self, method: str, path: str, request: Request, *, routed: bool) -> Response:
         """Send ``request`` to a backend: chosen by the policy when ``routed`` (the generating
-        routes), else the least busy healthy one; retried elsewhere on a backend failure."""
+        routes), else the least busy healthy one; retried elsewhere on a backend failure. If the
+        client disconnects before the answer (or a stream's first bytes), the backend request is
+        cancelled and its connection dropped, so the backend aborts it too."""
         body = await request.body()
+        work = asyncio.ensure_future(self._forward(method, path, request, body, routed=routed))
+        watch = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        # 499 (nginx's "client closed request"): nobody reads it, the access log shows it.
+        return Response(status_code=499) if work.cancelled() else work.result()
+
+    async def _forward(self, method: str, path: str, request: Request, body: bytes, *, routed: bool) -> Response:
         headers = _forward_headers(request.headers)
         key: Key = ""
         stream = False
@@ -328,9 +349,12 @@ class Router:
             try:
                 data = await resp.read()
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                resp.close()
                 raise _BackendFailed(f"the response was cut off: {type(exc).__name__}: {exc}") from exc
-            finally:
-                resp.release()
+            except asyncio.CancelledError:
+                resp.close()         # the client went away: dropping the connection aborts the request there
+                raise
+            resp.release()
             return Response(data, status_code=resp.status, headers=out_headers)
         finally:
             if not handed_over:

@@ -28,12 +28,16 @@ class FakeBackend:
     received: list[dict[str, Any]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
+    client_gone: int = 0             # held requests whose client (the router) had gone when released
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
         if self.mode == "hold":
             await self.release.wait()
+            if request.transport is None or request.transport.is_closing():
+                self.client_gone += 1
+                return web.Response()
         if self.mode == "drop":
             # As a killed process: the connection closes with no answer.
             request.transport.close()

@@ -208,6 +208,24 @@ def test_unhealthy_backend_gets_nothing_until_it_recovers():
     run(test)
 
 
+def test_a_client_that_goes_away_is_gone_for_the_backend_too():
+    async def test() -> None:
+        async with fake_backends(1) as backends, router_over(backends) as (url, router):
+            b = backends[0]
+            b.mode = "hold"
+            for stream in (False, True):
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                    with pytest.raises(asyncio.TimeoutError):
+                        await post(s, url, {"prompt": "p", "stream": stream}, "/v1/completions")
+                while router.backends[b.url].in_flight:
+                    await asyncio.sleep(0.01)
+            b.release.set()
+            while b.client_gone < 2:
+                await asyncio.sleep(0.01)
+            assert len(b.received) == 2 and router.backends[b.url].healthy
+    run(test)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="backends: give at least one"):
         RouterConfig(backends=())
