@@ -34,6 +34,8 @@ class _Node:
 
 def _common_length(a: Key, b: Key) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:      # the usual case (a whole edge matches), compared at C speed
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -46,10 +48,13 @@ class PrefixTree:
     a system prompt, are stored once).
 
     Size: per replica, the number of key elements it owns (the edge lengths of its nodes).
-    ``insert`` evicts a replica's least recently used leaves (nodes it owns none of whose
-    children it owns) until its size is at most ``max_size_per_replica``; a node no replica
-    owns any more leaves the tree.
+    An ``insert`` that takes a replica over ``max_size_per_replica`` evicts its least recently
+    used leaves (nodes it owns none of whose children it owns) until its size is at most
+    ``EVICT_TO`` of the limit; a node no replica owns any more leaves the tree.
     """
+
+    # Eviction scans the tree, so it frees some room at once rather than one leaf per insert.
+    EVICT_TO = 0.9
 
     def __init__(self, max_size_per_replica: int) -> None:
         if max_size_per_replica < 1:
@@ -75,7 +80,7 @@ class PrefixTree:
             child.replicas[replica] = now
             node, i = child, i + len(child.edge)
         if self.sizes.get(replica, 0) > self.max_size_per_replica:
-            self._evict(replica, self.max_size_per_replica)
+            self._evict(replica, int(self.EVICT_TO * self.max_size_per_replica))
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut ``child``'s edge after ``at`` elements; returns the new upper node, which keeps

@@ -61,22 +61,24 @@ def test_tree_split_keeps_owners():
 
 
 def test_eviction_drops_least_recently_used_leaves():
-    tree = PrefixTree(max_size_per_replica=12)
-    tree.insert("system:AAAA", "a", 0.0)      # 11
-    tree.insert("system:BBBB", "a", 1.0)      # +4 = 15 > 12: the older branch goes
-    assert tree.sizes["a"] == 11
+    tree = PrefixTree(max_size_per_replica=20)          # over 20: evicted down to 18
+    tree.insert("system:AAAA", "a", 0.0)                # 11
+    tree.insert("system:BBBB", "a", 1.0)                # 15
+    tree.insert("system:BBBB", "a", 2.0)                # a use refreshes a branch
+    tree.insert("system:CCCCCC", "a", 3.0)              # 21 > 20: AAAA, the oldest leaf, goes -> 17
+    assert tree.sizes["a"] == 17
     assert tree.match("system:AAAA") == {"a": 7}
-    assert tree.match("system:BBBB") == {"a": 11}
-    # A use refreshes a branch: BBBB is touched, so CCCC's insert evicts BBBB? No: BBBB is newer.
-    tree.insert("system:BBBB", "a", 2.0)
-    tree.insert("system:CC", "a", 3.0)        # 13 > 12: BBBB (time 2) is older than CC (3)
-    assert tree.match("system:BBBB") == {"a": 7}
-    assert tree.match("system:CC") == {"a": 9}
+    assert tree.match("system:BBBB") == {"a": 11} and tree.match("system:CCCCCC") == {"a": 13}
     # Another replica's copy of a shared node is untouched by a's eviction.
-    tree.insert("system:AAAA", "b", 4.0)
-    tree.insert("zzzzzzzzzzzz", "a", 5.0)     # a: 9 + 12 > 12, evicts all of a's system branch
-    assert tree.match("system:AAAA") == {"b": 11}
-    assert tree.sizes["a"] == 12
+    tree.insert("system:BBBB", "b", 4.0)
+    tree.insert("zzzzzzzzzz", "a", 5.0)                 # 27: BBBB (4), CCCCCC (6) go -> 17
+    assert tree.sizes["a"] == 17 and tree.sizes["b"] == 11
+    assert tree.match("system:BBBB") == {"a": 7, "b": 11}
+    assert tree.match("system:CCCCCC") == {"a": 7, "b": 7}
+    # Interior nodes go once their last leaf has: a's "system:" is now its oldest leaf.
+    tree.insert("yyyyyyyyyy", "a", 6.0)                 # 27: "system:" (7), then zzz (10) -> 10
+    assert tree.sizes["a"] == 10 and tree.match("system:BBBB") == {"b": 11}
+    assert tree.match("zzzzzzzzzz") == {} and tree.match("yyyyyyyyyy") == {"a": 10}
 
 
 def test_remove_replica_forgets_it_and_frees_nodes():
