@@ -13,7 +13,8 @@ not: the choice of replica (policy.py), starting replicas (replicas.py).
   check it. GET /health: 200 while some backend is healthy, else 503. GET /metrics: the
   router's own.
 - Load: the requests the router has in flight on each backend (a streamed one until its
-  last byte is relayed).
+  last byte is relayed), plus those other clients had there at the last health check (the
+  backend's running and waiting requests, from its /metrics, less the router's own then).
 - Health: every ``health_interval_s`` each backend's /health (200 = healthy). A backend
   that refuses a connection or drops one mid-request is marked unhealthy at once and the
   policy forgets what it was sent (a restarted replica's cache is empty); a later health
@@ -40,6 +41,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Sequence
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer.router.policy import CacheAwareConfig, Key, RoutingPolicy, make_policy, routing_key
 
@@ -57,6 +59,9 @@ _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
 
 # Response headers the router's own server writes (uvicorn): not copied, or they would appear twice.
 _SERVER_OWN = frozenset({"date", "server"})
+
+# The gauges of a backend's /metrics that count the requests it holds (vLLM's names).
+_HELD_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 
 # Statuses that say the backend, not the request, failed: another replica may serve it.
 _RETRY_STATUSES = frozenset({502, 503, 504})
@@ -105,8 +110,13 @@ class RouterConfig:
 class Backend:
     url: str
     healthy: bool = False
-    in_flight: int = 0
+    in_flight: int = 0          # this router's requests on it, now
+    external: int = 0           # requests it held at the last check beyond this router's then
     last_error: str = ""
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.external
 
 
 class RouterMetrics:
@@ -137,11 +147,15 @@ class RouterMetrics:
                               "Requests answered with an error because no backend could serve them.", registry=r)
         self.healthy = Gauge("deepinfer_router_backend_healthy", "1 while the backend is healthy.", ["backend"],
                              registry=r)
-        self.in_flight = Gauge("deepinfer_router_backend_in_flight", "Requests in flight on the backend.",
-                               ["backend"], registry=r)
+        self.in_flight = Gauge("deepinfer_router_backend_in_flight",
+                               "This router's requests in flight on the backend.", ["backend"], registry=r)
+        self.external = Gauge("deepinfer_router_backend_external_requests",
+                              "Requests other clients held on the backend at the last check.", ["backend"],
+                              registry=r)
         for url in backends:
             self.healthy.labels(url).set(0)
             self.in_flight.labels(url).set(0)
+            self.external.labels(url).set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -165,6 +179,18 @@ async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read, so the next message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _requests_held(metrics_text: str) -> int | None:
+    """``vllm:num_requests_running`` + ``vllm:num_requests_waiting`` (summed over their label
+    sets) from a Prometheus text page; None when neither is there or the page does not parse."""
+    try:
+        families = list(text_string_to_metric_families(metrics_text))
+    except ValueError:
+        return None
+    values = [sample.value for family in families for sample in family.samples
+              if sample.name in _HELD_GAUGES]
+    return int(sum(values)) if values else None
 
 
 class _BackendFailed(Exception):
@@ -228,8 +254,25 @@ class Router:
             ok, why = False, f"/health: {type(exc).__name__}: {exc}"
         if ok:
             self._set_healthy(backend)
+            await self._poll_load(backend)
         else:
             self.mark_unhealthy(backend, why)
+
+    async def _poll_load(self, backend: Backend) -> None:
+        """The backend's requests running and waiting (vLLM's gauges, which our server exports)
+        less this router's own in flight: the load other clients put on it. 0 when the
+        backend does not export them."""
+        aiohttp = aiohttp_module()
+        mine = backend.in_flight
+        try:
+            async with self.session.get(backend.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as resp:
+                text = (await resp.read()).decode("utf-8", "replace") if resp.status == 200 else ""
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            text = ""
+        held = _requests_held(text)
+        backend.external = max(0, held - mine) if held is not None else 0
+        self.metrics.external.labels(backend.url).set(backend.external)
 
     def _set_healthy(self, backend: Backend) -> None:
         if not backend.healthy:
@@ -309,7 +352,7 @@ class Router:
         return self._no_backend(errors)
 
     def _choose(self, key: Key, candidates: list[str], routed: bool) -> Backend:
-        loads = {url: self.backends[url].in_flight for url in candidates}
+        loads = {url: self.backends[url].load for url in candidates}
         if not routed:
             return self.backends[min(candidates, key=lambda u: loads[u])]
         now = time.monotonic()

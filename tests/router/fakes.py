@@ -28,6 +28,7 @@ class FakeBackend:
     received: list[dict[str, Any]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
+    metrics_text: str | None = None  # its /metrics page (None: 404, as a server without one)
     client_gone: int = 0             # held requests whose client (the router) had gone when released
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -61,6 +62,11 @@ class FakeBackend:
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=503 if self.mode == "unhealthy" else 200)
 
+    async def metrics(self, _: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404)
+        return web.Response(text=self.metrics_text)
+
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake", "root": self.name}]})
 
@@ -70,6 +76,7 @@ class FakeBackend:
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app, handle_signals=False)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

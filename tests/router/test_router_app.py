@@ -97,6 +97,41 @@ def test_load_balance_when_one_replica_is_overloaded():
     run(test)
 
 
+def held(running: int, waiting: int) -> str:
+    """A backend's /metrics page with vLLM's request gauges."""
+    return (f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+            f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n')
+
+
+def test_load_counts_other_clients_requests_from_the_backends_metrics():
+    async def test() -> None:
+        async with fake_backends(2) as backends, router_over(backends) as (url, router), \
+                aiohttp.ClientSession() as s:
+            b0, b1 = backends
+            # Idle replicas, the cache decides: the second conversation turn follows the first.
+            assert (await post(s, url, chat(0, 1)))[1]["backend"] == "b0"
+            # b0 is busy with other clients' requests (7 running, 2 waiting): a new prompt goes to b1,
+            # and even the conversation's next turn (its history on b0 is worth less than 9 requests).
+            b0.metrics_text = held(7, 2)
+            await router.check_health()
+            assert (router.backends[b0.url].external, router.backends[b1.url].external) == (9, 0)
+            assert (await post(s, url, chat(1, 1)))[1]["backend"] == "b1"
+            assert (await post(s, url, chat(0, 2)))[1]["backend"] == "b1"
+            # The router's own requests are not counted twice: with 2 of its own in flight on b0, a
+            # page saying 5 leaves 3 to other clients.
+            b0.metrics_text = held(4, 1)
+            router.backends[b0.url].in_flight = 2
+            await router.check_health()
+            assert (router.backends[b0.url].external, router.backends[b0.url].load) == (3, 5)
+            router.backends[b0.url].in_flight = 0
+            b0.metrics_text = "not a metrics page {"
+            await router.check_health()
+            assert router.backends[b0.url].external == 0
+            m = await metrics(s, url)
+            assert m[("deepinfer_router_backend_external_requests", (("backend", b0.url),))] == 0
+    run(test)
+
+
 def test_non_streamed_request_is_retried_when_a_backend_dies():
     async def test() -> None:
         async with fake_backends(2) as backends, router_over(backends, policy="round-robin") as (url, router), \
