@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Quantised weights on the GPU, in one device call of under ten minutes:
-#   1. the FP8 GEMM and FP4 MoE kernel tests marked gpu (V4-Flash widths, both scale formats);
+#   1. the FP8 GEMM and FP4 MoE kernel tests marked gpu (V4-Flash widths, both scale formats), and
+#      the tiny model quantised at load on CUDA against the same model on the CPU;
 #   2. decode at DeepSeek-V4-Flash widths, 4 layers, B = 1, 16, 64, with the weights as shipped
 #      (--weights fp8+fp4) and in bf16, on one engine per format (`bench curve` runs `bench decode`'s
 #      measurement at each batch size).
@@ -14,12 +15,13 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 BENCH="python3 -m deepinfer.entrypoints.cli bench"
 KERNEL_TESTS="tests/kernels/test_fp8_gemm.py tests/kernels/test_fp4_moe.py"
+GPU_TESTS="$KERNEL_TESTS tests/gpu/test_quant_gpu.py"
 
 if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
     cat "$OUT/gpu.txt"
-    timeout 240 python3 -m pytest -q -m gpu $KERNEL_TESTS -x > "$OUT/gpu_tests.log" 2>&1
+    timeout 240 python3 -m pytest -q -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
     for weights in fp8+fp4 bf16; do
         timeout 170 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
