@@ -163,9 +163,13 @@ def _fp4_down_kernel(
 def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                     elem_bytes: int = 2) -> MoEConfig:
     """:func:`fused_moe.pick_config`'s tiles by pairs per expert, with pointer loads (the packed
-    bytes are dequantised in registers, so no TMA tiles and act stays by pair) and K steps of at
-    least 32 inputs (each MMA then reduces over 16)."""
+    bytes are dequantised in registers, so no TMA tiles and act stays by pair), K steps of at
+    least 32 inputs (each MMA then reduces over 16), and for the 128-row prefill blocks half-width
+    N-tiles: the dequantised tiles take registers, and the full ones spilled (sm_90 compile,
+    ``scripts/probes/sm90_resources.py``)."""
     cfg = pick_config(num_tokens, top_k, num_experts, hidden, inter, elem_bytes)
+    if cfg.block_m >= 128:
+        cfg = dataclasses.replace(cfg, block_n1=min(cfg.block_n1, 64), block_n2=min(cfg.block_n2, 128))
     return dataclasses.replace(cfg, tma=False, sorted_act=False, block_k1=max(32, cfg.block_k1),
                                block_k2=max(32, cfg.block_k2), num_stages=min(cfg.num_stages, 3))
 
