@@ -114,6 +114,21 @@ def iter_weights(path: str, hf_config: dict,
                        keep=keep_quantized)
 
 
+# safetensors dtypes of quantised weights (FP8, packed FP4) and their scales.
+_QUANTISED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8")
+
+
+def quantised_checkpoint_bytes(path: str) -> int:
+    """Bytes of the checkpoint's FP8 / packed FP4 tensors and scale tensors (from the headers),
+    what its weights take as shipped, to compare with what the model keeps quantised."""
+    total = 0
+    for file in checkpoint_files(path):
+        header, _ = _header(file)
+        total += sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items()
+                     if k != "__metadata__" and e["dtype"] in _QUANTISED_DTYPES)
+    return total
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -156,5 +171,11 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     model.weight_bytes = weight_bytes(model)
     logger.info("weights in %s memory: %.3f GiB (FP8 %.3f, FP4 %.3f, other %.3f)", device.type,
                 *(model.weight_bytes[k] / 2**30 for k in ("total", "fp8", "fp4", "other")))
+    if plan is not None and model_config.load_format != "dummy":
+        # Shipped FP8 tensors the model keeps 16-bit (grouped o_a, host-memory engram tables,
+        # MTP drafter tensors) make the first figure the larger.
+        logger.info("the checkpoint ships %.3f GiB of FP8/FP4 tensors and scales; the model keeps %.3f GiB "
+                    "quantised", quantised_checkpoint_bytes(model_config.path) / 2**30,
+                    (model.weight_bytes["fp8"] + model.weight_bytes["fp4"]) / 2**30)
     model.requires_grad_(False)
     return model.eval()

@@ -6,6 +6,8 @@ of mixed kinds, a whole model's logits and its bytes after load."""
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +215,49 @@ def test_quantised_model_computes_with_its_dequantised_weights(quantization):
     for w, g in zip(want, got):
         err = ((g - w).norm() / w.norm()).item()
         assert err < (1e-5 if quantization == "mxfp4-experts" else 0.1), err
+
+
+V41_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "v41_reference" / "checkpoint"
+
+
+def test_shipped_checkpoint_kept_in_its_formats_gives_its_values_and_bytes():
+    """The tiny DeepSeek-V4.1 release-format checkpoint (32 x 32 UE8M0 FP8, MXFP4 experts) loaded with
+    its formats kept: every FP8 layer and FP4 expert holds exactly the values the 16-bit load
+    dequantises, in the shapes (so the bytes) the checkpoint ships them in."""
+    from deepinfer.config import ModelConfig
+    from deepinfer.models.loader import load_model, quantised_checkpoint_bytes
+
+    def load(quantization: str):
+        cfg = ModelConfig.from_path(V41_CHECKPOINT, "float32", None, CPU, quantization=quantization)
+        return load_model(cfg, CPU)
+
+    plain, kept = load("none"), load("fp8+mxfp4-experts")
+    plain_modules = dict(plain.named_modules())
+    shipped = _safetensors_shapes(V41_CHECKPOINT / "model.safetensors")
+    fp8 = [(n, m) for n, m in kept.named_modules() if isinstance(m, Fp8Linear)]
+    assert {n.split(".")[-1] for n, _ in fp8} >= {"q_a_proj", "q_b_proj", "kv_proj", "o_b_proj"}
+    for name, m in fp8:
+        assert torch.equal(m.dequantized(), plain_modules[name].weight.float()), name
+        assert m.scale.dtype == torch.uint8 and m.block == (32, 32)
+    experts = [(n, m) for n, m in kept.named_modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.fp4 for _, m in experts)
+    for name, m in experts:
+        ref = plain_modules[name]
+        assert torch.equal(dequant_fp4_e2m1(m.gate_up_proj, m.gate_up_proj_scale), ref.gate_up_proj)
+        assert torch.equal(dequant_fp4_e2m1(m.down_proj, m.down_proj_scale), ref.down_proj)
+    # Bytes: the shipped per-expert w1/w3/w2 codes and scales of the layers, and the FP8 layers' shapes.
+    layer_experts = [k for k in shipped if k.startswith("layers.") and ".ffn.experts." in k]
+    assert kept.weight_bytes["fp4"] == sum(torch.Size(shipped[k]).numel() for k in layer_experts)
+    wq_a = shipped["layers.0.attn.wq_a.weight"], shipped["layers.0.attn.wq_a.scale"]
+    q_a = dict(fp8)["model.layers.0.self_attn.q_a_proj"]
+    assert [list(q_a.weight.shape), list(q_a.scale.shape)] == [list(s) for s in wq_a]
+    assert kept.weight_bytes["total"] < plain.weight_bytes["total"]
+    # Shipped FP8 that stays 16-bit here (o_a, engram, MTP) keeps the checkpoint's figure above ours.
+    assert kept.weight_bytes["fp8"] + kept.weight_bytes["fp4"] < quantised_checkpoint_bytes(str(V41_CHECKPOINT))
+
+
+def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
