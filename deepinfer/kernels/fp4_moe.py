@@ -19,8 +19,8 @@ file reuses, so the MoE layers switch by weight format alone): pairs sorted by e
 
 No host synchronisation (grids from T, K and E alone), so decode steps can be captured in CUDA
 graphs. The packed byte j of a row holds inputs 2j (low nibble) and 2j+1 (high nibble); rather
-than interleave the two halves in registers, the activations are read as their even and odd
-columns and each K step runs two MMAs of half width.
+than interleave the two halves of the weight tile in registers, the activation tile is split into
+its even and odd columns and each K step runs two MMAs of half width.
 
 Accuracy: the kernel computes exactly the reference's products of x with the dequantised
 (rounded to x's dtype) weights, up to float32 accumulation order: the same tolerance as the
@@ -87,7 +87,8 @@ def _fp4_gate_up_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of I
     col_ok = cols < inter
     js = tl.arange(0, HALF)                                                   # byte j: inputs 2j, 2j+1
-    a_ptrs = x + (pair // TOP_K).to(tl.int64)[:, None] * stride_x + 2 * js[None, :]   # [BLOCK_M, HALF]
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x + (pair // TOP_K).to(tl.int64)[:, None] * stride_x + ks[None, :]       # [BLOCK_M, BLOCK_K]
     g_rows = expert * stride_qe + cols[None, :].to(tl.int64) * stride_qn
     u_rows = g_rows + inter * stride_qn
     gs_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -98,9 +99,9 @@ def _fp4_gate_up_kernel(
     for k in range(tl.cdiv(hidden, BLOCK_K)):
         k0 = k * BLOCK_K
         in_k = (k0 + 2 * js) < hidden                                         # [HALF]
-        a_even = tl.load(a_ptrs + k0, mask=valid[:, None] & in_k[None, :], other=0.0)
-        a_odd = tl.load(a_ptrs + k0 + 1, mask=valid[:, None] & in_k[None, :], other=0.0)
-        byte = (k0 // 2 + js)[:, None]                                        # [HALF, 1]
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + ks) < hidden)[None, :], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, HALF, 2]))          # inputs 2j, 2j+1
+        byte = (k * HALF + js)[:, None]                                       # [HALF, 1]
         group = ((k0 + 2 * js) // 32)[:, None]
         mask = in_k[:, None] & col_ok[None, :]
         g_lo, g_hi = _dequant_halves(wq + g_rows + byte, ws + gs_rows + group, mask, S_E8M0, dtype)
@@ -138,7 +139,8 @@ def _fp4_down_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of H
     col_ok = cols < hidden
     js = tl.arange(0, HALF)
-    a_ptrs = act + pair.to(tl.int64)[:, None] * stride_act + 2 * js[None, :]
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = act + pair.to(tl.int64)[:, None] * stride_act + ks[None, :]     # [BLOCK_M, BLOCK_K]
     w_rows = expert * stride_qe + cols[None, :].to(tl.int64) * stride_qn
     s_rows = expert * stride_se + cols[None, :].to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -146,9 +148,9 @@ def _fp4_down_kernel(
     for k in range(tl.cdiv(inter, BLOCK_K)):
         k0 = k * BLOCK_K
         in_k = (k0 + 2 * js) < inter
-        a_even = tl.load(a_ptrs + k0, mask=valid[:, None] & in_k[None, :], other=0.0)
-        a_odd = tl.load(a_ptrs + k0 + 1, mask=valid[:, None] & in_k[None, :], other=0.0)
-        byte = (k0 // 2 + js)[:, None]
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & ((k0 + ks) < inter)[None, :], other=0.0)
+        a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, HALF, 2]))
+        byte = (k * HALF + js)[:, None]
         group = ((k0 + 2 * js) // 32)[:, None]
         w_lo, w_hi = _dequant_halves(wq + w_rows + byte, ws + s_rows + group,
                                      in_k[:, None] & col_ok[None, :], S_E8M0, dtype)
