@@ -1145,13 +1145,20 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
 def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor,
                     down_q: torch.Tensor, down_s: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, swiglu_limit: float, group: int = 32) -> torch.Tensor:
-    """Routed experts over FP4 weights: each expert dequantised in float32, rounded once to x's
-    dtype, then :func:`clamped_moe_experts` (swiglu_limit 0: no clamp).
+    """Routed experts over FP4 weights: :func:`clamped_moe_experts` (swiglu_limit 0: no clamp) with
+    each routed expert's weights dequantised in float32 and rounded once to x's dtype (one expert at
+    a time, so V4-Flash's 256 experts never exist dequantised all at once).
 
     x [T, H]; gate_up_q [E, 2I, H/2] uint8 with gate_up_s [E, 2I, H/group]; down_q [E, H, I/2] with
     down_s [E, H, I/group] (scales float32 or UE8M0 bytes); topk_weights, topk_ids [T, K] -> [T, H].
     """
     from deepinfer.models.quant import dequant_fp4_e2m1
-    gate_up = dequant_fp4_e2m1(gate_up_q, gate_up_s, group).to(x.dtype)     # [E, 2I, H]
-    down = dequant_fp4_e2m1(down_q, down_s, group).to(x.dtype)              # [E, H, I]
-    return clamped_moe_experts(x, gate_up, down, topk_weights, topk_ids, swiglu_limit)
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():                                       # ascending
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)              # [n] tokens routed to e
+        gate_up = dequant_fp4_e2m1(gate_up_q[e], gate_up_s[e], group).to(x.dtype)   # [2I, H]
+        down = dequant_fp4_e2m1(down_q[e], down_s[e], group).to(x.dtype)            # [H, I]
+        gate, up = (x[tok] @ gate_up.t()).chunk(2, dim=-1)                   # [n, I] each
+        h = clamped_swiglu(gate, up, swiglu_limit) @ down.t()                 # [n, H]
+        out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
+    return out
