@@ -29,6 +29,7 @@ def gemm(bm: int, bn: int, warps: int, stages: int, bk: int = 128, e8m0: bool = 
     return Case(fp8_gemm._gemm_kernel, types, dict(GROUP=128, WBN=bk, WBK=bk, W_E8M0=e8m0, BLOCK_M=bm, BLOCK_N=bn,
                 BLOCK_K=min(128, bk), PDL=True), div, warps, stages, options={"launch_pdl": True})
 
+
 def gate_up(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
     types = {"x": "*bf16", "wq": "*u8", "ws": "*u8" if e8m0 else "*fp32", "act_ptr": "*bf16", "sorted_ptr": "*i32",
              "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32",
@@ -39,6 +40,7 @@ def gate_up(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
     return Case(fp4_moe._fp4_gate_up_kernel, types, dict(TOP_K=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1,
                 BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m, HAS_LIMIT=True, S_E8M0=e8m0, DOT_PRECISION="tf32", PDL=True),
                 div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
+
 
 def down(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
     types = {"act": "*bf16", "wq": "*u8", "ws": "*u8" if e8m0 else "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32",
