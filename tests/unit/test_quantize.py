@@ -261,3 +261,29 @@ def _safetensors_shapes(path: Path) -> dict[str, list[int]]:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
     return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_quantised_deepseek_v3_keeps_absorbed_mla_weights_16_bit():
+    """DeepSeek-V3: its projections go FP8 except kv_b_proj (absorbed MLA decode reads the weight);
+    the quantised model's logits stay close to the 16-bit model's."""
+    from deepinfer.forward_context import ForwardContext
+    from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from deepinfer.models.dummy import init_dummy_weights
+    cfg = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=100, hidden_size=128, intermediate_size=256,
+               moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+               max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+               routed_scaling_factor=1.0, norm_topk_prob=True)
+    base = DeepseekV3ForCausalLM(cfg, torch.float32).eval()
+    init_dummy_weights(base, 0)
+    quant = copy.deepcopy(base)
+    quantize_model(quant, plan_for(cfg, "fp8", CPU))
+    fp8 = {n for n, m in quant.named_modules() if isinstance(m, Fp8Linear)}
+    assert any(n.endswith("self_attn.o_proj") for n in fp8) and any(n.endswith("mlp.gate_proj") for n in fp8)
+    assert not any(n.endswith("kv_b_proj") or n.endswith("lm_head") for n in fp8)
+    ids = torch.randint(0, 100, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = (m.compute_logits(m(ids, ForwardContext.no_cache([12], CPU))) for m in (base, quant))
+    # About 0.03 per FP8 projection; a top-k routing choice flipped by the rounding adds more.
+    assert 0.0 < ((got - want).norm() / want.norm()).item() < 0.25
