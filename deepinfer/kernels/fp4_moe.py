@@ -48,9 +48,10 @@ GROUP = 32          # inputs per scale
 
 @triton.jit
 def _e2m1(code):
-    """uint8 e2m1 codes (sign in bit 3) -> float32 values: 0, 0.5, then 2^(i/2 - 1) * (1 + (i & 1)/2)."""
+    """uint8 e2m1 codes (sign in bit 3) -> float32 values: 0, 0.5, then 2^(i/2 - 1) * (1 + (i & 1)/2),
+    built from float32 bits (exact; the hardware exp2 is approximate)."""
     i = (code & 7).to(tl.int32)
-    normal = tl.exp2(((i >> 1) - 1).to(tl.float32)) * (1.0 + (i & 1).to(tl.float32) * 0.5)
+    normal = ((((i >> 1) + 126) << 23) | ((i & 1) << 22)).to(tl.float32, bitcast=True)
     mag = tl.where(i < 2, i.to(tl.float32) * 0.5, normal)
     return tl.where((code & 8) != 0, -mag, mag)
 

@@ -47,7 +47,8 @@ def _round_e4m3(v):
     round-to-nearest-even, by adding and subtracting 1.5 * 2^23."""
     e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # subnormals: 2^-9 steps
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)                   # 3 mantissa bits
-    return ((v / ulp + 12582912.0) - 12582912.0) * ulp
+    inv_ulp = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)             # exact products
+    return ((v * inv_ulp + 12582912.0) - 12582912.0) * ulp
 
 
 @triton.jit
@@ -59,10 +60,16 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s,
     cols = g * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
-    s = amax / 448.0
+    # Correctly rounded divisions (``/`` on the GPU is approximate), so the scales and codes are
+    # the reference's bit for bit.
+    s = tl.div_rn(amax, 448.0)
     if POW2:
-        s = tl.exp2(tl.ceil(tl.log2(s)))
-    q = _round_e4m3(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+        # 2 ** ceil(log2(s)) from the bits (exact; the hardware log2 is approximate): the exponent,
+        # plus one unless the mantissa is zero.
+        bits = s.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e << 23).to(tl.float32, bitcast=True)
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
     tl.store(s_ptr + row * stride_s + g, s)
 

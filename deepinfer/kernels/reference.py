@@ -1111,12 +1111,15 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
     """Per-token-group activation quantisation: x [M, K] -> (e4m3 [M, K], float32 scales [M, K/group]).
 
     Each group of ``group`` inputs of a row gets ``s = max(amax, 1e-4) / 448`` (``pow2_scale``:
-    ``2 ** ceil(log2(s))``, a UE8M0 value); ``q = e4m3(clamp(x / s, -448, 448))``, rounded to nearest even.
+    ``2 ** ceil(log2(s))`` computed exactly, a UE8M0 value); ``q = e4m3(clamp(x / s, -448, 448))``,
+    rounded to nearest even.
     """
     blocks = _blocks(x, group)                                             # [M, K/group, group]
     s = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 448.0
     if pow2_scale:
-        s = torch.exp2(torch.ceil(torch.log2(s)))
+        # ceil(log2(s)) exactly: s = m * 2^e with m in [0.5, 1), so it is e, or e - 1 when m = 0.5.
+        m, e = torch.frexp(s)
+        s = torch.ldexp(torch.ones_like(s), e - (m == 0.5).to(e.dtype))
     q = (blocks / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.reshape(x.shape), s.squeeze(-1)
 

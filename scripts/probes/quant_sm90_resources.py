@@ -1,6 +1,6 @@
 """Registers, spills, shared memory and asynchronous loads of the FP8 GEMM and FP4 MoE kernels
 compiled for sm_90 without a GPU (``scripts/probes/sm90_resources.py`` does the compiling), at
-DeepSeek-V4-Flash shapes: the FP8 GEMM's decode and prefill tiles with 128 x 128 float32 and
+DeepSeek-V4-Flash shapes: the activation quantisation, the FP8 GEMM's decode and prefill tiles with 128 x 128 float32 and
 32 x 32 UE8M0 weight scales, the FP4 MoE's gate_up and down configs at T = 1, 64, 4096.
 
     python scripts/probes/quant_sm90_resources.py          # every case
@@ -30,6 +30,13 @@ def gemm(bm: int, bn: int, warps: int, stages: int, bk: int = 128, e8m0: bool = 
                 BLOCK_K=min(128, bk), PDL=True), div, warps, stages, options={"launch_pdl": True})
 
 
+def act_quant(pow2: bool) -> Case:
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "k": "i32", "stride_x": "i32",
+             "stride_q": "i32", "stride_s": "i32"}
+    return Case(fp8_gemm._act_quant_kernel, types, dict(GROUP=128, POW2=pow2, PDL=True),
+                {"x_ptr", "q_ptr", "s_ptr", "k", "stride_x", "stride_q"}, 1, 1, options={"launch_pdl": True})
+
+
 def gate_up(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
     types = {"x": "*bf16", "wq": "*u8", "ws": "*u8" if e8m0 else "*fp32", "act_ptr": "*bf16", "sorted_ptr": "*i32",
              "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32",
@@ -54,7 +61,7 @@ def down(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
                 div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
-cases = {"gemm_dec": gemm(16, 32, 4, 4), "gemm_dec64": gemm(64, 64, 4, 4), "gemm_pre": gemm(128, 128, 8, 3),
+cases = {"act_quant": act_quant(False), "act_quant_pow2": act_quant(True), "gemm_dec": gemm(16, 32, 4, 4), "gemm_dec64": gemm(64, 64, 4, 4), "gemm_pre": gemm(128, 128, 8, 3),
          "gemm_pre_32": gemm(128, 128, 8, 3, bk=32, e8m0=True), "gemm_dec_32": gemm(16, 32, 4, 4, bk=32, e8m0=True)}
 for t in (1, 64, 4096):
     cfg = fp4_pick_config(t, 6, 256, 4096, 2048)
