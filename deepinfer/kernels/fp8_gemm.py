@@ -17,8 +17,8 @@ launchers. What does not: choosing which weights are FP8 or quantising them (``m
   scales give 128-wide steps; V4.1's 32 x 32 ones 32-wide steps, the narrowest FP8 MMA, with
   one activation scale spanning four of them.
 
-Weight scales are float32 (any float dtype is cast once by the caller) or UE8M0 bytes
-(``uint8``, ``2 ** (b - 127)``), decoded in registers from their bits.
+Weight scales are float32 or UE8M0 bytes (``uint8``, ``2 ** (b - 127)``, decoded in registers
+from their bits).
 
 Accuracy. Against ``x @ dequant(W)^T`` in float32 the only error is the activations' rounding to
 e4m3 (3 mantissa bits: relative error at most 2^-4 per element, about 2^-4/sqrt(3) RMS); the
@@ -52,7 +52,7 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, k, stride_x, stride_q, stride_s,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
                       GROUP: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -86,7 +86,7 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
     if m:
-        _act_quant_kernel[(m, k // group)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0),
+        _act_quant_kernel[(m, k // group)](x, q, s, x.stride(0), q.stride(0), s.stride(0),
                                            GROUP=group, POW2=pow2_scale, num_warps=1 if group <= 128 else 4,
                                            **pdl.flags(x.device))
     return q, s

@@ -31,10 +31,10 @@ def gemm(bm: int, bn: int, warps: int, stages: int, bk: int = 128, e8m0: bool = 
 
 
 def act_quant(pow2: bool) -> Case:
-    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "k": "i32", "stride_x": "i32",
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_x": "i32",
              "stride_q": "i32", "stride_s": "i32"}
     return Case(fp8_gemm._act_quant_kernel, types, dict(GROUP=128, POW2=pow2, PDL=True),
-                {"x_ptr", "q_ptr", "s_ptr", "k", "stride_x", "stride_q"}, 1, 1, options={"launch_pdl": True})
+                {"x_ptr", "q_ptr", "s_ptr", "stride_x", "stride_q"}, 1, 1, options={"launch_pdl": True})
 
 
 def gate_up(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
