@@ -90,17 +90,21 @@ def apply_hf_overrides(hf_config: dict[str, Any], overrides: dict[str, Any]) -> 
     return merge(flatten_text_config(hf_config), overrides)
 
 
-def check_quantization(hf_config: dict[str, Any], quantization: str | None) -> None:
-    """vLLM's ``quantization``: None takes the checkpoint's own (``quantization_config``), as
-    does naming that same method; FP8/FP4 weights are dequantised to the compute dtype on
-    load. Quantising weights at load time (any other method) is not supported."""
+# How the weights are kept in device memory (models/quantize.py says what each does).
+QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4-experts", "fp8+mxfp4-experts")
+
+
+def check_quantization(hf_config: dict[str, Any], quantization: str | None) -> str:
+    """vLLM's ``quantization`` as one of ``QUANTIZATIONS``: None is "auto" (the checkpoint's own
+    formats, ``quantization_config``); anything else must be one of them."""
     if quantization is None:
-        return
-    own = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if quantization != own:
+        return "auto"
+    if quantization not in QUANTIZATIONS:
+        own = (hf_config.get("quantization_config") or {}).get("quant_method")
         has = f"its own is {own!r}" if own else "it has none"
-        raise ValueError(f"quantization={quantization!r}: the checkpoint's quantization_config gives the method "
-                         f"({has}); quantising weights at load time is not supported. Pass quantization=None.")
+        raise ValueError(f"quantization={quantization!r} is not supported (the checkpoint's quantization_config: "
+                         f"{has}); choose one of {', '.join(QUANTIZATIONS)}, or None for the checkpoint's own")
+    return quantization
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,15 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     tokenizer: str | None = None
     max_logprobs: int = 20
+    # How the weights are kept (QUANTIZATIONS; models/quantize.py): "auto" the checkpoint's own
+    # formats on CUDA (FP8 / FP4 as shipped) and the compute dtype on the CPU.
+    quantization: str = "auto"
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str | torch.dtype, max_model_len: int | None,
                   device: torch.device, **options: Any) -> "ModelConfig":
         """``options``: the other fields (``load_format``, ``skip_tokenizer_init``,
-        ``kv_cache_dtype``, ``tokenizer``, ``max_logprobs``)."""
+        ``kv_cache_dtype``, ``tokenizer``, ``max_logprobs``, ``quantization``)."""
         return cls.from_hf_config(read_hf_config(path), str(Path(path)), dtype, max_model_len, device,
                                   **options)
 
@@ -158,6 +165,9 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"{', '.join(QUANTIZATIONS)}")
         m = self.max_logprobs
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ValueError(f"max_logprobs={m!r} must be an int >= 0, or -1 for no limit")

@@ -12,6 +12,8 @@ import argparse
 from typing import Any
 
 DEFAULT_CONFIG = "deepseek-v4-flash"      # on CUDA; the embedded model on the CPU
+# --weights, and the engine's ``quantization`` for each (models/quantize.py).
+WEIGHT_FORMATS = {"bf16": "none", "fp8": "fp8", "fp8+fp4": "fp8+mxfp4-experts"}
 
 # Per device type: the model, the probes' sizes, and per benchmark its lengths and batches.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -48,6 +50,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "and cache do not fit the device's free memory is refused before anything is built")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: 4 for the preset, the config's own otherwise)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="how the random weights are kept: bf16 (the compute dtype), fp8 (dense projections in "
+                        "FP8 with block scales) or fp8+fp4 (and the routed experts in FP4); default: the "
+                        "checkpoint's own formats, fp8+fp4 for the DeepSeek presets, as they ship")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")

@@ -237,6 +237,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, **engine_settings(args))
+    result["weights_in_memory"] = engine.model.weight_bytes
     spec = SpecSetup.from_args(args, engine)
     result["speculative"] = spec.describe() if spec else None
     gen = torch.Generator().manual_seed(args.seed)

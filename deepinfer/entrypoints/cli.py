@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's own KV format; DeepSeek-V4.1: the release's rounded records), "
                         "or unrounded bfloat16 / float32 where the model offers them")
+    p.add_argument("--quantization", default=None,
+                   help="how the weights are kept: auto (default: the checkpoint's own formats, FP8/FP4 as "
+                        "shipped on CUDA, dequantised on the CPU), none, fp8, mxfp4-experts, fp8+mxfp4-experts")
     p.add_argument("--yoco-prefill-truncation-mode", choices=env.PREFILL_TRUNCATION_MODES,
                    default=None,
                    help="bounded replay of prompts: the layers after the last KV-source layer run on "
@@ -80,7 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-                kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                 yoco_prefill_truncation_mode=args.yoco_prefill_truncation_mode,
                 yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens,
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config)

@@ -64,7 +64,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
     for random weights and ``skip_tokenizer_init=True`` for token-id prompts).
     ``hf_overrides``: config.json fields laid over the model's (``apply_hf_overrides``).
-    ``quantization``: None or the checkpoint's own method (``check_quantization``).
+    ``quantization``: how the weights are kept (``config.QUANTIZATIONS``, models/quantize.py):
+    None / "auto" the checkpoint's own formats (FP8/FP4 as shipped on CUDA, dequantised on the
+    CPU), "none" all in ``dtype``, "fp8" / "mxfp4-experts" / "fp8+mxfp4-experts" quantised at load.
     ``tokenizer``: a directory to read the tokenizer from instead of the model's.
     ``max_num_batched_tokens=None``: 2048, or with chunked prefill off at least
     ``max_model_len`` (vLLM's rule).
@@ -82,7 +84,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
         hf_config = read_hf_config(path)
     if hf_overrides:
         hf_config = apply_hf_overrides(hf_config, hf_overrides)
-    check_quantization(hf_config, quantization)
+    options["quantization"] = check_quantization(hf_config, quantization)
     model_cfg = ModelConfig.from_hf_config(hf_config, path, dtype, max_model_len, dev, **options)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_cfg.max_model_len)
