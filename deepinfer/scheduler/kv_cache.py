@@ -672,14 +672,16 @@ class KVCacheManager:
         load.blocks = kept
         load.landed = True
 
-    def release_tier_load(self, load: TierLoad, hit: int | None = None) -> None:
-        """Let a landed load's blocks go (what the request's hit adopted stays held by it);
-        ``hit``: the tokens the request's hit took, counted for the load's tier."""
+    def release_tier_load(self, load: TierLoad) -> None:
+        """Let a landed load's blocks go (what the request's hit adopted stays held by it)."""
         for _, block, _ in load.blocks:
             self.pool.release(block)
         load.blocks = []
-        if hit is not None:
-            self.tier_hits[load.tier] += max(0, hit - load.device_hit)
+
+    def count_tier_hit(self, load: TierLoad, hit: int) -> None:
+        """A request admitted with a hit of ``hit`` tokens after ``load``: the tokens past the
+        device's own hit count for the load's tier."""
+        self.tier_hits[load.tier] += max(0, hit - load.device_hit)
 
     def persist(self) -> None:
         """Save every cached device block no sequence holds to the tiers, and the host tier

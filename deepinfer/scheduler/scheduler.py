@@ -136,6 +136,8 @@ class Scheduler:
         self._deferred: set[str] = set()
         # req_id -> its prefix hit being loaded from a lower tier (kept until it is adopted).
         self._tier_loads: dict[str, TierLoad] = {}
+        # req_id -> its last landed load, whose tier its hit counts for once it is admitted.
+        self._tier_credit: dict[str, TierLoad] = {}
 
     # -- intake --------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> str | None:
@@ -279,7 +281,10 @@ class Scheduler:
             if load is not None:
                 # The hit holds what it adopted; the rest of the loaded blocks stay cached.
                 del self._tier_loads[req.request_id]
-                self.kv.release_tier_load(load, hit if n else None)
+                self.kv.release_tier_load(load)
+                self._tier_credit[req.request_id] = load
+            if n and req.request_id in self._tier_credit:
+                self.kv.count_tier_hit(self._tier_credit.pop(req.request_id), hit)
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
@@ -585,6 +590,7 @@ class Scheduler:
         if load is not None and load.landed:     # one still loading is released when it lands
             del self._tier_loads[req.request_id]
             self.kv.release_tier_load(load)
+        self._tier_credit.pop(req.request_id, None)
         # Siblings never forked cannot outlive a sequence that ended before its prefill completed.
         for child in req.fork_children:
             if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):

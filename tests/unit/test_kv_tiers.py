@@ -107,7 +107,8 @@ def test_pool_evicts_least_recently_used_into_the_host_tier():
     kv.land_tier_load(load, failed=set())
     assert kv.find_prefix_hit("a3", tokens["a"] + [1]) == 8
     kv.take_prefix_hit("a3", tokens["a"] + [1], 8)
-    kv.release_tier_load(load, hit=8)
+    kv.release_tier_load(load)
+    kv.count_tier_hit(load, 8)
     assert kv.tier_hits == {"host": 8, "disk": 0}
     kv.free("a3")
     assert kv.num_free_blocks == 4

@@ -182,6 +182,9 @@ class AsyncEngine:
             self._dead = exc
         finally:
             self._close()
+            if self._dead is None:
+                # The KV cache's tiers go to the disk tier, if any: a restarted server finds them.
+                self.engine.close()
 
     def _run_commands(self) -> bool:
         """Run queued commands, waiting for one only while the engine is idle.
