@@ -237,7 +237,7 @@ class KVTierStore:
                 return op.key
         dst = self._page_part(op.group, op.block)
         if self.cuda:
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.device(self.kv_buffer.device), torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
             self._stream.synchronize()
         else:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -102,7 +103,7 @@ class StepHandle:
     start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
-    tier_loads: list = field(default_factory=list)   # KV tier loads' futures (runner/kv_offload.py)
+    tier_loads: list[Future] = field(default_factory=list)   # KV tier loads (runner/kv_offload.py)
 
 
 class ModelRunner:

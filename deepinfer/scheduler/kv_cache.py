@@ -47,7 +47,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from deepinfer.kv_spec import KVCacheSpec
-from deepinfer.scheduler.kv_tiers import TierIndex, TierLoad
+from deepinfer.scheduler.kv_tiers import TierEntry, TierIndex, TierLoad
 from deepinfer.scheduler.plan import TierOp
 
 NULL_BLOCK = 0
@@ -625,7 +625,7 @@ class KVCacheManager:
             needed = [(gid, key) for gid, m in enumerate(self.managers)
                       for key in m.hit_keys(hashes[gid], keys[gid], hit)]
             held = [self.pool.lookup(key) for _, key in needed]
-            entries: dict[bytes, tuple[int, object]] = {}
+            entries: dict[bytes, tuple[int, TierEntry]] = {}     # entry key -> (group, entry)
             for (gid, key), block in zip(needed, held):
                 if block is None:
                     entry = self.tiers.lookup(key)
