@@ -119,7 +119,8 @@ class TierIndex:
         (shortest prefix first): keep its bytes in host memory."""
         key = keys[-1]
         entry = self.by_key.get(key)
-        if entry is not None and entry.key == key and entry.in_host:
+        if entry is not None and entry.key == key and (entry.in_host or entry.nbytes > self.host_capacity):
+            # Held already (a disk entry that host memory cannot take stays where it is).
             self.touch(entry)
             return
         if entry is None or entry.key != key:

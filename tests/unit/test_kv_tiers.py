@@ -67,6 +67,14 @@ def test_held_entry_is_not_saved_again_and_slots_are_fresh():
     assert tiers.lookup(key(1)).on_disk and tiers.lookup(key(1)).in_host
 
 
+def test_disk_only_tier_does_not_copy_what_it_holds():
+    tiers = TierIndex(host_bytes=0, disk_bytes=4 * NB, group_bytes=[NB])
+    tiers.evicted(block=1, group=0, keys=[key(1)])      # through host memory straight to disk
+    assert kinds(tiers.take_ops()) == [("save", 1, "host"), ("demote", 1, "host")]
+    tiers.evicted(block=2, group=0, keys=[key(1)])      # already on disk: touched only
+    assert tiers.take_ops() == [] and tiers.lookup(key(1)).on_disk
+
+
 def test_budget_errors_and_disk_scan_layout():
     with pytest.raises(ValueError, match="budgets"):
         TierIndex(-1, 0, [NB])
