@@ -33,7 +33,8 @@ the new sequence overwrites the rest as it computes. Entries are causal (an entr
 depends only on the tokens up to its own), so a block's content below a boundary
 never changes once written; rolling back (``truncate``) inside a block drops that
 block's keys. Unreferenced cached blocks stay in the free queue in LRU order and are
-evicted only when the pool needs a fresh block. Block 0 is the null block: never
+evicted only when the pool needs a fresh block (with lower tiers, into host memory and disk:
+scheduler/kv_tiers.py). Block 0 is the null block: never
 allocated, it fills block-table slots a sequence does not hold.
 """
 
@@ -657,13 +658,15 @@ class KVCacheManager:
                                          tier=tier, req_id=req_id))
         return TierLoad(req_id, blocks, device_hit, hit, "disk" if "disk" in tiers else "host")
 
-    def land_tier_load(self, load: TierLoad, failed: set[bytes]) -> None:
+    def land_tier_load(self, load: TierLoad, failed: set[bytes], corrupt: bool = True) -> None:
         """A load's step landed: register each loaded block under its entry's keys, except
-        those whose load ``failed`` (a corrupt disk entry), which go back unused."""
+        those whose load ``failed``, which go back unused; ``corrupt``: they failed because
+        their disk entries are corrupt (the index forgets them), not because the step did."""
         kept = []
         for gid, block, entry in load.blocks:
             if entry.key in failed:
-                self.tiers.load_failed(entry)
+                if corrupt:
+                    self.tiers.load_failed(entry)
                 self.pool.release(block)
                 continue
             for key in entry.keys:

@@ -483,12 +483,13 @@ class Scheduler:
         self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
         self._take_drafts(req, result)
 
-    def _land_tier_loads(self, plan: StepPlan, failed: set[bytes]) -> None:
-        """The plan's tier loads are done: register what arrived intact. A load whose
+    def _land_tier_loads(self, plan: StepPlan, failed: set[bytes], corrupt: bool = True) -> None:
+        """The plan's tier loads are done: register what arrived intact (``failed``: keys
+        whose load failed; ``corrupt``: because their disk entries are). A load whose
         sequence ended meanwhile gives its blocks back now."""
         for req_id in dict.fromkeys(op.req_id for op in plan.kv_tier_ops if op.kind == "load"):
             load = self._tier_loads[req_id]
-            self.kv.land_tier_load(load, failed)
+            self.kv.land_tier_load(load, failed, corrupt)
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 del self._tier_loads[req_id]
@@ -497,7 +498,7 @@ class Scheduler:
     def fail(self, plan: StepPlan, error: str) -> None:
         """Land a launched plan whose step failed: its sequences end with ``error``."""
         # Its tier loads may be partly written: none is used.
-        self._land_tier_loads(plan, {op.key for op in plan.kv_tier_ops if op.kind == "load"})
+        self._land_tier_loads(plan, {op.key for op in plan.kv_tier_ops if op.kind == "load"}, corrupt=False)
         for seq in plan.seqs:
             for req_id in [seq.req_id, *seq.fork_ids]:
                 req = self.requests.get(req_id)

@@ -134,6 +134,11 @@ def test_failed_load_forgets_the_entry_and_returns_its_block(tmp_path):
     kv.pool.reset_prefix_cache()
     load = kv.plan_tier_load("a2", ids + [1], None, 0)
     assert load.tier == "disk"
+    # A step that failed: its loads are not used, but the entries stay.
+    kv.land_tier_load(load, failed={e.key for _, _, e in load.blocks}, corrupt=False)
+    assert load.landed and not load.blocks and kv.num_free_blocks == 3
+    assert all(tiers.has(h) for h in kv.block_hashes("a2", ids)[0])
+    load = kv.plan_tier_load("a2", ids + [1], None, 0)
     first = load.blocks[0][2].key
     kv.land_tier_load(load, failed={first})
     assert not tiers.has(first) and tiers.stats.failed_loads == 1
