@@ -117,6 +117,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 finished = out.finished
         sys.stdout.write("\n")
+    llm.close()      # a disk tier keeps the cache for the next run
     return 0
 
 

@@ -221,3 +221,18 @@ def test_corrupt_truncated_and_foreign_files_are_never_used(tmp_path):
     store3, _ = _store(tmp_path, groups, fingerprint="model-b")
     assert store3.scan() == []
     store3.close()
+
+
+def test_config_errors_name_the_field():
+    from deepinfer.config import CacheConfig
+    from deepinfer.entrypoints.llm import build_engine_config
+
+    with pytest.raises(ValueError, match="kv_offload_gib=-1"):
+        build_engine_config(device="cpu", kv_offload_gib=-1)
+    with pytest.raises(ValueError, match="kv_disk_dir"):
+        CacheConfig(kv_disk_bytes=1 << 20)
+    with pytest.raises(ValueError, match="kv_disk_dir"):
+        CacheConfig(kv_disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        CacheConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False)
+    assert CacheConfig(kv_offload_bytes=1).has_lower_tiers and not CacheConfig().has_lower_tiers
