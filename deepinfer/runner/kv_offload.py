@@ -212,8 +212,13 @@ class KVTierStore:
         if op.kind == "demote":
             data = self._host_copy(op.slot)
             t0 = time.perf_counter()
-            self._write_file(op, data)
-            self._count("host_to_disk", data.numel(), time.perf_counter() - t0)
+            try:
+                self._write_file(op, data)
+                self._count("host_to_disk", data.numel(), time.perf_counter() - t0)
+            except OSError as exc:
+                # The index counts the entry as on disk; loading it will find no file and
+                # report it failed, so the entry is forgotten then.
+                logger.warning("KV disk tier: writing entry %s failed (%s); it is lost", op.key.hex(), exc)
             del self.host[op.slot]
         elif op.kind == "drop":
             if op.tier == "host":

@@ -236,3 +236,19 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         CacheConfig(kv_offload_bytes=1 << 20, enable_prefix_caching=False)
     assert CacheConfig(kv_offload_bytes=1).has_lower_tiers and not CacheConfig().has_lower_tiers
+
+
+def test_failed_disk_write_is_a_failed_load_later(tmp_path, monkeypatch):
+    groups = _groups()
+    store, _ = _store(tmp_path, groups)
+
+    def full_disk(op, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(store, "_write_file", full_disk)
+    store.execute([TierOp("save", key(1), 0, slot=0, block=1, keys=(key(1),)),
+                   TierOp("demote", key(1), 0, slot=0, keys=(key(1),))])
+    store.flush()
+    assert not store.host
+    loads = store.execute([TierOp("load", key(1), 0, block=2, tier="disk")])
+    assert store.wait(loads) == {key(1)}
+    store.close()
