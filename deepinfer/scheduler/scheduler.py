@@ -288,6 +288,11 @@ class Scheduler:
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
+                if any(load.landed for load in self._tier_loads.values()):
+                    # Blocks loaded for sequences further back are held: give them back (they
+                    # stay cached) and try again, rather than refuse this one.
+                    self._release_landed_tier_loads()
+                    break
                 if not self.running and not self._in_flight:
                     self.waiting.popleft()
                     self._finish(req, RequestStatus.FINISHED_ERROR,
@@ -494,6 +499,13 @@ class Scheduler:
             if req is None or req.is_finished:
                 del self._tier_loads[req_id]
                 self.kv.release_tier_load(load)
+
+    def _release_landed_tier_loads(self) -> None:
+        for req_id, load in list(self._tier_loads.items()):
+            if load.landed:
+                del self._tier_loads[req_id]
+                self.kv.release_tier_load(load)
+                self._tier_credit[req_id] = load
 
     def fail(self, plan: StepPlan, error: str) -> None:
         """Land a launched plan whose step failed: its sequences end with ``error``."""
