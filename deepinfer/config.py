@@ -200,6 +200,11 @@ class CacheConfig:
     minus what weights and a profiling forward use; on the CPU it takes
     ``cpu_kv_cache_bytes``. ``num_gpu_blocks_override`` fixes the block count
     (tests use it to force preemption).
+
+    Lower tiers of the prefix cache (scheduler/kv_tiers.py): blocks evicted from the
+    device cache move to ``kv_offload_bytes`` of host memory, and from there to
+    ``kv_disk_bytes`` under ``kv_disk_dir``, which a restarted engine of the same model
+    and cache layout finds again. 0 bytes turn a tier off; both need prefix caching.
     """
 
     block_size: int = 16
@@ -207,6 +212,9 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
+    kv_offload_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -218,6 +226,21 @@ class CacheConfig:
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(f"num_blocks_override={self.num_blocks_override} must be >= 2 "
                              "(block 0 is reserved as the null block)")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} must be >= 0")
+        if self.kv_disk_bytes < 0:
+            raise ValueError(f"kv_disk_bytes={self.kv_disk_bytes} must be >= 0")
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes == 0):
+            raise ValueError(f"kv_disk_dir={self.kv_disk_dir!r} and kv_disk_bytes={self.kv_disk_bytes}: the disk "
+                             "tier needs both a directory and a size above 0 (or neither)")
+        if self.has_lower_tiers and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes / kv_disk_bytes need enable_prefix_caching=True: the lower "
+                             "tiers hold prefix-cache blocks")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """A host or disk tier is configured."""
+        return self.kv_offload_bytes > 0 or self.kv_disk_bytes > 0
 
 
 # The default CUDA-graph buckets stop here: larger decode batches are rare, and each

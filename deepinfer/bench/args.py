@@ -137,6 +137,14 @@ def add_multiturn_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=64, help="tokens of each user question")
     p.add_argument("--answer-len", type=int, default=64, help="tokens of each answer (EOS ignored)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (prefix-hit granularity)")
-    p.add_argument("--settings", default="on,off", help="prefix caching settings to run, in order")
+    p.add_argument("--settings", default="on,off",
+                   help="settings to run, in order: on, off (prefix caching), host (plus the host tier), "
+                        "disk (plus the disk tier, after a restart)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="device KV-cache blocks (default: the budget's); small, so that blocks are evicted")
+    p.add_argument("--kv-offload-gib", type=float, default=1.0, help="host tier of the 'host' setting (GiB)")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="disk tier directory of the 'disk' setting (default: a new temporary directory)")
+    p.add_argument("--kv-disk-gib", type=float, default=4.0, help="disk tier of the 'disk' setting (GiB)")
     p.add_argument("--warmup-conversations", type=int, default=None,
                    help="whole conversations run untimed first (default: all of them on a GPU, 4 on the CPU)")

@@ -26,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_kv_tier_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlapped scheduling: plan the next step while the device runs this one "
                         "(default on; --no-async-scheduling for one step at a time)")
@@ -63,6 +64,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, else 140")
 
 
+def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host memory (GiB) for prefix-cache blocks evicted from the KV cache (default 0: none)")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="directory of the disk tier below host memory, found again after a restart")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0, help="size of the disk tier (GiB)")
+
+
 def _json_dict(text: str) -> dict:
     """A command-line JSON object (argparse type)."""
     try:
@@ -79,6 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching,
+                kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
                 async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
@@ -111,6 +121,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 finished = out.finished
         sys.stdout.write("\n")
+    llm.close()      # a disk tier keeps the cache for the next run
     return 0
 
 

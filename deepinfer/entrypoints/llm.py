@@ -45,6 +45,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                         cpu_kv_cache_bytes: int = 1 << 30, block_size: int = 16,
                         num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                        kv_offload_gib: float = 0.0, kv_disk_dir: str | None = None, kv_disk_gib: float = 0.0,
                         enable_chunked_prefill: bool = True, async_scheduling: bool = True,
                         seed: int = 0, device: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
@@ -75,7 +76,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     ``batch_invariant``: bitwise-reproducible outputs whatever the batch and chunking
     (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT).
     ``speculative_config``: vLLM's dict (``SpeculativeConfig.from_dict``); None: no
-    speculative decoding."""
+    speculative decoding.
+    ``kv_offload_gib``: host memory (GiB) for blocks evicted from the KV cache;
+    ``kv_disk_dir`` / ``kv_disk_gib``: a disk tier below it, found again by a restarted
+    engine (``CacheConfig``)."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, max_logprobs=max_logprobs)
@@ -93,7 +97,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           cpu_kv_cache_bytes=cpu_kv_cache_bytes,
                           enable_prefix_caching=enable_prefix_caching,
-                          num_blocks_override=num_kv_blocks),
+                          num_blocks_override=num_kv_blocks,
+                          kv_offload_bytes=_gib_bytes("kv_offload_gib", kv_offload_gib),
+                          kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
+                          kv_disk_bytes=_gib_bytes("kv_disk_gib", kv_disk_gib)),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill,
@@ -105,6 +112,12 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                 dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size),
         device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
         speculative=None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config))
+
+
+def _gib_bytes(name: str, gib: float) -> int:
+    if not gib >= 0:
+        raise ValueError(f"{name}={gib} must be >= 0 (GiB)")
+    return int(gib * 2**30)
 
 
 class LLM:
@@ -127,6 +140,11 @@ class LLM:
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Persist the KV cache's tiers to the disk tier, if any, and wait for their pending
+        writes (``Engine.close``); the LLM is not used after."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The engine's tokenizer (``encode``, ``decode``, ``apply_chat_template``, and
