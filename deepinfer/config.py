@@ -90,17 +90,21 @@ def apply_hf_overrides(hf_config: dict[str, Any], overrides: dict[str, Any]) -> 
     return merge(flatten_text_config(hf_config), overrides)
 
 
-def check_quantization(hf_config: dict[str, Any], quantization: str | None) -> None:
-    """vLLM's ``quantization``: None takes the checkpoint's own (``quantization_config``), as
-    does naming that same method; FP8/FP4 weights are dequantised to the compute dtype on
-    load. Quantising weights at load time (any other method) is not supported."""
+# How the weights are kept in device memory (models/quantize.py says what each does).
+QUANTIZATIONS = ("auto", "none", "fp8", "mxfp4-experts", "fp8+mxfp4-experts")
+
+
+def check_quantization(hf_config: dict[str, Any], quantization: str | None) -> str:
+    """vLLM's ``quantization`` as one of ``QUANTIZATIONS``: None is "auto" (the checkpoint's own
+    formats, ``quantization_config``); anything else must be one of them."""
     if quantization is None:
-        return
-    own = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if quantization != own:
+        return "auto"
+    if quantization not in QUANTIZATIONS:
+        own = (hf_config.get("quantization_config") or {}).get("quant_method")
         has = f"its own is {own!r}" if own else "it has none"
-        raise ValueError(f"quantization={quantization!r}: the checkpoint's quantization_config gives the method "
-                         f"({has}); quantising weights at load time is not supported. Pass quantization=None.")
+        raise ValueError(f"quantization={quantization!r} is not supported (the checkpoint's quantization_config: "
+                         f"{has}); choose one of {', '.join(QUANTIZATIONS)}, or None for the checkpoint's own")
+    return quantization
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,15 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     tokenizer: str | None = None
     max_logprobs: int = 20
+    # How the weights are kept (QUANTIZATIONS; models/quantize.py): "auto" the checkpoint's own
+    # formats on CUDA (FP8 / FP4 as shipped) and the compute dtype on the CPU.
+    quantization: str = "auto"
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str | torch.dtype, max_model_len: int | None,
                   device: torch.device, **options: Any) -> "ModelConfig":
         """``options``: the other fields (``load_format``, ``skip_tokenizer_init``,
-        ``kv_cache_dtype``, ``tokenizer``, ``max_logprobs``)."""
+        ``kv_cache_dtype``, ``tokenizer``, ``max_logprobs``, ``quantization``)."""
         return cls.from_hf_config(read_hf_config(path), str(Path(path)), dtype, max_model_len, device,
                                   **options)
 
@@ -158,6 +165,9 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={self.load_format!r} is not supported; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not supported; choose one of "
+                             f"{', '.join(QUANTIZATIONS)}")
         m = self.max_logprobs
         if isinstance(m, bool) or not isinstance(m, int) or m < -1:
             raise ValueError(f"max_logprobs={m!r} must be an int >= 0, or -1 for no limit")
@@ -190,6 +200,11 @@ class CacheConfig:
     minus what weights and a profiling forward use; on the CPU it takes
     ``cpu_kv_cache_bytes``. ``num_gpu_blocks_override`` fixes the block count
     (tests use it to force preemption).
+
+    Lower tiers of the prefix cache (scheduler/kv_tiers.py): blocks evicted from the
+    device cache move to ``kv_offload_bytes`` of host memory, and from there to
+    ``kv_disk_bytes`` under ``kv_disk_dir``, which a restarted engine of the same model
+    and cache layout finds again. 0 bytes turn a tier off; both need prefix caching.
     """
 
     block_size: int = 16
@@ -197,6 +212,9 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
     num_blocks_override: int | None = None
+    kv_offload_bytes: int = 0
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -208,6 +226,21 @@ class CacheConfig:
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(f"num_blocks_override={self.num_blocks_override} must be >= 2 "
                              "(block 0 is reserved as the null block)")
+        if self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes={self.kv_offload_bytes} must be >= 0")
+        if self.kv_disk_bytes < 0:
+            raise ValueError(f"kv_disk_bytes={self.kv_disk_bytes} must be >= 0")
+        if (self.kv_disk_dir is None) != (self.kv_disk_bytes == 0):
+            raise ValueError(f"kv_disk_dir={self.kv_disk_dir!r} and kv_disk_bytes={self.kv_disk_bytes}: the disk "
+                             "tier needs both a directory and a size above 0 (or neither)")
+        if self.has_lower_tiers and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes / kv_disk_bytes need enable_prefix_caching=True: the lower "
+                             "tiers hold prefix-cache blocks")
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """A host or disk tier is configured."""
+        return self.kv_offload_bytes > 0 or self.kv_disk_bytes > 0
 
 
 # The default CUDA-graph buckets stop here: larger decode batches are rare, and each

@@ -12,6 +12,8 @@ import argparse
 from typing import Any
 
 DEFAULT_CONFIG = "deepseek-v4-flash"      # on CUDA; the embedded model on the CPU
+# --weights, and the engine's ``quantization`` for each (models/quantize.py).
+WEIGHT_FORMATS = {"bf16": "none", "fp8": "fp8", "fp8+fp4": "fp8+mxfp4-experts"}
 
 # Per device type: the model, the probes' sizes, and per benchmark its lengths and batches.
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -48,6 +50,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "and cache do not fit the device's free memory is refused before anything is built")
     p.add_argument("--num-layers", type=int, default=None,
                    help="decoder layers (default: 4 for the preset, the config's own otherwise)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="how the random weights are kept: bf16 (the compute dtype), fp8 (dense projections in "
+                        "FP8 with block scales) or fp8+fp4 (and the routed experts in FP4); default: the "
+                        "checkpoint's own formats, fp8+fp4 for the DeepSeek presets, as they ship")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")
@@ -131,6 +137,14 @@ def add_multiturn_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-len", type=int, default=64, help="tokens of each user question")
     p.add_argument("--answer-len", type=int, default=64, help="tokens of each answer (EOS ignored)")
     p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (prefix-hit granularity)")
-    p.add_argument("--settings", default="on,off", help="prefix caching settings to run, in order")
+    p.add_argument("--settings", default="on,off",
+                   help="settings to run, in order: on, off (prefix caching), host (plus the host tier), "
+                        "disk (plus the disk tier, after a restart)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="device KV-cache blocks (default: the budget's); small, so that blocks are evicted")
+    p.add_argument("--kv-offload-gib", type=float, default=1.0, help="host tier of the 'host' setting (GiB)")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="disk tier directory of the 'disk' setting (default: a new temporary directory)")
+    p.add_argument("--kv-disk-gib", type=float, default=4.0, help="disk tier of the 'disk' setting (GiB)")
     p.add_argument("--warmup-conversations", type=int, default=None,
                    help="whole conversations run untimed first (default: all of them on a GPU, 4 on the CPU)")

@@ -25,7 +25,8 @@ from deepinfer.bench.args import apply_device_defaults
 from deepinfer.bench.fit import check_fits
 from deepinfer.bench.floors import (DeepseekCost, DeepseekV4Cost, DeepseekV41Cost, measure_hbm_bandwidth,
                                     measure_matmul_tflops)
-from deepinfer.bench.model_shapes import V4_ARCH, V41_ARCH, resolve_config, with_dspark
+from deepinfer.bench.args import WEIGHT_FORMATS
+from deepinfer.bench.model_shapes import SHIPPED_QUANTIZATION, V4_ARCH, V41_ARCH, resolve_config, with_dspark
 from deepinfer.config import resolve_dtype
 from deepinfer.engine.engine import Engine, freeze_heap
 from deepinfer.entrypoints.llm import build_engine_config, resolve_device
@@ -59,20 +60,32 @@ def model_cost(hf_config: dict[str, Any], weight_bytes: int, cache_bytes: int) -
                               f"{V41_ARCH} only; the config is {arch}")
 
 
+# The cost table's names of the projections models/quantize.py keeps in FP8 (with the shared experts).
+_FP8_COST_NAMES = ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "indexer.q_b_proj")
+
+
 @dataclass
 class BenchModel:
-    """The model under test: its config, where it runs, and its byte/FLOP accounting."""
+    """The model under test: its config, where it runs, how its weights are kept
+    (``quantization``, with the release's ``quantization_config`` for the presets), and its
+    byte/FLOP accounting (weights counted as stored; ``load_bytes``: the 16-bit weights the
+    model is built with before quantising, what must fit)."""
 
     label: str
     hf_config: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
     cost: DeepseekCost
+    quantization: str = "auto"
+    quant_config: dict[str, Any] | None = None
+    weights: str = "bf16"
+    load_bytes: int = 0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchModel:
         """The model of ``args.config`` on ``args.device``; options left unset take the
         device's defaults first (``apply_device_defaults``, which updates ``args``)."""
+        from deepinfer.models.quantize import plan_for
         device = resolve_device(args.device)
         apply_device_defaults(args, device.type)
         label, hf_config = resolve_config(args.config, args.num_layers)
@@ -81,12 +94,31 @@ class BenchModel:
             label += " + DSpark drafter"
         dtype = resolve_dtype(args.dtype, device)
         elem = torch.empty((), dtype=dtype).element_size()
-        return cls(label, hf_config, device, dtype, model_cost(hf_config, elem, elem))
+        weights = getattr(args, "weights", None) or ("fp8+fp4" if args.config in SHIPPED_QUANTIZATION else None)
+        quantization = WEIGHT_FORMATS[weights] if weights else "auto"
+        quant_config = SHIPPED_QUANTIZATION.get(args.config) or hf_config.get("quantization_config")
+        cost = model_cost(hf_config, elem, elem)
+        load_bytes = cost.param_bytes
+        plan = plan_for({**hf_config, "quantization_config": quant_config}, quantization, device)
+        if plan is not None:
+            scale = 4 if plan.scale_format == "float32" else 1
+            expert_scale = 4 if plan.expert_scale_format == "float32" else 1
+            cost.with_weight_formats(_FP8_COST_NAMES, 1 + scale / (plan.block[0] * plan.block[1]) if plan.fp8 else None,
+                                     0.5 + expert_scale / 32 if plan.fp4_experts else None)
+        return cls(label, hf_config, device, dtype, cost, quantization, quant_config,
+                   plan.label if plan is not None else str(dtype).replace("torch.", ""), load_bytes)
+
+    def engine_hf_config(self) -> dict[str, Any]:
+        """The config the engine is built from: with the release's quantization_config for a preset."""
+        if self.quant_config is None:
+            return self.hf_config
+        return {**self.hf_config, "quantization_config": self.quant_config}
 
     def check_fits(self, kv_tokens: int, free: int | None = None) -> dict[str, int]:
-        """ValueError, before anything is allocated, when the weights plus the KV cache of
-        ``kv_tokens`` tokens (and a margin) exceed the device's free memory (bench/fit.py)."""
-        return check_fits(self.label, self.device, self.cost.param_bytes,
+        """ValueError, before anything is allocated, when the weights (in 16 bits: the model is
+        built so before it is quantised) plus the KV cache of ``kv_tokens`` tokens (and a margin)
+        exceed the device's free memory (bench/fit.py)."""
+        return check_fits(self.label, self.device, max(self.load_bytes, self.cost.param_bytes),
                           int(kv_tokens * self.cost.kv_write_bytes()), CPU_KV_CACHE_BYTES, free)
 
     def describe(self) -> dict[str, Any]:
@@ -94,6 +126,7 @@ class BenchModel:
         return {"model": self.label, "num_layers": self.cost.num_layers,
                 "layer_types": self.cost.layer_kinds(),
                 "params": self.cost.num_params, "param_bytes": self.cost.param_bytes,
+                "weights": self.weights, "quantization": self.quantization,
                 "device": device_name(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch": torch.__version__}
 
@@ -124,7 +157,8 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
     further engine arguments); fails clearly if the random weights give non-finite
     activations."""
     config = build_engine_config(
-        model.label, hf_config=model.hf_config, load_format="dummy", skip_tokenizer_init=True,
+        model.label, hf_config=model.engine_hf_config(), load_format="dummy", skip_tokenizer_init=True,
+        quantization=model.quantization,
         dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -260,7 +294,12 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def print_header(result: dict[str, Any]) -> None:
     m = result["measured"]
     print(f"deepinfer bench {result['bench']}: {result['model']}, {result['params'] / 1e9:.4g}B parameters "
-          f"({result['param_bytes'] / 1e9:.4g} GB), {result['dtype']} on {result['device']}")
+          f"({result['param_bytes'] / 1e9:.4g} GB as stored), weights {result['weights']}, "
+          f"{result['dtype']} on {result['device']}")
+    if result.get("weights_in_memory"):
+        w = result["weights_in_memory"]
+        print(f"weights in device memory after load: {w['total'] / 1e9:.4g} GB (FP8 {w['fp8'] / 1e9:.4g}, "
+              f"FP4 {w['fp4'] / 1e9:.4g}, other {w['other'] / 1e9:.4g}); accounted {result['param_bytes'] / 1e9:.4g} GB")
     print(f"measured: HBM copy {m['hbm_gb_s']:,.0f} GB/s, dense matmul {m['matmul_tflop_s']:,.1f} TFLOP/s")
 
 

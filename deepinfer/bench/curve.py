@@ -48,6 +48,7 @@ def run_curve(args: argparse.Namespace) -> dict[str, Any]:
                   max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
                           max_model_len=max_model_len, **engine_settings(args))
+    result["weights_in_memory"] = engine.model.weight_bytes
     spec = SpecSetup.from_args(args, engine)
     result["speculative"] = spec.describe() if spec else None
     gen = torch.Generator().manual_seed(args.seed)

@@ -140,9 +140,11 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
 
     engine.reset_stats()
     spec_before = copy.deepcopy(engine.scheduler.spec_stats)
+    graph_verifications_before = engine.runner.verify_graph_steps
     window_s, committed, step_ms = _timed_window(engine, steps, produced)
     stats = copy.copy(engine.stats)   # the engine keeps counting through the profile and drain
     spec_counters = counters_since(spec_before, engine.scheduler.spec_stats)
+    spec_counters["graph_verifications"] = engine.runner.verify_graph_steps - graph_verifications_before
     without = (_without_overlap(engine, steps, produced)
                if compare_sync and engine.config.scheduler.async_scheduling else None)
     if profile:
@@ -235,6 +237,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     result.update(warmup_steps=args.warmup, timed_steps=args.steps, max_num_batched_tokens=budget, memory=fit)
     engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
                           max_model_len=max_model_len, **engine_settings(args))
+    result["weights_in_memory"] = engine.model.weight_bytes
     spec = SpecSetup.from_args(args, engine)
     result["speculative"] = spec.describe() if spec else None
     gen = torch.Generator().manual_seed(args.seed)

@@ -53,6 +53,7 @@ I expert width, W window, r compress ratio, Hi/Di indexer heads/dim, n hc stream
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -78,11 +79,11 @@ class Tensor:
                            # | "routed_experts" | "embed" | "lm_head" | "engram" | "engram_table"
     name: str
     numel: int
-    elem_bytes: int
+    elem_bytes: float      # FP8 and FP4 weights count their scales' share
     matmul: bool           # multiplies every token's activations (counts toward FLOPs)
 
     @property
-    def nbytes(self) -> int:
+    def nbytes(self) -> float:
         return self.numel * self.elem_bytes
 
 
@@ -109,7 +110,23 @@ class DeepseekCost:
         self.w = weight_bytes
         self.c = cache_bytes
         self.tied = tie_word_embeddings
+        self.expert_elem_bytes: float = weight_bytes
         self.tensors = self._tensors()
+
+    def with_weight_formats(self, fp8_names: tuple[str, ...], fp8_elem_bytes: float | None,
+                            expert_elem_bytes: float | None) -> None:
+        """Count the weights as stored quantised (models/quantize.py): the tensors named in
+        ``fp8_names`` and the shared experts at ``fp8_elem_bytes`` a weight, the routed experts at
+        ``expert_elem_bytes`` (None: unchanged)."""
+        def elem(t: Tensor) -> float:
+            if fp8_elem_bytes is not None and (t.name in fp8_names or t.part == "shared_expert"):
+                return fp8_elem_bytes
+            if expert_elem_bytes is not None and t.part == "routed_experts":
+                return expert_elem_bytes
+            return t.elem_bytes
+        self.tensors = [dataclasses.replace(t, elem_bytes=elem(t)) for t in self.tensors]
+        if expert_elem_bytes is not None:
+            self.expert_elem_bytes = expert_elem_bytes
 
     # -- what the subclasses give -------------------------------------------------------
     def _tensors(self) -> list[Tensor]:
@@ -143,12 +160,12 @@ class DeepseekCost:
 
     @property
     def param_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+        return int(sum(t.nbytes for t in self.tensors))
 
     @property
     def expert_bytes(self) -> int:
         """One routed expert's three matrices."""
-        return 3 * self.hidden_size * self.expert_width * self.w
+        return 3 * self.hidden_size * self.expert_width * self.expert_elem_bytes
 
     @property
     def _lm_head_numel(self) -> int:

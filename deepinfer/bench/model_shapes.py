@@ -84,6 +84,15 @@ _V41_FLASH: dict[str, Any] = {
 }
 
 PRESETS = ("deepseek-v4-flash", "deepseek-v4.1-flash")
+# The weight formats each preset's release ships in (its config.json's quantization_config;
+# research notes deepseek_v4_arch.md, deepseek_v41.md): dense projections in FP8 e4m3 with UE8M0
+# block scales (V4 128 x 128, V4.1 32 x 32), routed experts in FP4 e2m1 with UE8M0 scales per 32.
+SHIPPED_QUANTIZATION = {
+    "deepseek-v4-flash": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "scale_fmt": "ue8m0", "weight_block_size": [128, 128], "expert_dtype": "fp4"},
+    "deepseek-v4.1-flash": {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0",
+                            "weight_block_size": [32, 32], "expert_dtype": "fp4"},
+}
 DEFAULT_LAYERS = {"deepseek-v4-flash": 4, "deepseek-v4.1-flash": 4}
 
 

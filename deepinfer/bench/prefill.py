@@ -132,6 +132,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     # Twice the batch: under steady load the next batch is admitted while the last is in flight.
     engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
                           max_model_len=args.prompt_len + 1)
+    result["weights_in_memory"] = engine.model.weight_bytes
     gen = torch.Generator().manual_seed(args.seed)
     result["engine"] = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters, gen)
     result["engine"]["steady"] = measure_steady(engine, args.batch_size, args.prompt_len, args.warmup,

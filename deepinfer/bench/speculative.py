@@ -134,7 +134,7 @@ def spec_figures(run: dict[str, Any], plain: dict[str, Any], batch: int, steps: 
                                   f"--speculative {a} where every step verifies {1 + a} tokens per request "
                                   "(--spec-method fixed)")
     return {
-        "method": setup.method, "num_speculative_tokens": n,
+        "method": setup.method, "num_speculative_tokens": n, "timed_steps": steps,
         **{k: run[k] for k in ("ms_per_step", "steps_per_s", "full_acceptance_tok_s", "effective_tok_s",
                                "per_user_tok_s", "step_ms_median", "step_ms_max", "tokens_committed",
                                "min_tokens_per_step", "sync_steps", "gpu_idle_ms_per_step",
@@ -174,7 +174,8 @@ def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
         plain = ", ".join([*(["CUDA graphs"] if s["plain_cuda_graphs"] else []),
                            "overlapped" if s["plain_async_scheduling"] else "synchronous"])
         print(f"B={pt['batch']}: {step} takes {fmt(s['step_over_plain_step'])}x a plain decode step (plain: {plain}; "
-              f"speculative steps: synchronous, verification steps eager); "
+              f"speculative steps: synchronous, {s['spec_counters']['graph_verifications']} of {s['timed_steps']} "
+              f"through CUDA graphs); "
               f"tau {fmt(s['tau'])} measured ({s['spec_counters']['drafts']} verifications of "
               f"{s['spec_counters']['draft_tokens']} drafts, {s['spec_counters']['accepted_tokens']} accepted)")
         if s["assumed"]["unavailable"]:

@@ -45,6 +45,7 @@ from deepinfer.request import Request, RequestStatus
 from deepinfer.runner.model_runner import ModelRunner, StepHandle
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheManager, build_groups, kv_bytes_per_token, page_bytes
+from deepinfer.scheduler.kv_tiers import TierIndex
 from deepinfer.scheduler.plan import StepPlan
 from deepinfer.scheduler.scheduler import Scheduler
 from deepinfer.spec.scheduling import SPSTable
@@ -133,7 +134,12 @@ class Engine:
         groups = build_groups(specs, config.cache.block_size)
         num_blocks = self.runner.determine_num_blocks(groups)
         self.runner.allocate_kv_cache(groups, num_blocks)
-        self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching)
+        tiers = None
+        if config.cache.has_lower_tiers:
+            disk_entries = self.runner.enable_kv_tiers()
+            tiers = TierIndex(config.cache.kv_offload_bytes, config.cache.kv_disk_bytes,
+                              [g.bytes_per_block for g in groups], disk_entries)
+        self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, tiers)
         spec = config.speculative
         self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
                                    replay_keep_tokens=replay_keep,
@@ -269,6 +275,25 @@ class Engine:
     def reset_stats(self) -> None:
         self.stats = EngineStats()
 
+    def close(self) -> None:
+        """Write what the KV cache's tiers hold to the disk tier, if there is one (every
+        cached block of the device and host tiers, as far as its budget goes: a restarted
+        engine finds them), and wait for the tiers' pending work. Call it once no step is
+        left to run; the engine is not used after. A parallel engine (which has no tiers) stops
+        its worker processes instead (idempotent)."""
+        if isinstance(self.runner, MultiprocExecutor):
+            self.runner.close()
+            self.dead = self.dead or "the engine was closed"
+            return
+        if self.runner.kv_tiers is None:
+            return
+        if self._in_flight is not None:
+            self._land(self._in_flight)
+            self._in_flight = None
+        self.kv.persist()
+        self.runner.kv_tiers.execute(self.kv.take_tier_ops())
+        self.runner.kv_tiers.close()
+
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if not self.config.batch_invariant:
@@ -300,7 +325,7 @@ class Engine:
 
     def _schedule_and_launch(self, overlapped: bool, after_sync: bool = False) -> None:
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.block_copies and not plan.finished_req_ids:
+        if plan.is_empty and not plan.block_copies and not plan.finished_req_ids and not plan.kv_tier_ops:
             return
         try:
             handle = self.runner.launch(plan)
@@ -311,8 +336,13 @@ class Engine:
             logger.exception("step failed")
             self.scheduler.fail(plan, f"internal error: {exc}")
             return
-        if plan.is_empty:
+        if plan.is_empty and not plan.has_tier_loads:
             return   # only runner bookkeeping and block copies: nothing to wait for
+        if plan.is_empty:
+            # Only tier loads: they land like a step (the sequence waiting for them is then
+            # admitted), but they count as none.
+            self._in_flight = _Launched(plan, handle)
+            return
         self.stats.steps += 1
         self.stats.overlapped_steps += overlapped
         self.stats.sync_steps += after_sync
@@ -349,13 +379,6 @@ class Engine:
         for user in self.requests.values():
             for req in user.seqs:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ERROR, error=error)
-
-    def close(self) -> None:
-        """Stop a parallel engine's worker processes (idempotent; nothing to do in one process).
-        The engine runs no step afterwards."""
-        if isinstance(self.runner, MultiprocExecutor):
-            self.runner.close()
-            self.dead = self.dead or "the engine was closed"
 
     def _reports(self, parent_id: str) -> bool:
         """Whether this step returns the request's output: every step it advanced, or for

@@ -1,4 +1,4 @@
-"""Command line: ``deepinfer generate | serve | bench``."""
+"""Command line: ``deepinfer generate | serve | router | bench``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from deepinfer.bench import args as bench_args
 from deepinfer.bench.serve import args as serve_bench_args
 from deepinfer.entrypoints.openai.reasoning import REASONING_PARSERS
 from deepinfer.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS as TOOL_CALL_PARSERS
+from deepinfer.router import server as router_server
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add_kv_tier_args(p)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlapped scheduling: plan the next step while the device runs this one "
                         "(default on; --no-async-scheduling for one step at a time)")
@@ -41,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's own KV format; DeepSeek-V4.1: the release's rounded records), "
                         "or unrounded bfloat16 / float32 where the model offers them")
+    p.add_argument("--quantization", default=None,
+                   help="how the weights are kept: auto (default: the checkpoint's own formats, FP8/FP4 as "
+                        "shipped on CUDA, dequantised on the CPU), none, fp8, mxfp4-experts, fp8+mxfp4-experts")
     p.add_argument("--yoco-prefill-truncation-mode", choices=env.PREFILL_TRUNCATION_MODES,
                    default=None,
                    help="bounded replay of prompts: the layers after the last KV-source layer run on "
@@ -59,6 +64,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS, else 140")
 
 
+def add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host memory (GiB) for prefix-cache blocks evicted from the KV cache (default 0: none)")
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="directory of the disk tier below host memory, found again after a restart")
+    p.add_argument("--kv-disk-gib", type=float, default=0.0, help="size of the disk tier (GiB)")
+
+
 def _json_dict(text: str) -> dict:
     """A command-line JSON object (argparse type)."""
     try:
@@ -75,11 +88,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching,
+                kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
                 async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-                kv_cache_dtype=args.kv_cache_dtype,
+                kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
                 yoco_prefill_truncation_mode=args.yoco_prefill_truncation_mode,
                 yoco_prefill_keep_tokens=args.yoco_prefill_keep_tokens,
                 batch_invariant=args.batch_invariant, speculative_config=args.speculative_config)
@@ -107,14 +121,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 finished = out.finished
         sys.stdout.write("\n")
+    llm.close()      # a disk tier keeps the cache for the next run
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        return router_server.run_replicas(args)
     from deepinfer.entrypoints.openai.api_server import run_server
 
     run_server(args)
     return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    return router_server.run_router(args)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
@@ -190,7 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                      help="split a thinking model's reasoning into reasoning_content: deepseek_v3 when "
                           'chat_template_kwargs {"thinking": true} asks for it, deepseek_r1 always')
+    srv.add_argument("--replicas", type=int, default=1,
+                     help="data-parallel replicas: N engines, each its own process on a free local port, behind "
+                          "the router (deepinfer router) on --host/--port; the --router-* options set its policy")
+    router_server.add_policy_args(srv, prefix="router-")
     srv.set_defaults(func=cmd_serve)
+
+    rtr = sub.add_parser("router", help="route OpenAI requests over replicas by prefix-cache affinity and load",
+                         description="An OpenAI-compatible proxy in front of deepinfer serve replicas (or any "
+                                     "OpenAI-compatible servers): cache-aware routing, health checks, retries, "
+                                     "its own /metrics")
+    router_server.add_router_args(rtr)
+    rtr.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")
     kinds = bench.add_subparsers(dest="kind", required=True)

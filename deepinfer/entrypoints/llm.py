@@ -45,6 +45,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
                         cpu_kv_cache_bytes: int = 1 << 30, block_size: int = 16,
                         num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                        kv_offload_gib: float = 0.0, kv_disk_dir: str | None = None, kv_disk_gib: float = 0.0,
                         enable_chunked_prefill: bool = True, async_scheduling: bool = True,
                         seed: int = 0, device: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
@@ -65,7 +66,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     config.json in memory (``model`` then only labels it; use with ``load_format="dummy"``
     for random weights and ``skip_tokenizer_init=True`` for token-id prompts).
     ``hf_overrides``: config.json fields laid over the model's (``apply_hf_overrides``).
-    ``quantization``: None or the checkpoint's own method (``check_quantization``).
+    ``quantization``: how the weights are kept (``config.QUANTIZATIONS``, models/quantize.py):
+    None / "auto" the checkpoint's own formats (FP8/FP4 as shipped on CUDA, dequantised on the
+    CPU), "none" all in ``dtype``, "fp8" / "mxfp4-experts" / "fp8+mxfp4-experts" quantised at load.
     ``tokenizer``: a directory to read the tokenizer from instead of the model's.
     ``max_num_batched_tokens=None``: 2048, or with chunked prefill off at least
     ``max_model_len`` (vLLM's rule).
@@ -75,7 +78,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     (``EngineConfig.batch_invariant``; None takes DEEPINFER_BATCH_INVARIANT).
     ``speculative_config``: vLLM's dict (``SpeculativeConfig.from_dict``); None: no
     speculative decoding. ``distributed_executor_backend``: how ranks start above one
-    (``ParallelConfig``): ``"mp"`` worker processes, or ``"external_launcher"`` under torchrun."""
+    (``ParallelConfig``): ``"mp"`` worker processes, or ``"external_launcher"`` under torchrun.
+    ``kv_offload_gib``: host memory (GiB) for blocks evicted from the KV cache;
+    ``kv_disk_dir`` / ``kv_disk_gib``: a disk tier below it, found again by a restarted
+    engine (``CacheConfig``)."""
     dev = resolve_device(device)
     options = dict(load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
                    kv_cache_dtype=kv_cache_dtype, tokenizer=tokenizer, max_logprobs=max_logprobs)
@@ -84,7 +90,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
         hf_config = read_hf_config(path)
     if hf_overrides:
         hf_config = apply_hf_overrides(hf_config, hf_overrides)
-    check_quantization(hf_config, quantization)
+    options["quantization"] = check_quantization(hf_config, quantization)
     model_cfg = ModelConfig.from_hf_config(hf_config, path, dtype, max_model_len, dev, **options)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, model_cfg.max_model_len)
@@ -93,7 +99,10 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
         cache=CacheConfig(block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                           cpu_kv_cache_bytes=cpu_kv_cache_bytes,
                           enable_prefix_caching=enable_prefix_caching,
-                          num_blocks_override=num_kv_blocks),
+                          num_blocks_override=num_kv_blocks,
+                          kv_offload_bytes=_gib_bytes("kv_offload_gib", kv_offload_gib),
+                          kv_disk_dir=None if kv_disk_dir is None else str(kv_disk_dir),
+                          kv_disk_bytes=_gib_bytes("kv_disk_gib", kv_disk_gib)),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   enable_chunked_prefill=enable_chunked_prefill,
@@ -106,6 +115,12 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                 distributed_executor_backend=distributed_executor_backend),
         device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
         speculative=None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config))
+
+
+def _gib_bytes(name: str, gib: float) -> int:
+    if not gib >= 0:
+        raise ValueError(f"{name}={gib} must be >= 0 (GiB)")
+    return int(gib * 2**30)
 
 
 class LLM:
@@ -125,9 +140,14 @@ class LLM:
         self._generation_config = args.generation_config
         self._default_params: SamplingParams | None = None
 
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
     def close(self) -> None:
-        """Stop the engine's worker processes (with tensor or expert parallelism; nothing to do
-        in one process). Also on leaving a ``with LLM(...) as llm:`` block."""
+        """Persist the KV cache's tiers to the disk tier, if any, and wait for their pending
+        writes; with tensor or expert parallelism, stop the worker processes (``Engine.close``).
+        The LLM is not used after. Also on leaving a ``with LLM(...) as llm:`` block."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":
@@ -135,10 +155,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
 
     def get_tokenizer(self) -> Tokenizer | None:
         """The engine's tokenizer (``encode``, ``decode``, ``apply_chat_template``, and

@@ -265,6 +265,28 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
 
 
+def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, down_q: torch.Tensor,
+                    down_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+    """Routed experts over packed FP4 weights (gate_up_q [E, 2I, H/2], down_q [E, H, I/2], scales per
+    32 inputs) -> [T, H] (see :func:`reference.fp4_moe_experts`)."""
+    if use_triton(x):
+        from deepinfer.kernels.fp4_moe import fp4_moe as kernel
+        return kernel(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids, swiglu_limit)
+    return reference.fp4_moe_experts(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids,
+                                     swiglu_limit)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               group: int, pow2_scale: bool) -> torch.Tensor:
+    """x [..., K] times an FP8 weight [N, K] with block scales, activations quantised per 1 x ``group``
+    -> [..., N] (see :func:`reference.fp8_linear`)."""
+    if use_triton(x):
+        from deepinfer.kernels.fp8_gemm import fp8_linear as kernel
+        return kernel(x, weight, scale, block, group, pow2_scale)
+    return reference.fp8_linear(x, weight, scale, block, group, pow2_scale)
+
+
 def _stacked(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
              packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The references read stacked experts: tile-packed weights (packed on CUDA for the Triton

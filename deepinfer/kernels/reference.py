@@ -1100,3 +1100,68 @@ def store_record(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tenso
     """Pack each row of x [T, D] (:func:`pack_record`) and store it at its slot of the record
     cache [NB, bs, 1, 1, record_bytes(fmt, D)] (:func:`store_kv`; slots of -1 store nothing)."""
     store_kv(cache, slot_mapping, pack_record(x, fmt)[:, None])
+
+
+# -- quantised weights as shipped (kernels/fp8_gemm.py, kernels/fp4_moe.py) ------------------------
+# FP8 weights: e4m3 [N, K] with one scale per block_n x block_k tile (float32, or UE8M0 bytes
+# 2 ** (b - 127)); FP4 experts: e2m1 codes two a byte [..., out, in/2] (low nibble first) with one
+# scale per 32 inputs. Dequantisation is exact in float32 (models/quant.py).
+
+def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group activation quantisation: x [M, K] -> (e4m3 [M, K], float32 scales [M, K/group]).
+
+    Each group of ``group`` inputs of a row gets ``s = max(amax, 1e-4) / 448`` (``pow2_scale``:
+    ``2 ** ceil(log2(s))`` computed exactly, a UE8M0 value); ``q = e4m3(clamp(x / s, -448, 448))``,
+    rounded to nearest even.
+    """
+    blocks = _blocks(x, group)                                             # [M, K/group, group]
+    s = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 448.0
+    if pow2_scale:
+        # ceil(log2(s)) exactly: s = m * 2^e with m in [0.5, 1), so it is e, or e - 1 when m = 0.5.
+        m, e = torch.frexp(s)
+        s = torch.ldexp(torch.ones_like(s), e - (m == 0.5).to(e.dtype))
+    q = (blocks / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), s.squeeze(-1)
+
+
+def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                   block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``dequant(xq, xs) @ dequant(w, ws)^T`` in float32, rounded once to ``out_dtype``.
+
+    xq [M, K] e4m3 with xs [M, K/group] float32; w [N, K] e4m3 with ws [ceil(N/bn), K/bk] (float32 or
+    UE8M0 bytes), ``block`` = (bn, bk) -> [M, N].
+    """
+    from deepinfer.models.quant import dequant_fp8_block
+    group = xq.shape[1] // xs.shape[1]
+    a = xq.float() * xs.float().repeat_interleave(group, dim=1)
+    return (a @ dequant_fp8_block(w, ws, block).t()).to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
+               group: int = 128, pow2_scale: bool = False) -> torch.Tensor:
+    """x [..., K] quantised per 1 x ``group`` (:func:`fp8_act_quant`) times the FP8 weight
+    (:func:`fp8_block_gemm`) -> [..., N] in x's dtype."""
+    xq, xs = fp8_act_quant(x.reshape(-1, x.shape[-1]), group, pow2_scale)
+    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor,
+                    down_q: torch.Tensor, down_s: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, swiglu_limit: float, group: int = 32) -> torch.Tensor:
+    """Routed experts over FP4 weights: :func:`clamped_moe_experts` (swiglu_limit 0: no clamp) with
+    each routed expert's weights dequantised in float32 and rounded once to x's dtype (one expert at
+    a time, so V4-Flash's 256 experts never exist dequantised all at once).
+
+    x [T, H]; gate_up_q [E, 2I, H/2] uint8 with gate_up_s [E, 2I, H/group]; down_q [E, H, I/2] with
+    down_s [E, H, I/group] (scales float32 or UE8M0 bytes); topk_weights, topk_ids [T, K] -> [T, H].
+    """
+    from deepinfer.models.quant import dequant_fp4_e2m1
+    out = torch.zeros_like(x)
+    for e in topk_ids.unique().tolist():                                       # ascending
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)              # [n] tokens routed to e
+        gate_up = dequant_fp4_e2m1(gate_up_q[e], gate_up_s[e], group).to(x.dtype)   # [2I, H]
+        down = dequant_fp4_e2m1(down_q[e], down_s[e], group).to(x.dtype)            # [H, I]
+        gate, up = (x[tok] @ gate_up.t()).chunk(2, dim=-1)                   # [n, I] each
+        h = clamped_swiglu(gate, up, swiglu_limit) @ down.t()                 # [n, H]
+        out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
+    return out

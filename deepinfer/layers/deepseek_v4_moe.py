@@ -73,6 +73,8 @@ class DeepseekV4Experts(FusedMoE):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
+        if self.fp4:
+            return self.fp4_experts(x, topk_weights, topk_ids, self.swiglu_limit)
         return backend.clamped_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                            self.swiglu_limit, packed=self.packed)
 
@@ -107,6 +109,8 @@ class DeepseekV4SharedExpert(nn.Module):
         # output, a pass over [T, H]: 16 us a layer at T=4096 on the H200.)
         if residual is None:
             return self.down_proj(act)
+        if not isinstance(self.down_proj, nn.Linear):       # an FP8 projection (models/quantize.py)
+            return residual.add_(self.down_proj(act))
         return residual.addmm_(act, self.down_proj.weight.t())
 
 

@@ -19,6 +19,13 @@ stream faster at prefill; the parameters keep their names but take the packed sh
 layer is refused (:meth:`FusedMoE.unpack_weights` first); the torch references unpack a
 copy per call.
 
+FP4 experts. :meth:`FusedMoE.quantize_fp4` replaces both projections by packed e2m1 codes
+(``uint8``, two a byte: gate_up_proj [E, 2I, H/2], down_proj [E, H, I/2]) with one scale per 32
+inputs (``gate_up_proj_scale`` [E, 2I, H/32], ``down_proj_scale`` [E, H, I/32]; float32 or UE8M0
+bytes), the layout DeepSeek ships its routed experts in; the forward then runs
+``backend.fp4_moe_experts`` (the FP4 Triton kernels on CUDA, dequantising per call elsewhere).
+A quantised layer takes no more checkpoint weights (loading into it is refused).
+
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert intermediate size.
 """
 
@@ -60,12 +67,45 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
         self.packed = False
+        # Whether the parameters hold packed FP4 codes with scales (quantize_fp4).
+        self.fp4 = False
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
+        if self.fp4:
+            return self.fp4_experts(x, topk_weights, topk_ids, 0.0)
         return backend.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                    packed=self.packed)
+
+    def fp4_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H], over the FP4 weights of quantize_fp4
+        return backend.fp4_moe_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                       self.down_proj_scale, topk_weights, topk_ids, swiglu_limit)
+
+    @torch.no_grad()
+    def quantize_fp4(self, scale_format: str = "ue8m0", experts_per_chunk: int = 16) -> None:
+        """Quantise both projections to packed FP4 with one scale per 32 inputs
+        (``models.quant.quant_fp4_e2m1``), ``experts_per_chunk`` experts at a time so the float32
+        temporaries stay small; the stacked Parameters are replaced. Raises ValueError if the
+        weights are tile-packed or already FP4, or a width is not a multiple of 32."""
+        from deepinfer.models.quant import quant_fp4_e2m1
+        if self.packed or self.fp4:
+            raise ValueError("quantize_fp4: the expert weights are already "
+                             + ("tile-packed (unpack_weights first)" if self.packed else "FP4"))
+        if self.hidden_size % 32 or self.intermediate_size % 32:
+            raise ValueError(f"quantize_fp4: hidden_size={self.hidden_size} and intermediate_size="
+                             f"{self.intermediate_size} must be multiples of the scale group 32")
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name).data
+            parts = [quant_fp4_e2m1(w[e:e + experts_per_chunk], 32, scale_format)
+                     for e in range(0, self.num_experts, experts_per_chunk)]
+            del w
+            setattr(self, name, nn.Parameter(torch.cat([q for q, _ in parts]), requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(torch.cat([s for _, s in parts]), requires_grad=False))
+            del parts
+        self.fp4 = True
 
     def packing_helps(self) -> bool:
         """Whether :meth:`pack_weights` pays: the Triton kernels run these weights (CUDA, Triton
@@ -108,6 +148,9 @@ class FusedMoE(nn.Module):
         if self.packed:
             raise ValueError("the expert weights are tile-packed for the fused MoE kernels "
                              "(after_load); call unpack_weights() before loading into them")
+        if self.fp4:
+            raise ValueError("the expert weights were quantised to FP4 after loading (quantize_fp4); "
+                             "loading checkpoint weights into them is not supported")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: this layer has "
                              f"num_experts={self.num_experts}")

@@ -63,6 +63,10 @@ class CausalLM(nn.Module):
     # empty: the model takes none and only "auto" (the compute dtype) is served.
     kv_cache_dtypes: tuple[str, ...] = ()
 
+    # The dense layers ``quantization`` keeps in FP8 (models/quantize.py): a regex searched in
+    # module names, or None for every plain ``nn.Linear`` but ``lm_head``.
+    fp8_linears: str | None = None
+
     def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
         super().__init__()
         self.hf_config = hf_config
@@ -70,6 +74,9 @@ class CausalLM(nn.Module):
         # The seed of the random weights (``load_format="dummy"``), or None for a checkpoint's:
         # parts built after loading (a drafter) draw theirs from it.
         self.dummy_seed: int | None = None
+        # Bytes of the weights in device memory by kind, set by ``models.loader.load_model``
+        # (``models.quantize.weight_bytes``).
+        self.weight_bytes: dict[str, int] | None = None
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:

@@ -157,6 +157,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     skipped on load, as HF does).
     """
 
+    # The projections kept in FP8 (models/quantize.py): attention and MLPs, not kv_b_proj (absorbed
+    # MLA decode reads its weight directly) nor the MTP's vocabulary head.
+    fp8_linears = (r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)$"
+                   r"|(mlp|shared_experts)\.(gate_proj|up_proj|down_proj)$|eh_proj$")
+
     # Decode is graph-safe: absorbed MLA over device-side lengths (layers/mla.py), Triton routing
     # and experts sized from T alone.
     supports_cuda_graphs = True

@@ -476,6 +476,12 @@ class DeepseekV41ForCausalLM(CausalLM):
     # fixed-shape tensor ops over ceil(max_seq_len / ratio) entry slots.
     supports_cuda_graphs = True
 
+    # The projections DeepSeek ships in FP8 (models/quantize.py): the attention's q_a, q_b, kv and
+    # o_b, the indexer's q_b and the shared expert. o_a (a grouped GEMM), the compressors and the
+    # indexer's other projections stay 16-bit, as do lm_head and the routers.
+    fp8_linears = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
+                   r"|shared_experts\.(gate_proj|up_proj|down_proj)$")
+
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:
         # Tensor parallelism shards the attention heads and output groups only.

@@ -10,6 +10,7 @@ and the models' ``remap_weight_name``).
 from __future__ import annotations
 
 import json
+import logging
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,9 +24,11 @@ from deepinfer.host_memory import map_file
 from deepinfer.models.base import CausalLM
 from deepinfer.models.dummy import init_dummy_weights
 from deepinfer.models.quant import pair_scales
+from deepinfer.models.quantize import plan_for, quantize_model, weight_bytes
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.groups import current_groups
 
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_files(path: str) -> list[Path]:
@@ -114,6 +117,21 @@ def iter_weights(path: str, hf_config: dict, keep_quantized: Callable[[str], boo
     return pair_scales(iter_checkpoint(path, mapped), fp8_block=fp8_block_size(hf_config), keep=keep_quantized)
 
 
+# safetensors dtypes of quantised weights (FP8, packed FP4) and their scales.
+_QUANTISED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8")
+
+
+def quantised_checkpoint_bytes(path: str) -> int:
+    """Bytes of the checkpoint's FP8 / packed FP4 tensors and scale tensors (from the headers),
+    what its weights take as shipped, to compare with what the model keeps quantised."""
+    total = 0
+    for file in checkpoint_files(path):
+        header, _ = _header(file)
+        total += sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items()
+                     if k != "__metadata__" and e["dtype"] in _QUANTISED_DTYPES)
+    return total
+
+
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -127,8 +145,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -> CausalLM:
     """Build the registered model for the checkpoint's architecture directly on
     ``device`` in ``model_config.dtype``, load its weights (or, with ``load_format="dummy"``,
-    fill them with random values from ``seed``), run its ``after_load`` hook (weight
-    re-layout such as fused projections), and put it in eval mode."""
+    fill them with random values from ``seed``), keep the weights ``model_config.quantization``
+    asks for quantised (models/quantize.py), run its ``after_load`` hook (weight re-layout such
+    as fused projections), log the weights' bytes in device memory by kind
+    (``model.weight_bytes``), and put it in eval mode."""
     model_cls = get_model_class(model_config.architecture)
     kv_dtype = model_config.kv_cache_dtype
     if kv_dtype != "auto" and kv_dtype not in model_cls.kv_cache_dtypes:
@@ -148,6 +168,21 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
         sharded = not current_groups().tp.is_single
         model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized,
                                         map_all=sharded))
+    plan = plan_for(model_config.hf_config, model_config.quantization, device)
+    if plan is not None:
+        counts = quantize_model(model, plan)
+        logger.info("weights kept as %s: %d FP8 linear layers (%dx%d blocks, %s scales), %d FP4 expert layers "
+                    "(%s scales)", plan.label, counts["fp8_linears"], *plan.block, plan.scale_format,
+                    counts["fp4_expert_layers"], plan.expert_scale_format)
     model.after_load()
+    model.weight_bytes = weight_bytes(model)
+    logger.info("weights in %s memory: %.3f GiB (FP8 %.3f, FP4 %.3f, other %.3f)", device.type,
+                *(model.weight_bytes[k] / 2**30 for k in ("total", "fp8", "fp4", "other")))
+    if plan is not None and model_config.load_format != "dummy":
+        # Shipped FP8 tensors the model keeps 16-bit (grouped o_a, host-memory engram tables,
+        # MTP drafter tensors) make the first figure the larger.
+        logger.info("the checkpoint ships %.3f GiB of FP8/FP4 tensors and scales; the model keeps %.3f GiB "
+                    "quantised", quantised_checkpoint_bytes(model_config.path) / 2**30,
+                    (model.weight_bytes["fp8"] + model.weight_bytes["fp4"]) / 2**30)
     model.requires_grad_(False)
     return model.eval()

@@ -8,6 +8,11 @@
   nibble first; stored as ``int8``, ``uint8`` or ``float4_e2m1fn_x2``) with one
   e8m0 scale per ``group`` inputs (``[out, in/group]``), ``w = q * s``.
 
+Quantisation (the other way, for ``quantization="fp8"`` / ``"mxfp4-experts"`` and benchmark weights
+made in the shipped formats): :func:`quant_fp8_block` and :func:`quant_fp4_e2m1` produce those
+same layouts from floating-point weights, with float32 scales (``amax / max``) or UE8M0 bytes
+(``2 ** ceil(log2(amax / max))``, stored as ``uint8``).
+
 Every product is exact in float32 (e4m3/e2m1 values times a power of two, or
 one float32 multiply for float scales): the functions return float32 and the
 caller casts once to its compute dtype, as HF transformers does.
@@ -30,6 +35,8 @@ FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+# How a quantised weight's scales are stored: float32, or UE8M0 exponent bytes (uint8).
+SCALE_FORMATS = ("float32", "ue8m0")
 ENGRAM_TABLE_SUFFIX = ".engram.embed.weight"
 
 
@@ -41,15 +48,18 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
-def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """FP8 weight [..., out, in] with scales [..., ceil(out/block), ceil(in/block)] -> float32."""
+def dequant_fp8_block(weight: torch.Tensor, scale: torch.Tensor,
+                      block: int | tuple[int, int] = 128) -> torch.Tensor:
+    """FP8 weight [..., out, in] with scales [..., ceil(out/bn), ceil(in/bk)] -> float32;
+    ``block`` is bn = bk, or (bn, bk)."""
+    bn, bk = (block, block) if isinstance(block, int) else block
     rows, cols = weight.shape[-2:]
-    grid = (-(-rows // block), -(-cols // block))
+    grid = (-(-rows // bn), -(-cols // bk))
     if tuple(scale.shape[-2:]) != grid or scale.shape[:-2] != weight.shape[:-2]:
-        raise ValueError(f"FP8 weight of shape {tuple(weight.shape)} with {block}x{block} blocks needs "
+        raise ValueError(f"FP8 weight of shape {tuple(weight.shape)} with {bn}x{bk} blocks needs "
                          f"a scale of shape {(*weight.shape[:-2], *grid)}, got {tuple(scale.shape)}")
     s = scale_to_float(scale)
-    s = s.repeat_interleave(block, dim=-2)[..., :rows, :].repeat_interleave(block, dim=-1)[..., :cols]
+    s = s.repeat_interleave(bn, dim=-2)[..., :rows, :].repeat_interleave(bk, dim=-1)[..., :cols]
     return weight.to(torch.float32) * s
 
 
@@ -158,3 +168,57 @@ def pair_scales(weights: Iterable[tuple[str, torch.Tensor]], fp8_block: int = 12
                          f"(expected '<name>.scale' or '<name>.weight_scale_inv'): "
                          f"{', '.join(names[:10])}")
     yield from scales_waiting.values()
+
+
+def _scales(amax: torch.Tensor, top: float, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale as float32, scale as stored) for blocks whose largest magnitude is ``amax`` (float32):
+    ``amax / top``, or its UE8M0 rounding up to a power of two (so ``amax / scale <= top``)."""
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format={scale_format!r} is not one of {SCALE_FORMATS}")
+    s = amax.clamp_min(1e-12) / top
+    if scale_format == "float32":
+        return s, s
+    exponent = torch.ceil(torch.log2(s.double())).clamp(-127, 127)
+    stored = (exponent + 127).to(torch.uint8)
+    return scale_to_float(stored), stored
+
+
+def quant_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128),
+                    scale_format: str = "float32") -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., out, in] -> (``float8_e4m3fn`` [..., out, in], scales [..., ceil(out/bn), ceil(in/bk)]),
+    one scale per (bn, bk) = ``block`` tile; :func:`dequant_fp8_block` inverts it up to e4m3 rounding
+    (relative error at most 2^-4 per element, absolute at most ``scale * 2^-10`` in the subnormals)."""
+    bn, bk = block
+    rows, cols = weight.shape[-2:]
+    lead = weight.shape[:-2]
+    gr, gc = -(-rows // bn), -(-cols // bk)
+    w = torch.zeros(*lead, gr * bn, gc * bk, dtype=torch.float32, device=weight.device)
+    w[..., :rows, :cols] = weight.float()
+    tiles = w.view(*lead, gr, bn, gc, bk)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)                    # [..., gr, 1, gc, 1]
+    s, stored = _scales(amax, 448.0, scale_format)
+    q = (tiles / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(*lead, gr * bn, gc * bk)
+    return q[..., :rows, :cols].contiguous(), stored.view(*lead, gr, gc)
+
+
+def quant_fp4_e2m1(weight: torch.Tensor, group: int = 32,
+                   scale_format: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., out, in] (in a multiple of ``group``) -> (e2m1 codes two a byte, low nibble first,
+    ``uint8`` [..., out, in/2]; scales [..., out, in/group]). Values round to the nearest e2m1 point,
+    ties to the even code; :func:`dequant_fp4_e2m1` inverts it up to that rounding."""
+    cols = weight.shape[-1]
+    if cols % group or group % 2:
+        raise ValueError(f"FP4 weight of shape {tuple(weight.shape)}: the input width must be a multiple "
+                         f"of the group size {group}")
+    blocks = weight.float().reshape(*weight.shape[:-1], cols // group, group)
+    s, stored = _scales(blocks.abs().amax(dim=-1, keepdim=True), 6.0, scale_format)
+    q = (blocks / s).clamp(-6.0, 6.0)
+    mag = q.abs()
+    # Thresholds between the magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6): a tie goes to the even code.
+    index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
+    for threshold in (0.25, 1.25, 2.5, 5.0):
+        index += mag > threshold
+    for threshold in (0.75, 1.75, 3.5):
+        index += mag >= threshold
+    codes = (index | ((q < 0) & (index > 0)).to(torch.uint8) << 3).reshape(weight.shape)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), stored.squeeze(-1)

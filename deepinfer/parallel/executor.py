@@ -74,7 +74,8 @@ class ExecutorDeadError(RuntimeError):
 def check_parallel(config: EngineConfig) -> None:
     """Refuse parallel sizes that the model or the machine cannot take, before anything loads:
     tp must divide the model's sharded widths (``CausalLM.check_parallel``), ep its routed
-    experts, and on CUDA the world must fit the visible devices."""
+    experts, and on CUDA the world must fit the visible devices; KV-cache tiers and model
+    drafters are not yet supported with several ranks."""
     par = config.parallel
     cls = get_model_class(config.model.architecture)
     cls.check_parallel(config.model.hf_config, par.tp)
@@ -90,6 +91,9 @@ def check_parallel(config: EngineConfig) -> None:
         if par.world_size > available:
             raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep} need "
                              f"{par.world_size} CUDA devices; {available} are visible")
+    if config.cache.has_lower_tiers:
+        raise NotImplementedError(f"kv_offload_gib / kv_disk_dir with {par.world_size} ranks: the KV cache's host "
+                                  "and disk tiers are not yet supported under parallelism")
     spec = config.speculative
     if spec is not None and spec.method != "ngram":
         raise NotImplementedError(f"speculative_config method={spec.method!r} with {par.world_size} ranks: "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ from deepinfer.kernels import backend
 from deepinfer.models.base import CausalLM
 from deepinfer.runner.cuda_graph import DecodeGraphs
 from deepinfer.runner.inputs import StepInputs
+from deepinfer.runner.kv_offload import KVTierStore, config_fingerprint
 from deepinfer.runner.sampler import (
     Sampler,
     SampleTensors,
@@ -46,6 +48,7 @@ from deepinfer.spec.verify import VerifyTensors, verify
 from deepinfer.transfer import copy_to_host, to_device
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.scheduler.kv_cache import KVCacheGroup, page_bytes
+from deepinfer.scheduler.kv_tiers import TierEntry
 from deepinfer.outputs import PositionLogprobs
 from deepinfer.scheduler.plan import (
     PLACEHOLDER_TOKEN_ID,
@@ -112,6 +115,7 @@ class StepHandle:
     start: torch.cuda.Event | None = None      # CUDA: before the forward's first kernel
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
+    tier_loads: list[Future] = field(default_factory=list)   # KV tier loads (runner/kv_offload.py)
 
 
 class ModelRunner:
@@ -132,6 +136,8 @@ class ModelRunner:
         self.kv_buffer: torch.Tensor | None = None
         self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
         self.decode_graphs: DecodeGraphs | None = None  # made once the KV cache is bound
+        self.verify_graph_steps = 0     # verification steps that took the decode graphs' buffers
+        self.kv_tiers: KVTierStore | None = None        # the KV cache's host and disk tiers' bytes
         # The last launch's sampled rows (req_id -> row) and token ids [N] on the device:
         # the next launch's placeholder tokens come from here.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
@@ -207,6 +213,15 @@ class ModelRunner:
             logger.warning("decode steps run eagerly: %s", reason)
         else:
             logger.info("decode steps run eagerly: %s", reason)
+
+    def enable_kv_tiers(self) -> list[TierEntry]:
+        """Keep the KV cache's lower tiers (``CacheConfig.kv_offload_bytes`` / ``kv_disk_*``)
+        for the bound cache; returns the entries a disk tier already holds."""
+        if self.kv_buffer is None:
+            raise RuntimeError("enable_kv_tiers needs the KV cache: call allocate_kv_cache first")
+        self.kv_tiers = KVTierStore(self.kv_buffer, self.groups, config_fingerprint(self.config, self.groups),
+                                    self.config.cache.kv_disk_dir)
+        return self.kv_tiers.scan()
 
     def kv_cache_layers(self) -> list[torch.nn.Module]:
         """The layers that keep entries in the KV cache: the model's, then a model drafter's."""
@@ -310,9 +325,12 @@ class ModelRunner:
                 list(new.prompt_token_ids), list(new.output_token_ids), new.params, new.stream_index,
                 self._new_matcher(new.grammar, new.output_token_ids) if new.grammar is not None else None,
                 new.replay_start)
+        handle = StepHandle()
+        if plan.kv_tier_ops:
+            # Saves first: the copies and the forward below may overwrite evicted blocks.
+            handle.tier_loads = self.kv_tiers.execute(plan.kv_tier_ops)
         for src, dst in plan.block_copies:
             self.kv_buffer[dst].copy_(self.kv_buffer[src])
-        handle = StepHandle()
         if plan.is_empty:
             return handle
 
@@ -508,6 +526,8 @@ class ModelRunner:
 
     def _finish(self, handle: StepHandle) -> StepResult:
         result = StepResult()
+        if handle.tier_loads:
+            result.kv_load_failures = self.kv_tiers.wait(handle.tier_loads)
         if handle.end is not None:
             handle.end.synchronize()
             result.gpu_busy_ms = handle.start.elapsed_time(handle.end)
@@ -662,6 +682,7 @@ class ModelRunner:
             if inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
                 return (*graphs.prepare(inputs), starts)
             if _verification_only(seqs) and graphs.bucket_for(len(inputs.input_ids)) is not None:
+                self.verify_graph_steps += 1
                 return (*graphs.prepare(inputs.per_token()), starts)
         groups = []
         for group, tables, slots in zip(self.groups, inputs.block_tables, inputs.slot_mappings):

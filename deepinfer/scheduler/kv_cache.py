@@ -33,7 +33,8 @@ the new sequence overwrites the rest as it computes. Entries are causal (an entr
 depends only on the tokens up to its own), so a block's content below a boundary
 never changes once written; rolling back (``truncate``) inside a block drops that
 block's keys. Unreferenced cached blocks stay in the free queue in LRU order and are
-evicted only when the pool needs a fresh block. Block 0 is the null block: never
+evicted only when the pool needs a fresh block (with lower tiers, into host memory and disk:
+scheduler/kv_tiers.py). Block 0 is the null block: never
 allocated, it fills block-table slots a sequence does not hold.
 """
 
@@ -47,6 +48,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.scheduler.kv_tiers import TierEntry, TierIndex, TierLoad
+from deepinfer.scheduler.plan import TierOp
 
 NULL_BLOCK = 0
 
@@ -159,6 +162,12 @@ class BlockPool:
     count is 0; a free block may still be cached (keys are registered for it), and
     stays reusable by a prefix hit until :meth:`allocate` evicts it. A block has one
     key per prefix boundary registered for it.
+
+    Eviction: when :meth:`allocate` takes a free block that still has keys, ``on_evict``
+    (if set: the lower tiers, scheduler/kv_tiers.py) is told the block, its group and its
+    keys first, unless a sliding window dropped it (:meth:`release` with
+    ``out_of_window``): such a block only serves a prefix that ends within a window after
+    it, which a resumed request never asks for.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -171,6 +180,9 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         # Free blocks, least recently used first. Block 0 is never free.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.block_group = [0] * num_blocks
+        self.out_of_window: set[int] = set()
+        self.on_evict: Callable[[int, int, list[bytes]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -180,14 +192,19 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free / (self.num_blocks - 1)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """``n`` blocks for group ``group``, least recently used first (evicting their keys)."""
         if n > len(self.free):
             raise RuntimeError(f"asked for {n} blocks with {len(self.free)} free")
         out = []
         for _ in range(n):
             block, _ = self.free.popitem(last=False)
+            if self.block_keys[block] and self.on_evict is not None and block not in self.out_of_window:
+                self.on_evict(block, self.block_group[block], list(self.block_keys[block]))
+            self.out_of_window.discard(block)
             self.unregister(block)
             self.ref_cnt[block] = 1
+            self.block_group[block] = group
             out.append(block)
         return out
 
@@ -200,15 +217,20 @@ class BlockPool:
             return
         if self.ref_cnt[block] == 0:
             del self.free[block]
+            self.out_of_window.discard(block)
         self.ref_cnt[block] += 1
 
-    def release(self, block: int) -> None:
+    def release(self, block: int, out_of_window: bool = False) -> None:
+        """Drop a reference; ``out_of_window``: a sliding window let the block go (see the
+        class docstring: not worth keeping in a lower tier if it is the last reference)."""
         if block == NULL_BLOCK:
             return
         self.ref_cnt[block] -= 1
         assert self.ref_cnt[block] >= 0, f"block {block} released twice"
         if self.ref_cnt[block] == 0:
             self.free[block] = None
+            if out_of_window:
+                self.out_of_window.add(block)
 
     def register(self, block: int, key: bytes) -> None:
         """Make ``block`` the cached block of ``key`` (unless another block already is)."""
@@ -293,7 +315,7 @@ class GroupManager:
         start = self.freed_upto.get(req_id, 0)
         for i in range(start, dead):
             if table[i] != NULL_BLOCK:
-                self.pool.release(table[i])
+                self.pool.release(table[i], out_of_window=True)
                 table[i] = NULL_BLOCK
         self.freed_upto[req_id] = max(start, dead)
 
@@ -301,7 +323,7 @@ class GroupManager:
         table = self.tables.setdefault(req_id, [])
         need = self.blocks_for(num_tokens) - len(table)
         if need > 0:
-            table.extend(self.pool.allocate(need))
+            table.extend(self.pool.allocate(need, self.group_id))
 
     def cache_full_blocks(self, req_id: str, hashes: Sequence[bytes], num_tokens: int) -> None:
         """Register blocks fully written after ``num_tokens`` computed tokens."""
@@ -348,32 +370,50 @@ class GroupManager:
         if self.pool.ref_cnt[block] == 1:
             self.pool.unregister(block)
             return None
-        table[last] = self.pool.allocate(1)[0]
+        table[last] = self.pool.allocate(1, self.group_id)[0]
         self.pool.release(block)
         return block, table[last]
 
     # -- prefix cache ------------------------------------------------------
     def find_hit(self, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
-                 max_tokens: int, step: int) -> int:
+                 max_tokens: int, step: int, has: Callable[[bytes], bool] | None = None) -> int:
         """Longest prefix (a multiple of ``step`` tokens, <= ``max_tokens``) whose entries this
         group can serve from cached blocks: whole blocks by ``hashes`` (the chain of the
         sequence's whole blocks) and the block the prefix ends in by ``prefix_key(i, r)``
         (the key of block i's first r tokens). Sliding groups need only the blocks the next
-        query can still read."""
+        query can still read. ``has(key)``: whether a key's block is at hand (default: in
+        the device cache; the lower tiers pass one that also looks there)."""
+        if has is None:
+            has = self._on_device
         tpb = self.group.tokens_per_block
         p = max_tokens // step * step
         while p > 0:
             n = p // tpb
             first = self.first_live_token(p) // tpb
-            missing = next((i for i in range(n - 1, first - 1, -1) if self.pool.lookup(hashes[i]) is None), None)
+            missing = next((i for i in range(n - 1, first - 1, -1) if not has(hashes[i])), None)
             if missing is not None:
                 # A hit must end in block `missing` or before it.
                 p = min(p - step, (missing + 1) * tpb - step)
                 continue
-            if not self.open_entries(p) or self.pool.lookup(prefix_key(n, p - n * tpb)) is not None:
+            if not self.open_entries(p) or has(prefix_key(n, p - n * tpb)):
                 return p
             p -= step
         return 0
+
+    def _on_device(self, key: bytes) -> bool:
+        return self.pool.lookup(key) is not None
+
+    def hit_keys(self, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
+                 num_tokens: int) -> list[bytes]:
+        """The keys of the blocks a hit of ``num_tokens`` tokens takes in this group: the whole
+        blocks the next query can read, then the block the hit ends in if it holds some of
+        the hit's entries."""
+        tpb = self.group.tokens_per_block
+        n = num_tokens // tpb
+        keys = [hashes[i] for i in range(self.first_live_token(num_tokens) // tpb, n)]
+        if self.open_entries(num_tokens):
+            keys.append(prefix_key(n, num_tokens - n * tpb))
+        return keys
 
     def take_hit(self, req_id: str, hashes: Sequence[bytes], prefix_key: Callable[[int, int], bytes],
                  num_tokens: int) -> int | None:
@@ -418,7 +458,7 @@ class GroupManager:
     def add_hit_copy(self, req_id: str, src: int) -> tuple[int, int]:
         """The fresh block a hit's last, partly shared block ``src`` (held by take_hit) is
         copied into, appended to the table; ``src`` is let go. Returns (src, dst)."""
-        dst = self.pool.allocate(1)[0]
+        dst = self.pool.allocate(1, self.group_id)[0]
         self.pool.release(src)
         self.tables[req_id].append(dst)
         return src, dst
@@ -430,7 +470,7 @@ class GroupManager:
         copy = None
         partial = self.entries_for(num_tokens) % self.group.block_size
         if partial and table and table[-1] != NULL_BLOCK:
-            new = self.pool.allocate(1)[0]
+            new = self.pool.allocate(1, self.group_id)[0]
             copy = (table[-1], new)
             table[-1] = new
             shared = table[:-1]
@@ -450,12 +490,23 @@ class KVCacheManager:
     Contract: every call that succeeds leaves each running sequence with blocks
     for all tokens it has been granted; :meth:`free` returns every block a
     sequence holds (finished, aborted or preempted) to the pool.
+
+    With lower tiers (``tiers``, scheduler/kv_tiers.py) evicted cached blocks go to the
+    tier index, and a hit that reaches into a lower tier is loaded back first
+    (:meth:`plan_tier_load`): its blocks come into fresh device blocks, registered under
+    their keys when the load lands (:meth:`land_tier_load`), so the request's next lookup
+    finds them on the device like any cached block.
     """
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, tiers: TierIndex | None = None) -> None:
         self.groups = list(groups)
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.tiers = tiers
+        if tiers is not None:
+            if not enable_prefix_caching:
+                raise ValueError("KV-cache tiers need prefix caching: they hold prefix-cache blocks")
+            self.pool.on_evict = tiers.evicted
         self.managers = [GroupManager(i, g, self.pool) for i, g in enumerate(self.groups)]
         self.enable_prefix_caching = enable_prefix_caching
         # Prefix hits are multiples of the base block size (the smallest group's block: groups
@@ -470,6 +521,8 @@ class KVCacheManager:
         self._keyed_upto: dict[str, int] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Of prefix_hits, the tokens loaded back from each lower tier.
+        self.tier_hits = {"host": 0, "disk": 0}
 
     @property
     def num_free_blocks(self) -> int:
@@ -516,12 +569,14 @@ class KVCacheManager:
             return memo[i][r // step - 1]
         return key
 
-    def _hit_tokens(self, hashes: list[list[bytes]], keys: list[Callable[[int, int], bytes]], limit: int) -> int:
-        """The longest prefix, at most ``limit`` tokens, that every group serves."""
+    def _hit_tokens(self, hashes: list[list[bytes]], keys: list[Callable[[int, int], bytes]], limit: int,
+                    has: Callable[[bytes], bool] | None = None) -> int:
+        """The longest prefix, at most ``limit`` tokens, that every group serves (from the
+        device cache, or where ``has`` looks: GroupManager.find_hit)."""
         while True:
             new = limit
             for gid, m in enumerate(self.managers):
-                new = min(new, m.find_hit(hashes[gid], keys[gid], new, self.hit_step))
+                new = min(new, m.find_hit(hashes[gid], keys[gid], new, self.hit_step, has))
             if new == limit:
                 return limit
             limit = new
@@ -550,6 +605,100 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.prefix_queries += num_tokens
             self.prefix_hits += hit
+
+    def plan_tier_load(self, req_id: str, token_ids: Sequence[int], max_tokens: int | None,
+                       device_hit: int) -> TierLoad | None:
+        """A load from the lower tiers that makes a longer hit than the device's
+        ``device_hit`` tokens, or None. Allocates one fresh block per entry to load (held by
+        the returned TierLoad) and emits the loads as ops; the blocks the device already
+        holds for the hit are kept from eviction meanwhile."""
+        if self.tiers is None:
+            return None
+        hashes = self.block_hashes(req_id, token_ids)
+        keys = [self._prefix_key_fn(gid, hashes[gid], token_ids) for gid in range(len(self.managers))]
+        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
+
+        def has(key: bytes) -> bool:
+            return self.pool.lookup(key) is not None or self.tiers.has(key)
+
+        hit = self._hit_tokens(hashes, keys, limit, has)
+        while hit > device_hit:
+            needed = [(gid, key) for gid, m in enumerate(self.managers)
+                      for key in m.hit_keys(hashes[gid], keys[gid], hit)]
+            held = [self.pool.lookup(key) for _, key in needed]
+            entries: dict[bytes, tuple[int, TierEntry]] = {}     # entry key -> (group, entry)
+            for (gid, key), block in zip(needed, held):
+                if block is None:
+                    entry = self.tiers.lookup(key)
+                    entries.setdefault(entry.key, (gid, entry))
+            # Loaded blocks, unheld cached blocks of the hit, and a copy per group it ends inside.
+            copies = sum(1 for m in self.managers if m.open_entries(hit))
+            takes = len(entries) + copies + sum(1 for b in set(held) if b is not None and self.pool.ref_cnt[b] == 0)
+            if takes <= self.pool.num_free:
+                break
+            hit = self._hit_tokens(hashes, keys, hit - self.hit_step, has)
+        if hit <= device_hit:
+            return None
+        on_device = sorted({b for b in held if b is not None})
+        for block in on_device:
+            self.pool.acquire(block)
+        for _, entry in entries.values():
+            self.tiers.touch(entry)
+        blocks = [(gid, self.pool.allocate(1, gid)[0], entry) for gid, entry in entries.values()]
+        for block in on_device:
+            self.pool.release(block)
+        if any(not (entry.in_host or entry.on_disk) for _, _, entry in blocks):
+            # Saving what the allocations evicted pushed an entry out of every tier.
+            for _, block, _ in blocks:
+                self.pool.release(block)
+            return None
+        tiers = [self.tiers.loaded(entry) for _, _, entry in blocks]
+        for (gid, block, entry), tier in zip(blocks, tiers):
+            self.tiers.ops.append(TierOp("load", entry.key, gid, slot=entry.slot, block=block,
+                                         tier=tier, req_id=req_id))
+        return TierLoad(req_id, blocks, device_hit, hit, "disk" if "disk" in tiers else "host")
+
+    def land_tier_load(self, load: TierLoad, failed: set[bytes], corrupt: bool = True) -> None:
+        """A load's step landed: register each loaded block under its entry's keys, except
+        those whose load ``failed``, which go back unused; ``corrupt``: they failed because
+        their disk entries are corrupt (the index forgets them), not because the step did."""
+        kept = []
+        for gid, block, entry in load.blocks:
+            if entry.key in failed:
+                if corrupt:
+                    self.tiers.load_failed(entry)
+                self.pool.release(block)
+                continue
+            for key in entry.keys:
+                self.pool.register(block, key)
+            kept.append((gid, block, entry))
+        load.blocks = kept
+        load.landed = True
+
+    def release_tier_load(self, load: TierLoad) -> None:
+        """Let a landed load's blocks go (what the request's hit adopted stays held by it)."""
+        for _, block, _ in load.blocks:
+            self.pool.release(block)
+        load.blocks = []
+
+    def count_tier_hit(self, load: TierLoad, hit: int) -> None:
+        """A request admitted with a hit of ``hit`` tokens after ``load``: the tokens past the
+        device's own hit count for the load's tier."""
+        self.tier_hits[load.tier] += max(0, hit - load.device_hit)
+
+    def persist(self) -> None:
+        """Save every cached device block no sequence holds to the tiers, and the host tier
+        to the disk tier (an engine shutting down; the device keeps its blocks)."""
+        if self.tiers is None:
+            return
+        for block in list(self.pool.free):
+            keys = self.pool.block_keys[block]
+            if keys and block not in self.pool.out_of_window:
+                self.tiers.evicted(block, self.pool.block_group[block], list(keys))
+        self.tiers.persist_host()
+
+    def take_tier_ops(self) -> list[TierOp]:
+        return [] if self.tiers is None else self.tiers.take_ops()
 
     def take_prefix_hit(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> list[tuple[int, int]]:
         """Adopt the cached blocks of a hit found by :meth:`find_prefix_hit`. Returns the page

@@ -10,6 +10,11 @@ a sequence that samples in step N is fed in step N+1 a token the host does not
 know yet. Its ``ScheduledSeq.placeholder`` is set and the slot holds
 ``PLACEHOLDER_TOKEN_ID``; the runner takes the real token from step N's sampled
 ids on the device.
+
+KV-cache tiers: ``StepPlan.kv_tier_ops`` are the byte movements the scheduler's tier
+index (scheduler/kv_tiers.py) decided this step, in order; the runner carries them out
+(runner/kv_offload.py). Saves read device blocks before anything of the step writes them;
+loads fill blocks no sequence holds yet, and are done when the step lands.
 """
 
 from __future__ import annotations
@@ -23,6 +28,28 @@ from deepinfer.structured.base import CompiledGrammar
 # Fills the slot of a token still in flight (see ScheduledSeq.placeholder). Out of every
 # vocabulary, so an unfilled slot fails the embedding lookup instead of feeding a real token.
 PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass(frozen=True)
+class TierOp:
+    """One movement of a lower-tier entry (a cached block's bytes in one group's part of a
+    page). ``key``: the entry (its longest prefix key); ``slot``: its host-memory copy.
+
+    - ``save``: device block ``block`` -> host slot ``slot`` (the block is being evicted);
+    - ``demote``: host slot -> disk file of ``key`` (with ``keys``, every key the entry
+      serves, for a restarted engine's index), then the host copy is dropped;
+    - ``drop``: forget the copy in ``tier`` (host slot or disk file);
+    - ``load``: the copy in ``tier`` -> device block ``block`` (for ``req_id``'s hit).
+    """
+
+    kind: str
+    key: bytes
+    group: int
+    slot: int = -1
+    block: int = 0
+    keys: tuple[bytes, ...] = ()
+    tier: str = "host"
+    req_id: str = ""
 
 
 @dataclass
@@ -59,6 +86,7 @@ class StepPlan:
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) pages, before the forward
+    kv_tier_ops: list[TierOp] = field(default_factory=list)            # before the block copies
     # Why the next step cannot be planned before this one's tokens reach the host (the
     # scheduler's fallback to a synchronous step), or None when it can.
     sync_reason: str | None = None
@@ -70,6 +98,11 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def has_tier_loads(self) -> bool:
+        """Blocks are loaded from a lower tier: the step must land before they are used."""
+        return any(op.kind == "load" for op in self.kv_tier_ops)
 
 
 @dataclass
@@ -98,3 +131,5 @@ class StepResult:
     # this step's own device time; None where not measured (CPU, or first step after idle).
     gpu_idle_ms: float | None = None
     gpu_busy_ms: float | None = None
+    # Keys of the tier entries whose load failed (a disk entry found corrupt): not used.
+    kv_load_failures: set[bytes] = field(default_factory=set)

@@ -58,6 +58,14 @@ Bounded replay ("YOCO prefill truncation", ``replay_keep_tokens`` from
 last ``keep`` tokens. Each request gets a fixed ``replay_start`` (the first
 position they compute) when it is queued, sent to the runner with its new-request
 data, and its prefix-cache hits stop there (see ``_max_prefix_hit``).
+
+KV-cache tiers (``kv.tiers``): a waiting sequence whose prefix reaches further in the host
+or disk tier than in the device cache first has those blocks loaded back
+(``KVCacheManager.plan_tier_load``: the loads go out with the plan) and waits, at the head
+of the queue, until the step carrying them lands; other sequences' steps run meanwhile.
+Then its lookup finds the loaded blocks on the device, and the hit counts in
+``num_cached_tokens`` as any other. A load whose sequence ended meanwhile gives its blocks
+back when it lands.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ import numpy as np
 from deepinfer.config import SchedulerConfig
 from deepinfer.request import Request, RequestStatus
 from deepinfer.scheduler.kv_cache import KVCacheManager
+from deepinfer.scheduler.kv_tiers import TierLoad
 from deepinfer.scheduler.plan import (
     PLACEHOLDER_TOKEN_ID,
     NewRequestData,
@@ -125,6 +134,10 @@ class Scheduler:
         self._pending: dict[str, int] = {}
         # Ended sequences whose blocks and runner state wait for their launched plans to land.
         self._deferred: set[str] = set()
+        # req_id -> its prefix hit being loaded from a lower tier (kept until it is adopted).
+        self._tier_loads: dict[str, TierLoad] = {}
+        # req_id -> its last landed load, whose tier its hit counts for once it is admitted.
+        self._tier_credit: dict[str, TierLoad] = {}
 
     # -- intake --------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int) -> str | None:
@@ -240,6 +253,9 @@ class Scheduler:
             req = self.waiting[0]
             tokens = req.all_token_ids
             hit = 0
+            load = self._tier_loads.get(req.request_id)
+            if load is not None and not load.landed:
+                break      # its blocks are still coming from a lower tier
             if not req.wants_prompt_logprobs:
                 cap = self._max_prefix_hit(req)
                 hit = self.kv.find_prefix_hit(req.request_id, tokens, cap)
@@ -247,6 +263,11 @@ class Scheduler:
                     # The drafter's rows just before the hit's end depend on the token after
                     # them (the writer's): recompute them (a shorter hit, at its granularity).
                     hit = self.kv.find_prefix_hit(req.request_id, tokens, hit - self.prefix_hit_margin)
+                if load is None and self.kv.tiers is not None:
+                    load = self.kv.plan_tier_load(req.request_id, tokens, cap, hit)
+                    if load is not None:
+                        self._tier_loads[req.request_id] = load
+                        break
             remaining = req.num_tokens - hit
             n = min(remaining, budget)
             if n < remaining and not self.config.enable_chunked_prefill:
@@ -257,9 +278,21 @@ class Scheduler:
             # running ones; it is done only when nothing runs.
             n = self._allocate(req, n) if not self.running else (
                 n if self._hold(req.request_id, hit, hit + n) else 0)
+            if load is not None:
+                # The hit holds what it adopted; the rest of the loaded blocks stay cached.
+                del self._tier_loads[req.request_id]
+                self.kv.release_tier_load(load)
+                self._tier_credit[req.request_id] = load
+            if n and req.request_id in self._tier_credit:
+                self.kv.count_tier_hit(self._tier_credit.pop(req.request_id), hit)
             if not n:
                 self.kv.free(req.request_id)
                 req.num_computed_tokens = 0
+                if any(load.landed for load in self._tier_loads.values()):
+                    # Blocks loaded for sequences further back are held: give them back (they
+                    # stay cached) and try again, rather than refuse this one.
+                    self._release_landed_tier_loads()
+                    break
                 if not self.running and not self._in_flight:
                     self.waiting.popleft()
                     self._finish(req, RequestStatus.FINISHED_ERROR,
@@ -279,7 +312,8 @@ class Scheduler:
 
         plan = StepPlan(seqs=seqs, new_requests=new_requests,
                         finished_req_ids=self._finished_for_runner,
-                        block_copies=self._pending_copies, sync_reason=self._sync_reason(seqs))
+                        block_copies=self._pending_copies, kv_tier_ops=self.kv.take_tier_ops(),
+                        sync_reason=self._sync_reason(seqs))
         self._finished_for_runner = []
         self._pending_copies = []
         return plan
@@ -407,6 +441,7 @@ class Scheduler:
         """Land a launched plan: apply its results. Returns the sequences that got a
         token or finished."""
         self._land(plan)
+        self._land_tier_loads(plan, result.kv_load_failures)
         touched: list[Request] = []
         for seq in plan.seqs:
             req = self.requests.get(seq.req_id)
@@ -453,8 +488,29 @@ class Scheduler:
         self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
         self._take_drafts(req, result)
 
+    def _land_tier_loads(self, plan: StepPlan, failed: set[bytes], corrupt: bool = True) -> None:
+        """The plan's tier loads are done: register what arrived intact (``failed``: keys
+        whose load failed; ``corrupt``: because their disk entries are). A load whose
+        sequence ended meanwhile gives its blocks back now."""
+        for req_id in dict.fromkeys(op.req_id for op in plan.kv_tier_ops if op.kind == "load"):
+            load = self._tier_loads[req_id]
+            self.kv.land_tier_load(load, failed, corrupt)
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                del self._tier_loads[req_id]
+                self.kv.release_tier_load(load)
+
+    def _release_landed_tier_loads(self) -> None:
+        for req_id, load in list(self._tier_loads.items()):
+            if load.landed:
+                del self._tier_loads[req_id]
+                self.kv.release_tier_load(load)
+                self._tier_credit[req_id] = load
+
     def fail(self, plan: StepPlan, error: str) -> None:
         """Land a launched plan whose step failed: its sequences end with ``error``."""
+        # Its tier loads may be partly written: none is used.
+        self._land_tier_loads(plan, {op.key for op in plan.kv_tier_ops if op.kind == "load"}, corrupt=False)
         for seq in plan.seqs:
             for req_id in [seq.req_id, *seq.fork_ids]:
                 req = self.requests.get(req_id)
@@ -543,6 +599,11 @@ class Scheduler:
             self._deferred.add(req.request_id)
         else:
             self._release(req.request_id)
+        load = self._tier_loads.get(req.request_id)
+        if load is not None and load.landed:     # one still loading is released when it lands
+            del self._tier_loads[req.request_id]
+            self.kv.release_tier_load(load)
+        self._tier_credit.pop(req.request_id, None)
         # Siblings never forked cannot outlive a sequence that ended before its prefill completed.
         for child in req.fork_children:
             if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):

@@ -80,7 +80,7 @@ def test_no_op_options_are_accepted_and_logged(kwargs, caplog):
     (dict(enable_lora=True), ValueError, "LoRA adapters are not supported"),
     (dict(tokenizer_mode="slow"), ValueError, r"tokenizer_mode='slow'\) is not supported"),
     (dict(task="embed"), ValueError, "generates text only"),
-    (dict(quantization="awq"), ValueError, "quantization='awq'.*quantising weights at load time is not supported"),
+    (dict(quantization="awq"), ValueError, "quantization='awq' is not supported.*choose one of auto, none, fp8"),
     (dict(tensor_parallel_size=4), ValueError, "tensor_parallel_size=4 must divide config.json o_groups=2"),
     (dict(pipeline_parallel_size=4), NotImplementedError, r"pp=4 \(pipeline_parallel_size\).*not yet supported"),
     (dict(data_parallel_size=2), NotImplementedError, r"dp=2 \(data_parallel_size\)"),
@@ -100,6 +100,8 @@ def test_quantization_naming_the_checkpoints_own_method_is_accepted(tmp_path):
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     built = build_engine_config(device="cpu", hf_config=config, quantization="fp8", load_format="dummy")
     assert built.model.hf_config["quantization_config"]["quant_method"] == "fp8"
+    assert built.model.quantization == "fp8"
+    assert build_engine_config(device="cpu", hf_config=config, load_format="dummy").model.quantization == "auto"
     with pytest.raises(ValueError, match="its own is 'fp8'"):
         build_engine_config(device="cpu", hf_config=config, quantization="gptq", load_format="dummy")
 

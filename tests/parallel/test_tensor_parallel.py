@@ -307,6 +307,8 @@ def test_external_launcher_outside_a_launch_is_refused(checkpoints, monkeypatch)
     ("LlamaForCausalLM", dict(data_parallel_size=2), NotImplementedError,
      r"dp=2 \(data_parallel_size\): data parallel is not yet supported"),
     ("LlamaForCausalLM", dict(context_parallel_size=2), NotImplementedError, r"cp=2 .*not yet supported"),
+    ("LlamaForCausalLM", dict(tensor_parallel_size=2, kv_offload_gib=0.01), NotImplementedError,
+     "host and disk tiers are not yet supported under parallelism"),
     ("LlamaForCausalLM", dict(tensor_parallel_size=2, speculative_config={"method": "mtp"}),
      NotImplementedError, "model drafters are not yet supported under parallelism"),
 ])
@@ -353,3 +355,15 @@ def test_dummy_weights_of_a_row_parallel_shard_scale_by_the_whole_fan_in():
     column.weight.tp_shard = (0, 0, 2)
     init_dummy_weights(column, seed=0)
     assert abs(column.weight.std().item() - 64 ** -0.5) < 0.05 * 64 ** -0.5
+
+
+def test_fp8_quantization_takes_the_parallel_linears_at_size_1():
+    from deepinfer.layers.mlp import GatedMLP
+    from deepinfer.layers.quant_linear import Fp8Linear
+    from deepinfer.models.quantize import QuantPlan, quantize_model
+
+    model = torch.nn.Sequential(GatedMLP(64, 128))
+    torch.nn.init.normal_(model[0].gate_proj.weight)
+    counts = quantize_model(model, QuantPlan(fp8=True, fp4_experts=False, block=(32, 32)))
+    assert counts["fp8_linears"] == 3
+    assert all(isinstance(getattr(model[0], n), Fp8Linear) for n in ("gate_proj", "up_proj", "down_proj"))

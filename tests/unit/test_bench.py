@@ -145,7 +145,7 @@ def test_decode_speculative_fixed(tiny_config, tmp_path, capsys):
     assert r["speculative"]["method"] == "fixed" and r["speculative"]["num_speculative_tokens"] == n
     assert "random weights" in r["speculative"]["note"]
     e, s = r["engine"], r["spec"]
-    assert e["spec_counters"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0}
+    assert e["spec_counters"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "graph_verifications": 0}
     assert e["tokens_committed"] == batch * steps
     assert set(SPEC_KEYS) <= set(s)
     c = s["spec_counters"]
@@ -260,6 +260,25 @@ def test_bench_multiturn_hits_with_caching_only(tmp_path):
     assert on["cached_tokens"] >= 2 * 48 and on["hit_step"] == 16
     assert 0 < on["prefix_hit_rate"] < 1
     assert len(on["ttft_ms_per_turn"]) == 2 and all(t["mean"] > 0 for t in on["ttft_ms_per_turn"])
+
+
+@pytest.mark.slow
+def test_bench_multiturn_host_and_disk_tiers(tmp_path):
+    """A device cache too small for the conversations: the host tier serves some of the later
+    turns' prefixes, and after a restart the disk tier serves the whole workload's."""
+    from deepinfer.entrypoints.llm import DEFAULT_MODEL
+
+    out = run(["bench", "multiturn", "--config", DEFAULT_MODEL, "--device", "cpu", "--system-len", "200",
+               "--conversations", "4", "--turns", "3", "--question-len", "32", "--answer-len", "16",
+               "--num-kv-blocks", "40", "--settings", "on,host,disk", "--warmup-conversations", "1",
+               "--kv-offload-gib", "0.05", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-gib", "0.1"],
+              tmp_path / "multiturn.json")
+    on, host, disk = out["runs"]["on"], out["runs"]["host"], out["runs"]["disk"]
+    assert on["tier_hit_rate"] == {"host": 0, "disk": 0} and not on["transfers"]
+    assert host["tier_hit_rate"]["host"] > 0 and host["cached_tokens"] > on["cached_tokens"]
+    assert host["transfers"]["host_to_device"]["bytes"] > 0
+    assert disk["tier_hit_rate"]["disk"] > 0 and disk["cached_tokens"] > on["cached_tokens"]
+    assert list((tmp_path / "kv").iterdir())
 
 
 def test_decode_and_prefill_batch_invariant_cost(tiny_config, tmp_path, capsys):

@@ -184,6 +184,12 @@ class AsyncEngine:
             self._dead = exc
         finally:
             self._close()
+            if self._dead is None:
+                # The KV cache's tiers go to the disk tier, if any: a restarted server finds them.
+                try:
+                    self.engine.close()
+                except Exception:
+                    logger.exception("writing the KV cache's tiers to disk at shutdown failed")
 
     def _run_commands(self) -> bool:
         """Run queued commands, waiting for one only while the engine is idle.

@@ -11,6 +11,8 @@ when the server accepted the request (so queueing counts towards TTFT):
 Gauges and the cumulative engine counters (prefix-cache queries/hits in tokens,
 preemptions) are refreshed from the engine after every step; prompt tokens
 count when a request's prefill completes, generation tokens as they arrive.
+With KV-cache tiers, the ``deepinfer:kv_tier_*`` series of deepinfer/metrics.py
+(``tier_metrics``): hits per tier, transfer bytes, seconds and bandwidth, usage.
 """
 
 from __future__ import annotations
@@ -21,8 +23,20 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 
 from deepinfer.engine.engine import Engine
+from deepinfer.metrics import tier_metrics
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+# The KV-cache tiers' series (deepinfer/metrics.py): (help, label, counter or gauge).
+_TIER_SERIES = {
+    "deepinfer:kv_tier_hit_tokens": ("Prefix-cache hit tokens served by each KV-cache tier.", "tier", True),
+    "deepinfer:kv_tier_transfer_bytes": ("Bytes moved between KV-cache tiers.", "direction", True),
+    "deepinfer:kv_tier_transfer_seconds": ("Seconds spent moving bytes between KV-cache tiers.", "direction", True),
+    "deepinfer:kv_tier_bandwidth_bytes_per_second": ("Mean bandwidth of KV-cache tier transfers.", "direction",
+                                                     False),
+    "deepinfer:kv_tier_usage_bytes": ("Bytes held in each lower KV-cache tier.", "tier", False),
+    "deepinfer:kv_tier_failed_loads": ("Corrupt disk-tier entries found on loading (never used).", None, True),
+}
 
 # vLLM's bucket boundaries, so dashboards built for it read the same.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -73,6 +87,10 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        self._tier: dict[str, Counter | Gauge] = {
+            metric: (Counter if is_counter else Gauge)(metric, doc, labels + ([label] if label else []), registry=r)
+            for metric, (doc, label, is_counter) in _TIER_SERIES.items()}
+        self._seen_tier: dict[tuple[str, ...], float] = {}
         # Last seen values of the engine's own cumulative counters.
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
@@ -98,6 +116,14 @@ class ServerMetrics:
                 self._spec_per_pos.labels(self._model_name, str(k)).inc(n - seen)
         self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                            list(spec.accepted_per_pos))
+        for m in tier_metrics(engine, {"model_name": self._model_name}):
+            series = self._tier[m.name].labels(*m.labels.values())
+            if _TIER_SERIES[m.name][2]:
+                ident = (m.name, *m.labels.values())
+                series.inc(m.value - self._seen_tier.get(ident, 0))
+                self._seen_tier[ident] = m.value
+            else:
+                series.set(m.value)
 
     def on_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         self.ttft.observe(ttft_s)

@@ -1,0 +1,192 @@
+"""Block-scaled FP8 GEMM for the dense projections, with activations quantised on the fly;
+references: :func:`reference.fp8_act_quant`, :func:`reference.fp8_block_gemm`,
+:func:`reference.fp8_linear`.
+
+What belongs here: the two kernels of ``y = x @ W^T`` with W stored as shipped (``float8_e4m3fn``
+[N, K] and one scale per ``block_n x block_k`` tile, [ceil(N/block_n), K/block_k]) and their
+launchers. What does not: choosing which weights are FP8 or quantising them (``models/quant.py``,
+``layers/quant_linear.py``).
+
+* act quant (grid M x K/group): each token's K inputs in groups of ``group`` (1 x 128, as
+  DeepSeek's kernels) get the float32 scale ``s = max(amax, 1e-4) / 448`` (``pow2_scale``: rounded
+  up to a power of two, the UE8M0 convention) and are stored as e4m3 ``round(x / s)``.
+* GEMM (grid M-tiles x N-tiles): FP8 tensor-core products over K steps of
+  ``BLOCK_K = min(group, block_k)``; each step's float32 partial product is multiplied by the
+  token's activation scale and the output column's weight scale of that step, then accumulated
+  in float32 (DeepSeek's fp8_gemm does the same with 128-wide steps). V4's 128 x 128 weight
+  scales give 128-wide steps; V4.1's 32 x 32 ones 32-wide steps, the narrowest FP8 MMA, with
+  one activation scale spanning four of them.
+
+Weight scales are float32 or UE8M0 bytes (``uint8``, ``2 ** (b - 127)``, decoded in registers
+from their bits).
+
+Accuracy. Against ``x @ dequant(W)^T`` in float32 the only error is the activations' rounding to
+e4m3 (3 mantissa bits: relative error at most 2^-4 per element, about 2^-4/sqrt(3) RMS); the
+weights enter exactly. On random data the output's relative Frobenius error is about 0.025
+(tests allow 0.05); against the FP8 reference on the same quantised operands it is rounding only
+(float32 accumulation order, then the output dtype).
+
+Shapes: M tokens, K input width, N output width.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer.kernels import pdl
+
+
+@triton.jit
+def _round_e4m3(v):
+    """float32 v in [-448, 448] rounded to the nearest e4m3 value (ties to even), still float32.
+    The cast alone would do it on the GPU; the CPU interpreter's float32 -> e4m3 cast mis-rounds
+    values just below a power of two, and the cast of an already representable value is exact
+    everywhere. The exponent comes from the bits (exact); the rounding is float32's own
+    round-to-nearest-even, by adding and subtracting 1.5 * 2^23."""
+    e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)   # subnormals: 2^-9 steps
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)                   # 3 mantissa bits
+    inv_ulp = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)             # exact products
+    return ((v * inv_ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
+                      GROUP: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
+    # Correctly rounded divisions (``/`` on the GPU is approximate), so the scales and codes are
+    # the reference's bit for bit.
+    s = tl.div_rn(amax, 448.0)
+    if POW2:
+        # 2 ** ceil(log2(s)) from the bits (exact; the hardware log2 is approximate): the exponent,
+        # plus one unless the mantissa is zero.
+        bits = s.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e << 23).to(tl.float32, bitcast=True)
+    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + row * stride_s + g, s)
+
+
+def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of ``group``, a power of two >= 16) -> (e4m3 [M, K], float32 scales
+    [M, K/group]); see :func:`reference.fp8_act_quant`."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"fp8_act_quant: x must be [M, K] with unit column stride, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    m, k = x.shape
+    if group < 16 or group & (group - 1) or k % group:
+        raise ValueError(f"fp8_act_quant: group={group} must be a power of two >= 16 dividing K={k}")
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
+    if m:
+        _act_quant_kernel[(m, k // group)](x, q, s, x.stride(0), q.stride(0), s.stride(0),
+                                           GROUP=group, POW2=pow2_scale, num_warps=1 if group <= 128 else 4,
+                                           **pdl.flags(x.device))
+    return q, s
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, m, n, k,
+                 stride_a, stride_as, stride_w, stride_ws, stride_out,
+                 GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                            # [BLOCK_M] of M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of N
+    row_ok, col_ok = rows < m, cols < n
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + ks[None, :]    # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None]    # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + rows.to(tl.int64) * stride_as                         # [BLOCK_M]
+    ws_ptrs = ws_ptr + (cols // WBN).to(tl.int64) * stride_ws                # [BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for step in range(k // BLOCK_K):
+        k0 = step * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        sa = tl.load(as_ptrs + k0 // GROUP, mask=row_ok, other=0.0)
+        sw = tl.load(ws_ptrs + k0 // WBK, mask=col_ok, other=0)
+        if W_E8M0:
+            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)           # 2 ** (b - 127)
+        acc += tl.dot(a, b) * (sa[:, None] * sw[None, :])
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def pick_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decode (M <= 64) streams the weights: M-tiles
+    the batch's size (16 at least, the MMA minimum) and N-tiles narrow enough that the N / BLOCK_N
+    programs cover the SMs at the V4 widths (N >= 1024). Prefill: 128 x 128 tiles."""
+    if m <= 64:
+        block_m = max(16, triton.next_power_of_2(m))
+        block_n = 64 if n >= 8192 else 32
+        tiles = (block_m, block_n, 4, 4)
+    else:
+        tiles = (128, 128, 8, 3)
+    block_n = min(tiles[1], max(16, triton.next_power_of_2(n)))
+    return tiles[0], block_n, tiles[2], tiles[3]
+
+
+def _check_weight(w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], k: int) -> None:
+    bn, bk = block
+    n = w.shape[0]
+    if w.dtype != torch.float8_e4m3fn or w.dim() != 2 or w.shape[1] != k or w.stride(1) != 1:
+        raise ValueError(f"fp8_gemm: weight must be float8_e4m3fn [N, K={k}] with unit column stride, got "
+                         f"{w.dtype} shape {tuple(w.shape)} strides {w.stride()}")
+    grid = (-(-n // bn), k // bk)
+    if k % bk or tuple(ws.shape) != grid or ws.stride(1) != 1:
+        raise ValueError(f"fp8_gemm: weight [N={n}, K={k}] in {bn}x{bk} blocks needs contiguous scales of "
+                         f"shape {grid} (K a multiple of {bk}), got shape {tuple(ws.shape)}")
+    if ws.dtype not in (torch.float32, torch.uint8):
+        raise ValueError(f"fp8_gemm: weight scales must be float32 or UE8M0 bytes (uint8), got {ws.dtype}")
+
+
+def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+                   block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """(xq [M, K] e4m3, xs [M, K/group] float32) x (w [N, K] e4m3, ws [N/bn, K/bk] float32 or
+    UE8M0 bytes) -> [M, N] in ``out_dtype``; see :func:`reference.fp8_block_gemm`. ``group`` is
+    K / xs.shape[1]; it and ``block``'s bk must be powers of two >= 32 dividing K (the FP8 MMA's
+    reduction is 32 wide)."""
+    m, k = xq.shape
+    _check_weight(w, ws, block, k)
+    if xs.dim() != 2 or xs.shape[0] != m or xs.shape[1] == 0 or k % xs.shape[1]:
+        raise ValueError(f"fp8_gemm: activation scales must be [M={m}, K/group], got {tuple(xs.shape)}")
+    group = k // xs.shape[1]
+    block_k = min(group, block[1])
+    if block_k < 32 or block_k & (block_k - 1):
+        raise ValueError(f"fp8_gemm: the K step min(group={group}, block_k={block[1]}) must be a power of "
+                         "two >= 32")
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    bm, bn, warps, stages = pick_tiles(m, n)
+    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        xq, xs, w, ws, out, m, n, k,
+        xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
+        GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.flags(xq.device))
+    return out
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
+               group: int = 128, pow2_scale: bool = False) -> torch.Tensor:
+    """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
+    in x's dtype; see :func:`reference.fp8_linear`."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    xq, xs = fp8_act_quant(x2, group, pow2_scale)
+    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype).view(*x.shape[:-1], w.shape[0])

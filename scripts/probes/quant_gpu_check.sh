@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Quantised weights on the GPU, in one device call of under ten minutes:
+#   1. the FP8 GEMM and FP4 MoE kernel tests marked gpu (V4-Flash widths, both scale formats), and
+#      the tiny model quantised at load on CUDA against the same model on the CPU;
+#   2. decode at DeepSeek-V4-Flash widths, 4 layers, B = 1, 16, 64, with the weights as shipped
+#      (--weights fp8+fp4) and in bf16, on one engine per format (`bench curve` runs `bench decode`'s
+#      measurement at each batch size).
+# Logs and JSON go to $OUT; summaries are printed. Without a GPU (no nvidia-smi) it dry-runs the
+# same steps on the CPU: the kernel tests in Triton's interpreter and `bench decode` on a tiny
+# DeepSeek-V4 config with the V4.1 release's formats.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+BENCH="python3 -m deepinfer.entrypoints.cli bench"
+KERNEL_TESTS="tests/kernels/test_fp8_gemm.py tests/kernels/test_fp4_moe.py"
+GPU_TESTS="$KERNEL_TESTS tests/gpu/test_quant_gpu.py"
+
+if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+    python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
+    cat "$OUT/gpu.txt"
+    timeout 240 python3 -m pytest -q -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
+    for weights in fp8+fp4 bf16; do
+        timeout 170 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
+            --batch-sizes 1,16,64 --context-len 1024 --steps 16 --no-hf \
+            --output-json "$OUT/decode_v4flash_$weights.json" > "$OUT/decode_v4flash_$weights.log" 2>&1
+        echo "decode --weights $weights exit $?"; grep -E "B=|weights" "$OUT/decode_v4flash_$weights.log" | tail -8
+    done
+else
+    echo "no GPU: dry run on the CPU"
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    timeout 300 python3 -m pytest -q $KERNEL_TESTS > "$OUT/cpu_tests.log" 2>&1
+    echo "interpreter tests exit $?"; tail -3 "$OUT/cpu_tests.log"
+    python3 - "$OUT/tiny_v4_config.json" <<'PY'
+import json, sys
+from tests import TINY_V4_MODEL
+cfg = json.load(open(f"{TINY_V4_MODEL}/config.json"))
+cfg["quantization_config"] = {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
+                              "expert_dtype": "fp4"}
+json.dump(cfg, open(sys.argv[1], "w"))
+PY
+    for weights in fp8+fp4 bf16; do
+        timeout 120 $BENCH decode --config "$OUT/tiny_v4_config.json" --num-layers 2 --device cpu --weights "$weights" \
+            --batch-size 2 --context-len 16 --steps 2 --warmup 1 --no-hf --no-compare-sync \
+            --floor-copy-mib 8 --floor-matmul-n 128 \
+            --output-json "$OUT/decode_tiny_$weights.json" > "$OUT/decode_tiny_$weights.log" 2>&1
+        echo "decode --weights $weights exit $?"; grep -E "B=|weights" "$OUT/decode_tiny_$weights.log" | tail -4
+    done
+fi

@@ -1,0 +1,158 @@
+"""The FP4 fused MoE kernels (packed e2m1 experts dequantised in registers) against
+reference.fp4_moe_experts on random data, with float32 scales (DeepSeek-V4) and UE8M0 bytes
+(V4.1, MXFP4).
+
+Accuracy stated in kernels/fp4_moe.py: against the reference the kernel differs by accumulation
+order only (the fused bf16 kernel's tolerances); against the unquantised experts the routed
+output's relative error is the format's, about 0.2 on Gaussian weights (allowed 0.3).
+The CPU interpreter sweeps float32 and float16 (it multiplies bfloat16 tiles wrongly,
+tests/kernels/conftest.py); bfloat16 runs on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import reference
+from deepinfer.kernels.fp4_moe import fp4_moe, fp4_pick_config
+from deepinfer.kernels.fused_moe import MoEConfig
+from deepinfer.models.quant import SCALE_FORMATS, quant_fp4_e2m1
+
+from .conftest import capture
+from .test_fused_moe import make_experts, make_routing
+
+ON_CUDA = torch.cuda.is_available()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 1e-2, "atol": 2e-3},
+       torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+
+
+def quantised(gate_up: torch.Tensor, down: torch.Tensor, scale_format: str):
+    return (*quant_fp4_e2m1(gate_up, 32, scale_format), *quant_fp4_e2m1(down, 32, scale_format))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("scale_format", SCALE_FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
+def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, device, poison_empty):
+    e, h, i, k = 6, 64, 64, 2
+    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=t)
+    weights = quantised(gate_up, down, scale_format)
+    weights = [w.to(device) for w in weights]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(device)
+    topk_weights, ids = make_routing(t, k, [0, 1, 3, 4, 5], device, seed=t)      # expert 2 gets nothing
+    out = fp4_moe(x, *weights, topk_weights, ids, limit)
+    ref = reference.fp4_moe_experts(x, *weights, topk_weights, ids, limit)
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("scale_format", SCALE_FORMATS)
+def test_fp4_moe_accuracy_against_unquantised_experts(scale_format, device):
+    e, h, i, t, k = 4, 128, 64, 16, 2
+    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=1)
+    weights = [w.to(device) for w in quantised(gate_up, down, scale_format)]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1)).to(device)
+    topk_weights, ids = make_routing(t, k, list(range(e)), device, seed=1)
+    out = fp4_moe(x, *weights, topk_weights, ids, 0.0)
+    exact = reference.clamped_moe_experts(x, gate_up.to(device), down.to(device), topk_weights, ids, 0.0)
+    assert 0.05 < rel_err(out, exact) < 0.3
+
+
+def test_fp4_moe_skips_ids_outside_the_experts(device, poison_empty):
+    e, h, i, t = 4, 32, 32, 5
+    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=3)
+    weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(device)
+    topk_weights, ids = make_routing(t, 2, list(range(e)), device, seed=3)
+    ids[1, 0] = -1
+    ids[3, :] = -1
+    out = fp4_moe(x, *weights, topk_weights, ids, 0.0)
+    ref = reference.fp4_moe_experts(x, *weights, topk_weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0), 0.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert (out[3] == 0).all()
+
+
+@pytest.mark.parametrize("config", [MoEConfig(16, 16, 32, 16, 32, 1, 4, 2), MoEConfig(32, 32, 64, 32, 64, 2, 4, 2)])
+def test_fp4_moe_tile_configs(config, device, poison_empty):
+    """Tiles smaller than the problem, and a ragged K tail (H=96 over 64-wide steps)."""
+    e, h, i, t = 5, 96, 64, 9
+    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=5)
+    weights = [w.to(device) for w in quantised(gate_up, down, "float32")]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5)).to(device)
+    topk_weights, ids = make_routing(t, 3, list(range(e)), device, seed=5)
+    out = fp4_moe(x, *weights, topk_weights, ids, 0.7, config=config)
+    torch.testing.assert_close(out, reference.fp4_moe_experts(x, *weights, topk_weights, ids, 0.7),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_fp4_moe_rejects_bad_weights(device):
+    gate_up, down = make_experts(2, 64, 32, torch.float32, "cpu")
+    gq, gs, dq, ds = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
+    x = torch.randn(3, 64).to(device)
+    topk_weights, ids = make_routing(3, 1, [0, 1], device)
+    with pytest.raises(ValueError, match="down scales"):
+        fp4_moe(x, gq, gs, dq, ds[:, :, :0], topk_weights, ids)
+    with pytest.raises(ValueError, match="differ"):
+        fp4_moe(x, gq, gs, dq, ds.float(), topk_weights, ids)
+    with pytest.raises(ValueError, match="gate_up must be uint8"):
+        fp4_moe(x, gq.view(torch.int8), gs, dq, ds, topk_weights, ids)
+
+
+def test_fp4_pick_config_uses_pointer_loads():
+    cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
+    assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
+    assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
+
+
+# -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=SCALE_FORMATS)
+def v4_fp4_experts_gpu(request):
+    """E=256, H=4096, I=2048 in FP4 (3.4 GB), drawn and quantised on the GPU 16 experts at a time."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def draw(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = [quant_fp4_e2m1(torch.randn(16, n, k, device="cuda", generator=gen) / k ** 0.5, 32, request.param)
+                 for _ in range(256 // 16)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+    return (*draw(4096, 4096), *draw(4096, 2048))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 16, 64, 4096])
+def test_fp4_moe_gpu_v4_sizes(t, v4_fp4_experts_gpu):
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
+                                         6, "sqrtsoftplus", 1.5)
+    out = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
+    ref = reference.fp4_moe_experts(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_fp4_moe_gpu_cuda_graph(v4_fp4_experts_gpu):
+    from deepinfer.kernels.moe_routing import topk_route
+    t = 16
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(t, 256, device="cuda")
+    bias = torch.randn(256, device="cuda") * 0.1
+
+    def forward():
+        weights, ids = topk_route(logits, 6, "sqrtsoftplus", 1.5, True, bias)
+        return fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
+
+    graph, out = capture(forward)
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    torch.testing.assert_close(out, forward(), rtol=0, atol=0)
