@@ -149,23 +149,33 @@ def write_hf_checkpoint(arch: str, path: Path, seed: int = 0) -> Path:
 # -- what a rank runs --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EPRun:
-    """One rank's run: dispatch path, redundant slots, and when EPLB rebalances (every
-    ``rebalance_every`` greedy steps; 0: never)."""
+    """One rank's run: dispatch path (``auto`` switches at ``allgather_max_tokens``), redundant
+    slots, and when EPLB rebalances (every ``rebalance_every`` greedy steps; 0: never)."""
 
     dispatch: str = "auto"
     num_redundant_experts: int = 0
     greedy_steps: int = 4
     rebalance_every: int = 0
+    allgather_max_tokens: int = 128
 
 
 def load(path: Path, run: EPRun, group: Group) -> CausalLM:
     with use_groups(ParallelGroups(ep=group)), \
-            use_expert_parallel(ExpertParallelConfig(run.num_redundant_experts, run.dispatch)):
+            use_expert_parallel(ExpertParallelConfig(run.num_redundant_experts, run.dispatch,
+                                                     run.allgather_max_tokens)):
         return load_model(ModelConfig.from_path(path, "float32", None, CPU), CPU)
 
 
 def moe_layers(model: torch.nn.Module) -> list[FusedMoE]:
     return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def expected_pairs(model: CausalLM, tokens: int) -> list[int]:
+    """(token, expert) pairs each MoE layer routes in one forward of ``tokens`` tokens: tokens x
+    top-k, none for MTP layers (a forward does not reach them)."""
+    top_k = int(model.hf_config.get("text_config", model.hf_config)["num_experts_per_tok"])
+    return [0 if name.startswith("mtp.") else tokens * top_k
+            for name, m in model.named_modules() if isinstance(m, FusedMoE)]
 
 
 @torch.no_grad()
@@ -209,10 +219,12 @@ def run_model(model: CausalLM, seqs: list[list[int]], run: EPRun) -> dict[str, A
     return result
 
 
-def rank_run(rank: int, world_size: int, path: Path, seqs: list[list[int]], run: EPRun) -> dict[str, Any]:
-    """What rank ``rank`` of an EP group of ``world_size`` computes (the spawned function)."""
+def rank_runs(rank: int, world_size: int, path: Path, seqs: list[list[int]],
+              runs: list[EPRun]) -> list[dict[str, Any]]:
+    """What rank ``rank`` of an EP group of ``world_size`` computes for each of ``runs`` (the
+    spawned function; one model per run, so one process start serves several runs)."""
     group = Group(world_size, rank, dist.group.WORLD) if world_size > 1 else Group()
-    return run_model(load(path, run, group), seqs, run)
+    return [run_model(load(path, run, group), seqs, run) for run in runs]
 
 
 def random_seqs(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
