@@ -18,8 +18,9 @@ spreads a hot expert's tokens over its replicas; replicas hold equal weights, so
 never changes an output).
 
 Dispatch and combine. Every rank passes its own tokens (attention data-parallel ranks pass
-different ones, replicated attention the same ones; both are correct). The token counts are
-all-gathered first so that all ranks take the same path:
+different ones, replicated attention the same ones; both are correct). Under ``allgather`` and
+``auto`` the token counts are all-gathered first (so that all ranks take the same path and
+know the gather's width):
 
 - **all-gather** (``allgather``; ``auto`` when no rank has more than ``allgather_max_tokens``
   tokens): every rank gathers all ranks' tokens, routing weights and slots, runs its local
@@ -186,24 +187,24 @@ class ExpertParallel(nn.Module):
         replica = token % self.logcnt[topk_ids]                                     # [T, K]
         slots = self.log2phy[topk_ids, replica]                                     # [T, K]
         self.load += torch.bincount(slots.flatten(), minlength=self.num_slots)
-        counts = self._token_counts(t, x.device)                                    # [ep]
-        if self._use_allgather(counts):
-            pairs = self._allgather(x, topk_weights, slots, counts, run_experts)
-        else:
+        if self.config.dispatch == "alltoall":
             pairs = self._alltoall(x, topk_weights, slots, run_experts)
+        else:
+            counts = self._token_counts(t, x.device)                                # [ep]
+            if self.config.dispatch == "allgather" or max(counts) <= self.config.allgather_max_tokens:
+                pairs = self._allgather(x, topk_weights, slots, counts, run_experts)
+            else:
+                pairs = self._alltoall(x, topk_weights, slots, run_experts)
         return combine(pairs, topk_ids, x.dtype)
 
     def _token_counts(self, t: int, device: torch.device) -> list[int]:
+        """Every rank's token count this forward (the same list on all ranks)."""
         if self.group.size == 1:
             return [t]
         mine = torch.tensor([t], dtype=torch.long, device=device)
         counts = torch.empty(self.group.size, dtype=torch.long, device=device)
         dist.all_gather_into_tensor(counts, mine, group=self.group.group)
         return counts.tolist()
-
-    def _use_allgather(self, counts: list[int]) -> bool:
-        mode = self.config.dispatch
-        return mode == "allgather" or (mode == "auto" and max(counts) <= self.config.allgather_max_tokens)
 
     def _run_local(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
                    run_experts: RunExperts) -> torch.Tensor:
