@@ -123,7 +123,6 @@ class ExpertLoadBalancer:
             phy2log, _, logcnt = rebalance_experts(window, shape[1], self.config.num_groups,
                                                    self.config.num_nodes, group.size)
             for row, i in enumerate(idx):
-                ep = self.layers[i].ep
                 before.append(_imbalance(since[row].float(), group.size))
                 per_slot = (window[row].float() / logcnt[row])[phy2log[row]]        # [P]
                 after.append(_imbalance(per_slot, group.size))
