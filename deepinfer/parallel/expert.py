@@ -56,6 +56,11 @@ from deepinfer.parallel.groups import Group
 
 DISPATCH_MODES = ("auto", "allgather", "alltoall")
 
+# torch 2.13 renamed the tensor forms (the old names warn); the GPU machines' torch 2.11 has
+# only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # run_experts(x [N, H], weights [N, 1], local slot ids [N, 1]) -> [N, H]: each row one pair's
 # weighted expert output (the layer's expert kernel with K = 1).
 RunExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -203,7 +208,7 @@ class ExpertParallel(nn.Module):
             return [t]
         mine = torch.tensor([t], dtype=torch.long, device=device)
         counts = torch.empty(self.group.size, dtype=torch.long, device=device)
-        dist.all_gather_into_tensor(counts, mine, group=self.group.group)
+        _all_gather_tensor(counts, mine, group=self.group.group)
         return counts.tolist()
 
     def _run_local(self, x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
@@ -233,7 +238,7 @@ class ExpertParallel(nn.Module):
         if size == 1:
             return pairs
         own = x.new_empty(width, k, x.shape[1])
-        dist.reduce_scatter_tensor(own, pairs, group=self.group.group)
+        _reduce_scatter_tensor(own, pairs, group=self.group.group)
         return own[:t]
 
     def _alltoall(self, x: torch.Tensor, topk_weights: torch.Tensor, slots: torch.Tensor,
@@ -279,7 +284,7 @@ def _all_gather_padded(t: torch.Tensor, width: int, fill: float | int, group: Gr
     padded = t.new_full((width, *t.shape[1:]), fill)
     padded[:t.shape[0]] = t
     out = t.new_empty(group.size * width, *t.shape[1:])
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group.group)
+    _all_gather_tensor(out, padded.contiguous(), group=group.group)
     return out
 
 

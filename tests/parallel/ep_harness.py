@@ -230,3 +230,41 @@ def rank_runs(rank: int, world_size: int, path: Path, seqs: list[list[int]],
 def random_seqs(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+# -- one layer, each rank its own tokens ---------------------------------------------------------
+LAYER_SHAPE = dict(num_experts=8, hidden=16, inter=8, top_k=3)
+
+
+def layer_inputs(rank: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s own x [T, H] and softmax top-k routing (attention data parallelism)."""
+    g = torch.Generator().manual_seed(100 + rank)
+    s = LAYER_SHAPE
+    x = torch.randn(tokens, s["hidden"], generator=g)
+    weights, ids = torch.randn(tokens, s["num_experts"], generator=g).softmax(-1).topk(s["top_k"])
+    return x, weights, ids
+
+
+def layer_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    s = LAYER_SHAPE
+    return (torch.randn(s["num_experts"], 2 * s["inter"], s["hidden"], generator=g) / 4,
+            torch.randn(s["num_experts"], s["hidden"], s["inter"], generator=g) / 3)
+
+
+def rank_layer_runs(rank: int, world_size: int, tokens: list[int],
+                    configs: list[ExpertParallelConfig]) -> list[torch.Tensor]:
+    """An expert-parallel FusedMoE per config over rank ``rank``'s own ``tokens[rank]`` tokens
+    -> its outputs."""
+    s, outs = LAYER_SHAPE, []
+    gate_up, down = layer_experts()
+    for config in configs:
+        with use_groups(ParallelGroups(ep=Group(world_size, rank, dist.group.WORLD))), \
+                use_expert_parallel(config):
+            layer = FusedMoE(s["num_experts"], s["hidden"], s["inter"])
+        experts = torch.tensor(layer.ep.local_experts())
+        with torch.no_grad():
+            layer.gate_up_proj.copy_(gate_up[experts])
+            layer.down_proj.copy_(down[experts])
+        outs.append(layer(*layer_inputs(rank, tokens[rank])))
+    return outs

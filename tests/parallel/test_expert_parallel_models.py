@@ -1,4 +1,5 @@
-"""Expert parallelism on whole tiny models: 2 and 4 gloo processes, each loading only its own
+"""Expert parallelism in several gloo processes: one layer whose ranks each bring their own
+tokens, and whole tiny models: 2 and 4 gloo processes, each loading only its own
 experts from the checkpoint, give the single-process model's log-probabilities (float32, within
 1e-5) and greedy tokens on DeepSeek-V4 (a hash-routed layer), V4.1 (FP8/FP4 checkpoint), V3
 and Qwen3-MoE; on both dispatch paths; and EPLB rebalancing in the middle of generation
@@ -9,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.parallel.expert import initial_placement
+from deepinfer.kernels import reference
+from deepinfer.parallel.expert import ExpertParallelConfig, initial_placement
 from deepinfer.parallel.groups import Group
-from tests.parallel.ep_harness import (V41_CHECKPOINT, EPRun, expected_pairs, load, moe_layers, random_seqs,
-                                       rank_runs, spawn, write_hf_checkpoint, write_v4_checkpoint)
+from tests.parallel.ep_harness import (V41_CHECKPOINT, EPRun, expected_pairs, layer_experts, layer_inputs,
+                                       load, moe_layers, random_seqs, rank_layer_runs, rank_runs, spawn,
+                                       write_hf_checkpoint, write_v4_checkpoint)
 
 pytest.importorskip("transformers")
 
@@ -67,6 +70,21 @@ def check(path, world_size: int, runs: list[EPRun]) -> None:
             if run.rebalance_every:
                 assert got["stats"].rebalances == GREEDY // run.rebalance_every
                 assert_weights_follow_placement(got, single, rank)
+
+
+@pytest.mark.slow
+def test_each_rank_its_own_tokens():
+    """Attention-data-parallel shape: 3 ranks with 5, 0 and 11 tokens (uneven gathers and
+    splits, an idle rank), 8 experts + 1 redundant slot, on every dispatch path; each rank's
+    output equals the single-device experts on its tokens."""
+    tokens = [5, 0, 11]
+    configs = [ExpertParallelConfig(1, "allgather"), ExpertParallelConfig(1, "alltoall"),
+               ExpertParallelConfig(1, "auto", allgather_max_tokens=8)]
+    for rank, outs in enumerate(spawn(rank_layer_runs, 3, tokens, configs)):
+        x, w, ids = layer_inputs(rank, tokens[rank])
+        ref = reference.moe_experts(x, *layer_experts(), w, ids)
+        for out in outs:
+            torch.testing.assert_close(out, ref, rtol=0, atol=ATOL)
 
 
 def test_ep2_qwen3_moe_matches_single_process(tmp_path):
