@@ -187,6 +187,9 @@ class ExpertParallel(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 run_experts: RunExperts) -> torch.Tensor:
         # x: [T, H]; topk_weights [T, K] float32; topk_ids [T, K] logical experts -> [T, H]
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise NotImplementedError("expert-parallel MoE layers read split sizes on the host and cannot "
+                                      "be captured in a CUDA graph yet; run eager (enforce_eager=True)")
         t = x.shape[0]
         token = torch.arange(t, device=x.device).unsqueeze(1)                       # [T, 1]
         replica = token % self.logcnt[topk_ids]                                     # [T, K]

@@ -56,3 +56,12 @@ def test_ep_layer_matches_plain_layer(dtype, rtol, dispatch, cls, kwargs):
     # Replicas of the experts in reverse order, expert 3 three times.
     move_experts(layer, torch.tensor([7, 6, 5, 4, 3, 2, 1, 0, 3, 3, 1, 2]))
     assert (layer(x, w, ids).float() - ref).abs().max() <= rtol * ref.abs().max()
+
+
+def test_graph_capture_is_refused():
+    layer = make(FusedMoE, ExpertParallelConfig(R, "allgather"), torch.float32)
+    x = torch.randn(4, H, device=CUDA)
+    w, ids = torch.randn(4, E, device=CUDA).softmax(-1).topk(K)
+    with pytest.raises(NotImplementedError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layer(x, w, ids)
