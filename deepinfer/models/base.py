@@ -23,6 +23,7 @@ from torch import nn
 
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.moe import FusedMoE
+from deepinfer.models.quant import SCALE_SUFFIXES
 
 # Per-expert checkpoint names (``...mlp.experts.7.up_proj.weight``), loaded into
 # the stacked weights of a FusedMoE module at ``...mlp.experts``.
@@ -39,6 +40,15 @@ class ParamSlice:
 
     name: str
     index: tuple[int | slice, ...]
+
+
+class OtherRank:
+    """:meth:`CausalLM.remap_weight_name`'s answer for a routed expert's tensor that another
+    expert-parallel rank holds: skipped like None, and, being known as such before it is read,
+    left unread by the loader (:meth:`CausalLM.skips_tensor`)."""
+
+
+OTHER_RANK = OtherRank()
 
 
 class CausalLM(nn.Module):
@@ -134,11 +144,23 @@ class CausalLM(nn.Module):
             if isinstance(module, FusedMoE) and module.packing_helps():
                 module.pack_weights()
 
-    def remap_weight_name(self, name: str) -> str | ParamSlice | None:
+    def skips_tensor(self, name: str) -> bool:
+        """Whether the loader may leave checkpoint tensor ``name`` unread: a routed expert's
+        weight, or its scale, that :meth:`remap_weight_name` places on another expert-parallel
+        rank (:data:`OTHER_RANK`). Never true for a model without expert-parallel layers."""
+        weight = next((name[:-len(s)] + ".weight" for s in SCALE_SUFFIXES if name.endswith(s)), name)
+        if ".experts." not in weight or not weight.endswith(".weight"):
+            return False
+        try:
+            return self.remap_weight_name(weight) is OTHER_RANK
+        except (ValueError, NotImplementedError):
+            return False     # the load itself reports the name
+
+    def remap_weight_name(self, name: str) -> str | ParamSlice | OtherRank | None:
         """Where checkpoint tensor ``name`` goes: a parameter name, a part of a
         parameter, or None to skip it. The default is the identity, plus per-expert
-        weights into the stacked tensors of :class:`FusedMoE` modules (skipped when an
-        expert-parallel layer holds the expert on another rank)."""
+        weights into the stacked tensors of :class:`FusedMoE` modules (:data:`OTHER_RANK`
+        when an expert-parallel layer holds the expert on another rank)."""
         m = _EXPERT_WEIGHT.match(name)
         if m is not None:
             try:
@@ -150,8 +172,7 @@ class CausalLM(nn.Module):
                     where = module.expert_weight_index(m["proj"], int(m["expert"]))
                 except ValueError as err:
                     raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
-                # None: another expert-parallel rank holds this expert.
-                return None if where is None else ParamSlice(f"{m['prefix']}.{where[0]}", where[1])
+                return OTHER_RANK if where is None else ParamSlice(f"{m['prefix']}.{where[0]}", where[1])
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -163,10 +184,10 @@ class CausalLM(nn.Module):
 
 @torch.no_grad()
 def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                        remap: Callable[[str], str | ParamSlice | None],
+                        remap: Callable[[str], str | ParamSlice | OtherRank | None],
                         optional_modules: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``module``'s parameters and persistent buffers (cast to
-    their dtype and device), each to where ``remap(name)`` says (None: skipped). Raises ValueError on an unexpected name, a
+    their dtype and device), each to where ``remap(name)`` says (None, OTHER_RANK: skipped). Raises ValueError on an unexpected name, a
     mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
     checkpoint left (partly) unfilled. Tied parameters load through their first name.
     Refuses a model whose experts ``after_load`` packed (their parameters no longer have
@@ -194,7 +215,7 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
 
     for name, tensor in weights:
         dest = remap(name)
-        if dest is None or (isinstance(dest, str) and dest in aliases):
+        if dest is None or dest is OTHER_RANK or (isinstance(dest, str) and dest in aliases):
             continue
         pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
         if pname not in targets:

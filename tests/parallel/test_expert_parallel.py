@@ -1,10 +1,14 @@
 """Expert parallelism in one process (EP size 1): the dispatch/combine code, replica choice,
-load counters, weight moves and the EPLB schedule, against the single-device experts."""
+load counters, weight moves and the EPLB schedule, against the single-device experts; and
+what each rank of a larger group loads (construction and loading need no communication)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from deepinfer.kernels import reference
@@ -13,7 +17,10 @@ from deepinfer.layers.moe import FusedMoE
 from deepinfer.parallel.balancer import EPLBConfig, ExpertLoadBalancer, move_experts
 from deepinfer.parallel.expert import (ExpertParallel, ExpertParallelConfig, combine, initial_placement,
                                        use_expert_parallel)
+from deepinfer.models.loader import checkpoint_files
 from deepinfer.parallel.groups import Group
+from tests.parallel.ep_harness import (V41_CHECKPOINT, EPRun, load, moe_layers, write_hf_checkpoint,
+                                       write_v4_checkpoint)
 
 E, H, I, T, K = 6, 16, 8, 11, 2
 
@@ -177,3 +184,35 @@ def test_bad_placements(phy2log, message):
 def test_balancer_needs_expert_parallel_layers():
     with pytest.raises(ValueError, match="EPLB needs expert-parallel MoE layers"):
         ExpertLoadBalancer(nn.Sequential(FusedMoE(E, H, I)), EPLBConfig())
+
+
+def _expert_of(name: str) -> int | None:
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return None if m is None else int(m[1])
+
+
+@pytest.mark.parametrize("name", ["v41", "Qwen3MoeForCausalLM", "v4"])
+def test_each_rank_loads_and_reads_only_its_experts(name, tmp_path):
+    """Ranks 0 and 1 of an EP group of 2 (a stand-in process group: loading communicates
+    nothing) load V4.1 (FP8/FP4, per-expert tensors and scales), Qwen3-MoE (per-expert) and V4
+    (whole stacked tensors, split per expert): each slot holds its expert's weights, and the
+    loader leaves exactly the other rank's per-expert tensors unread."""
+    path = {"v41": V41_CHECKPOINT, "v4": None}.get(name)
+    if name == "v4":
+        path = write_v4_checkpoint(tmp_path / "v4")
+    elif path is None:
+        path = write_hf_checkpoint(name, tmp_path / name)
+    single = load(path, EPRun(), Group())
+    names = [n for file in checkpoint_files(str(path)) for n in safe_open(str(file), "pt").keys()]
+    for rank in range(2):
+        model = load(path, EPRun(), Group(2, rank, group=object()))
+        for plain, layer in zip(moe_layers(single), moe_layers(model)):
+            experts = layer.ep.local_experts()
+            assert experts == list(range(rank * 4, rank * 4 + 4))
+            assert torch.equal(layer.gate_up_proj, plain.gate_up_proj[experts])
+            assert torch.equal(layer.down_proj, plain.down_proj[experts])
+        # The checkpoint's own (not the drafter's, mtp.*) per-expert tensors of the other rank.
+        expected = {n for n in names if _expert_of(n) is not None and not n.startswith("mtp.")
+                    and _expert_of(n) // 4 != rank}
+        assert {n for n in names if model.skips_tensor(n)} == expected
+        assert bool(expected) == (name != "v4")
