@@ -1,2 +1,3 @@
-"""Parallelism across devices. For now only the expert placement of expert parallelism's load
-balancer (eplb.py); the process groups, dispatch/combine and sharded layers are not built yet."""
+"""Parallelism across devices: the process groups a model is built under (groups.py), expert
+parallelism's dispatch/combine and sharded MoE placement (expert.py), the load balancer's
+placement algorithm (eplb.py) and its runtime that moves experts while serving (balancer.py)."""
