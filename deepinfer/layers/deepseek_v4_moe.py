@@ -7,7 +7,9 @@ experts by ``s + bias`` are chosen (hash layers: ``tid2eid[token]``); their
 weights are ``s`` renormalised over the K chosen, times ``routed_scaling_factor``.
 Experts: ``down(silu(min(gate, L)) * clamp(up, -L, L))`` with ``L = swiglu_limit``.
 Routing and experts run through ``kernels/backend.py`` (references on the CPU,
-fused Triton kernels on CUDA).
+fused Triton kernels on CUDA). Under expert parallelism (layers/moe.py, parallel/expert.py)
+each rank routes its own tokens (hash layers by their own token ids) before the pairs are
+dispatched; the shared expert stays local.
 
 Shapes: T tokens, H hidden, E routed experts, K experts per token, I expert width.
 """
@@ -70,9 +72,9 @@ class DeepseekV4Experts(FusedMoE):
         super().__init__(num_experts, hidden_size, intermediate_size)
         self.swiglu_limit = swiglu_limit
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; topk_weights, topk_ids (local slots): [T, K] -> [T, H]
         if self.fp4:
             return self.fp4_experts(x, topk_weights, topk_ids, self.swiglu_limit)
         return backend.clamped_moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,

@@ -26,7 +26,16 @@ bytes), the layout DeepSeek ships its routed experts in; the forward then runs
 ``backend.fp4_moe_experts`` (the FP4 Triton kernels on CUDA, dequantising per call elsewhere).
 A quantised layer takes no more checkpoint weights (loading into it is refused).
 
-Shapes: T tokens, H hidden, E experts, K experts per token, I expert intermediate size.
+Expert parallelism. Built under an expert-parallel group of more than one rank
+(``parallel.groups.current_groups().ep``) or with redundant expert slots
+(``parallel.expert.current_expert_parallel()``), a :class:`FusedMoE` holds only its rank's S
+physical slots (``gate_up_proj`` [S, 2I, H], ``down_proj`` [S, H, I]) and its forward routes
+through ``parallel/expert.py``'s dispatch/combine (``self.ep``); otherwise ``self.ep`` is None
+and it is the plain single-device layer. Loading fills only the local slots (per-expert
+checkpoint tensors of other ranks' experts are skipped).
+
+Shapes: T tokens, H hidden, E experts, K experts per token, I expert intermediate size,
+S physical expert slots this rank holds (E without expert parallelism).
 """
 
 from __future__ import annotations
@@ -36,6 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import backend
+from deepinfer.parallel.expert import ExpertParallel, current_expert_parallel
+from deepinfer.parallel.groups import current_groups
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -56,15 +67,20 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 class FusedMoE(nn.Module):
-    """E SwiGLU experts applied to the tokens routed to them, outputs weighted and summed."""
+    """E SwiGLU experts applied to the tokens routed to them, outputs weighted and summed
+    (expert-parallel when built under an EP group: see the module docstring)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.hidden_size = hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        group, config = current_groups().ep, current_expert_parallel()
+        self.ep = (ExpertParallel(num_experts, group, config)
+                   if group.size > 1 or config.num_redundant_experts else None)
+        slots = num_experts if self.ep is None else self.ep.slots_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(slots, hidden_size, intermediate_size))
         # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
         self.packed = False
         # Whether the parameters hold packed FP4 codes with scales (quantize_fp4).
@@ -72,7 +88,15 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H]
+        # x: [T, H]; topk_weights, topk_ids: [T, K] (logical experts) -> [T, H]
+        if self.ep is None:
+            return self.run_experts(x, topk_weights, topk_ids)
+        return self.ep(x, topk_weights, topk_ids, self.run_experts)
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts this module holds: x [T, H], topk_weights / topk_ids [T, K] (ids of
+        local slots) -> [T, H]."""
         if self.fp4:
             return self.fp4_experts(x, topk_weights, topk_ids, 0.0)
         return backend.moe_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
@@ -143,8 +167,9 @@ class FusedMoE(nn.Module):
         self.down_proj.data = unpack_expert_weights(self.down_proj.data, h, i, *DOWN_TILE)
         self.packed = False
 
-    def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]]:
-        """Where one expert's ``{proj}.weight`` lives: (parameter name, index into it)."""
+    def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]] | None:
+        """Where logical expert ``expert``'s ``{proj}.weight`` lives: (parameter name, index into
+        it), or None when this rank holds no slot of it (expert parallelism)."""
         if self.packed:
             raise ValueError("the expert weights are tile-packed for the fused MoE kernels "
                              "(after_load); call unpack_weights() before loading into them")
@@ -154,6 +179,15 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: this layer has "
                              f"num_experts={self.num_experts}")
+        if self.ep is not None:
+            local = [s for s, e in enumerate(self.ep.local_experts()) if e == expert]
+            if not local:
+                return None
+            if len(local) > 1:
+                raise NotImplementedError(f"expert {expert} has {len(local)} slots on this rank; loading "
+                                          "a checkpoint into such a placement is not yet supported (load "
+                                          "before rebalancing)")
+            expert = local[0]
         i = self.intermediate_size
         if proj == "gate_proj":
             return "gate_up_proj", (expert, slice(0, i))

@@ -14,7 +14,7 @@ router or mixing weights).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import nn
 
 from deepinfer.forward_context import ForwardContext
 from deepinfer.layers.moe import FusedMoE
+from deepinfer.models.quant import SCALE_SUFFIXES
 from deepinfer.parallel.tensor import ParallelLMHead, VocabParallelEmbedding, shard_of
 
 # Per-expert checkpoint names (``...mlp.experts.7.up_proj.weight``), loaded into
@@ -40,6 +41,15 @@ class ParamSlice:
 
     name: str
     index: tuple[int | slice, ...]
+
+
+class OtherRank:
+    """:meth:`CausalLM.remap_weight_name`'s answer for a routed expert's tensor that another
+    expert-parallel rank holds: skipped like None, and, being known as such before it is read,
+    left unread by the loader (:meth:`CausalLM.skips_tensor`)."""
+
+
+OTHER_RANK = OtherRank()
 
 
 class CausalLM(nn.Module):
@@ -158,10 +168,23 @@ class CausalLM(nn.Module):
             if isinstance(module, FusedMoE) and module.packing_helps():
                 module.pack_weights()
 
-    def remap_weight_name(self, name: str) -> str | ParamSlice | None:
+    def skips_tensor(self, name: str) -> bool:
+        """Whether the loader may leave checkpoint tensor ``name`` unread: a routed expert's
+        weight, or its scale, that :meth:`remap_weight_name` places on another expert-parallel
+        rank (:data:`OTHER_RANK`). Never true for a model without expert-parallel layers."""
+        weight = next((name[:-len(s)] + ".weight" for s in SCALE_SUFFIXES if name.endswith(s)), name)
+        if ".experts." not in weight or not weight.endswith(".weight"):
+            return False
+        try:
+            return self.remap_weight_name(weight) is OTHER_RANK
+        except (ValueError, NotImplementedError):
+            return False     # the load itself reports the name
+
+    def remap_weight_name(self, name: str) -> str | ParamSlice | OtherRank | None:
         """Where checkpoint tensor ``name`` goes: a parameter name, a part of a
         parameter, or None to skip it. The default is the identity, plus per-expert
-        weights into the stacked tensors of :class:`FusedMoE` modules."""
+        weights into the stacked tensors of :class:`FusedMoE` modules (:data:`OTHER_RANK`
+        when an expert-parallel layer holds the expert on another rank)."""
         m = _EXPERT_WEIGHT.match(name)
         if m is not None:
             try:
@@ -170,10 +193,10 @@ class CausalLM(nn.Module):
                 return name
             if isinstance(module, FusedMoE):
                 try:
-                    param, index = module.expert_weight_index(m["proj"], int(m["expert"]))
+                    where = module.expert_weight_index(m["proj"], int(m["expert"]))
                 except ValueError as err:
                     raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
-                return ParamSlice(f"{m['prefix']}.{param}", index)
+                return OTHER_RANK if where is None else ParamSlice(f"{m['prefix']}.{where[0]}", where[1])
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -185,20 +208,25 @@ class CausalLM(nn.Module):
 
 @torch.no_grad()
 def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                        remap: Callable[[str], str | ParamSlice | None],
+                        remap: Callable[[str], str | ParamSlice | OtherRank | None],
                         optional_modules: tuple[str, ...] = ()) -> None:
     """Copy checkpoint tensors into ``module``'s parameters and persistent buffers (cast to
-    their dtype and device), each to where ``remap(name)`` says (None: skipped); a tensor-parallel
-    shard (``parallel/tensor.py``) takes only this rank's part of its tensor. Raises ValueError on an unexpected name, a
+    their dtype and device), each to where ``remap(name)`` says (None, OTHER_RANK: skipped); a
+    tensor-parallel shard (``parallel/tensor.py``) takes only this rank's part of its tensor. Raises
+    ValueError on an unexpected name, a
     mis-shaped tensor, a tensor given twice, and, at the end, on parameters the
     checkpoint left (partly) unfilled. Tied parameters load through their first name.
     Refuses a model whose experts ``after_load`` packed (their parameters no longer have
-    the checkpoint's layout): call ``unpack_weights()`` on them first, ``after_load()`` after."""
+    the checkpoint's layout): call ``unpack_weights()`` on them first, ``after_load()`` after.
+    With expert-parallel layers, whole stacked expert tensors are split per expert first so
+    that each rank takes its own."""
     packed = [name for name, m in module.named_modules() if isinstance(m, FusedMoE) and m.packed]
     if packed:
         raise ValueError(f"load_weights: the expert weights of {len(packed)} layer(s) ({_names(packed)}) are "
                          "tile-packed for the fused MoE kernels by after_load(); call unpack_weights() on "
                          "them before loading, and after_load() again after")
+    if any(isinstance(m, FusedMoE) and m.ep is not None for m in module.modules()):
+        weights = _per_expert(weights)
     targets: dict[str, torch.Tensor] = {}
     aliases: set[str] = set()
     seen_ids: set[int] = set()
@@ -213,7 +241,7 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
 
     for name, tensor in weights:
         dest = remap(name)
-        if dest is None or (isinstance(dest, str) and dest in aliases):
+        if dest is None or dest is OTHER_RANK or (isinstance(dest, str) and dest in aliases):
             continue
         pname, index = (dest, ()) if isinstance(dest, str) else (dest.name, dest.index)
         if pname not in targets:
@@ -248,6 +276,28 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
                          f"{type(module).__name__}: {_names(missing)}")
+
+
+# HF's in-memory layout of a layer's experts, stored whole: ``...experts.gate_up_proj`` [E, 2I, H].
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _per_expert(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with whole stacked expert tensors split into per-expert ones
+    (``...experts.{e}.gate_proj.weight`` etc.), which an expert-parallel layer loads only for
+    its own experts; everything else unchanged."""
+    for name, tensor in weights:
+        m = _STACKED_EXPERTS.match(name)
+        if m is None or tensor.dim() != 3:
+            yield name, tensor
+        elif m["proj"] == "down_proj":
+            for e in range(tensor.shape[0]):
+                yield f"{m['prefix']}.{e}.down_proj.weight", tensor[e]
+        else:
+            i = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{m['prefix']}.{e}.gate_proj.weight", tensor[e, :i]
+                yield f"{m['prefix']}.{e}.up_proj.weight", tensor[e, i:]
 
 
 def _names(names: list[str]) -> str:

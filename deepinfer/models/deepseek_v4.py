@@ -42,7 +42,7 @@ from deepinfer.layers.deepseek_v4_attention import (CSA, HCA, LAYER_TYPES, SLIDI
 from deepinfer.layers.deepseek_v4_common import InterleavedRope, RMSNorm
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4MoE, DeepseekV4SharedExpert
 from deepinfer.layers.hyper_connection import HyperConnection, HyperHead
-from deepinfer.models.base import CausalLM, ParamSlice
+from deepinfer.models.base import OTHER_RANK, CausalLM, OtherRank, ParamSlice
 from deepinfer.models.quant import pair_scales
 from deepinfer.parallel.tensor import check_divides
 
@@ -329,19 +329,20 @@ _EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def remap_block_tensor(model: nn.Module, name: str, prefix: str, rest: str,
-                       renames: tuple[tuple[str, str], ...]) -> str | ParamSlice:
+                       renames: tuple[tuple[str, str], ...]) -> str | ParamSlice | OtherRank:
     """Where checkpoint tensor ``name`` (``rest`` inside the block at ``prefix``) goes in a
     DeepSeek-V4 / V4.1 model: a routed expert's matrix into the stacked experts, else the
-    first of ``renames`` matching whole dotted components, else the name unchanged."""
+    first of ``renames`` matching whole dotted components, else the name unchanged;
+    ``OTHER_RANK`` for a routed expert another expert-parallel rank holds."""
     expert = _EXPERT_NAME.match(rest)
     if expert is not None:
         try:
             experts = model.get_submodule(f"{prefix}.mlp.experts")
-            param, index = experts.expert_weight_index(
+            where = experts.expert_weight_index(
                 _EXPERT_PROJ.get(expert["proj"], expert["proj"]), int(expert["expert"]))
         except (AttributeError, ValueError) as err:
             raise ValueError(f"checkpoint tensor {name!r}: {err}") from None
-        return ParamSlice(f"{prefix}.mlp.experts.{param}", index)
+        return OTHER_RANK if where is None else ParamSlice(f"{prefix}.mlp.experts.{where[0]}", where[1])
     for native, ours in renames:
         if rest == native or rest.startswith(native + "."):
             return f"{prefix}.{ours}{rest[len(native):]}"

@@ -80,15 +80,19 @@ def _header(file: Path) -> tuple[dict, int]:
         return json.loads(f.read(size)), 8 + size
 
 
-def iter_checkpoint(path: str, mapped: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at ``path``, on the CPU, one file at a time. Tensors
-    named so that ``mapped(name)`` is true come as read-only shared maps of their bytes in the
-    file (``host_memory.map_file``: never read until used, never copied, never to be written)."""
+def iter_checkpoint(path: str, mapped: Callable[[str], bool] | None = None,
+                    skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path``, on the CPU, one file at a time, except those
+    named so that ``skip(name)`` is true, which are never read. Tensors named so that
+    ``mapped(name)`` is true come as read-only shared maps of their bytes in the file
+    (``host_memory.map_file``: never read until used, never copied, never to be written)."""
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             names = list(f.keys())
             header = None
             for name in names:
+                if skip is not None and skip(name):
+                    continue
                 if mapped is not None and mapped(name):
                     if header is None:
                         header = _header(file)
@@ -106,15 +110,19 @@ def fp8_block_size(hf_config: dict) -> int:
     return int(block[0])
 
 
-def iter_weights(path: str, hf_config: dict, keep_quantized: Callable[[str], bool] | None = None,
+def iter_weights(path: str, hf_config: dict,
+                 keep_quantized: Callable[[str], bool] | None = None,
+                 skip: Callable[[str], bool] | None = None,
                  map_all: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model takes them: FP8/FP4 weights dequantised
     with their scale tensors (which are consumed), everything else unchanged. Tensors named
     so that ``keep_quantized(name)`` is true (``CausalLM.keeps_quantized``) pass as stored,
-    mapped from the file (:func:`iter_checkpoint`). With ``map_all`` every tensor comes mapped
-    from its file (read-only) instead of read whole."""
+    mapped from the file; those named so that ``skip(name)`` is true (``CausalLM.skips_tensor``:
+    other expert-parallel ranks' experts) are left out unread (:func:`iter_checkpoint`). With
+    ``map_all`` every tensor comes mapped from its file (read-only) instead of read whole."""
     mapped = (lambda _: True) if map_all else keep_quantized
-    return pair_scales(iter_checkpoint(path, mapped), fp8_block=fp8_block_size(hf_config), keep=keep_quantized)
+    return pair_scales(iter_checkpoint(path, mapped, skip), fp8_block=fp8_block_size(hf_config),
+                       keep=keep_quantized)
 
 
 # safetensors dtypes of quantised weights (FP8, packed FP4) and their scales.
@@ -148,7 +156,8 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     fill them with random values from ``seed``), keep the weights ``model_config.quantization``
     asks for quantised (models/quantize.py), run its ``after_load`` hook (weight re-layout such
     as fused projections), log the weights' bytes in device memory by kind
-    (``model.weight_bytes``), and put it in eval mode."""
+    (``model.weight_bytes``), and put it in eval mode. Built under an expert-parallel group
+    (``parallel.groups.use_groups``), the model holds and reads only this rank's routed experts."""
     model_cls = get_model_class(model_config.architecture)
     kv_dtype = model_config.kv_cache_dtype
     if kv_dtype != "auto" and kv_dtype not in model_cls.kv_cache_dtypes:
@@ -167,7 +176,7 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
         # mapped from the file, the rest of the tensor is never read into this process.
         sharded = not current_groups().tp.is_single
         model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized,
-                                        map_all=sharded))
+                                        model.skips_tensor, map_all=sharded))
     plan = plan_for(model_config.hf_config, model_config.quantization, device)
     if plan is not None:
         counts = quantize_model(model, plan)

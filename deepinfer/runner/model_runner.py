@@ -32,6 +32,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.kernels import backend
+from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.base import CausalLM
 from deepinfer.runner.cuda_graph import DecodeGraphs
 from deepinfer.runner.inputs import StepInputs
@@ -282,6 +283,8 @@ class ModelRunner:
         if not self.model.supports_cuda_graphs:
             return (f"{type(self.model).__name__} does not declare supports_cuda_graphs (its decode "
                     "forward may synchronise with the host)")
+        if any(isinstance(m, FusedMoE) and m.ep is not None for m in self.model.modules()):
+            return "expert-parallel MoE layers read their dispatch sizes on the host (parallel/expert.py)"
         if not backend.use_triton(torch.empty(0, device=self.device)):
             return ("the kernel backend is torch (DEEPINFER_KERNEL_BACKEND): the reference kernels "
                     "synchronise with the host")

@@ -21,10 +21,10 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
     cat "$OUT/gpu.txt"
-    timeout 240 python3 -m pytest -q -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
+    timeout 150 python3 -m pytest -q -x -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
     for weights in fp8+fp4 bf16; do
-        timeout 170 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
+        timeout 140 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
             --batch-sizes 1,16,64 --context-len 1024 --steps 16 --no-hf \
             --output-json "$OUT/decode_v4flash_$weights.json" > "$OUT/decode_v4flash_$weights.log" 2>&1
         echo "decode --weights $weights exit $?"; grep -E "B=|weights" "$OUT/decode_v4flash_$weights.log" | tail -8

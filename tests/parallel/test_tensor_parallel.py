@@ -204,6 +204,22 @@ def test_tensor_parallel_engine_equals_single_process(checkpoints, arch, tp):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch, tp, ep", [("Qwen3MoeForCausalLM", 1, 2), ("Qwen3MoeForCausalLM", 2, 2),
+                                          ("DeepseekV3ForCausalLM", 1, 2)])
+def test_expert_parallel_engine_equals_single_process(checkpoints, arch, tp, ep):
+    # Every rank runs every request (no attention data parallelism): the experts are split
+    # over the ranks (parallel/expert.py), the attention over the tensor-parallel ones.
+    ref_tokens, ref_logprobs, _ = _single_process(checkpoints, arch)
+    tokens, logprobs, again = _run(checkpoints[arch], tp, expert_parallel_size=ep)
+    assert tokens == ref_tokens and again == ref_tokens
+    for ref_seq, seq in zip(ref_logprobs, logprobs):
+        for ref_pos, pos in zip(ref_seq, seq):
+            assert len(ref_pos.keys() & pos.keys()) >= len(ref_pos) - 1
+            for t in ref_pos.keys() & pos.keys():
+                assert abs(ref_pos[t] - pos[t]) <= LOGPROB_TOL, (t, ref_pos[t], pos[t])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])
 def test_killed_worker_fails_requests_without_hanging(checkpoints, victim):
     llm = LLM(model=str(checkpoints["LlamaForCausalLM"]), device="cpu", tensor_parallel_size=2)
