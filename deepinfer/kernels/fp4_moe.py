@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fused_moe import MoEConfig, _sum_slots_kernel, _tile, moe_align, pick_config
+from deepinfer.kernels.fused_moe import MoEConfig, _tile, moe_align, pick_config, sum_slots
 
 GROUP = 32          # inputs per scale
 
@@ -242,8 +242,4 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
         S_E8M0=s_e8m0, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
-    combined = torch.empty_like(x)                                          # [T, H]
-    block_h = min(1024, triton.next_power_of_2(h))
-    _sum_slots_kernel[(t, triton.cdiv(h, block_h))](
-        out, combined, h, TOP_K=k, BLOCK_H=block_h, num_warps=4, **pdl.flags(out.device))
-    return combined
+    return sum_slots(out, t, k)

@@ -633,7 +633,14 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
     act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg, packed)
     moe_down(act, down_proj, topk_weights, sorted_pairs, block_expert, num_padded, out, cfg, packed)
-    combined = torch.empty_like(x)                                          # [T, H]
+    return sum_slots(out, t, k)
+
+
+def sum_slots(out: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """[T, H]: each token's K weighted expert outputs (``out`` [T*K, H], slot t*K + j) summed
+    in slot order."""
+    h = out.shape[1]
+    combined = torch.empty(t, h, dtype=out.dtype, device=out.device)      # [T, H]
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block_h))](
         out, combined, h, TOP_K=k, BLOCK_H=block_h, num_warps=4, **pdl.flags(out.device))
