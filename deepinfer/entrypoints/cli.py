@@ -1,4 +1,4 @@
-"""Command line: ``deepinfer generate | serve | bench``."""
+"""Command line: ``deepinfer generate | serve | router | bench``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from deepinfer.bench import args as bench_args
 from deepinfer.bench.serve import args as serve_bench_args
 from deepinfer.entrypoints.openai.reasoning import REASONING_PARSERS
 from deepinfer.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS as TOOL_CALL_PARSERS
+from deepinfer.router import server as router_server
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -122,10 +123,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        return router_server.run_replicas(args)
     from deepinfer.entrypoints.openai.api_server import run_server
 
     run_server(args)
     return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    return router_server.run_router(args)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
@@ -201,7 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                      help="split a thinking model's reasoning into reasoning_content: deepseek_v3 when "
                           'chat_template_kwargs {"thinking": true} asks for it, deepseek_r1 always')
+    srv.add_argument("--replicas", type=int, default=1,
+                     help="data-parallel replicas: N engines, each its own process on a free local port, behind "
+                          "the router (deepinfer router) on --host/--port; the --router-* options set its policy")
+    router_server.add_policy_args(srv, prefix="router-")
     srv.set_defaults(func=cmd_serve)
+
+    rtr = sub.add_parser("router", help="route OpenAI requests over replicas by prefix-cache affinity and load",
+                         description="An OpenAI-compatible proxy in front of deepinfer serve replicas (or any "
+                                     "OpenAI-compatible servers): cache-aware routing, health checks, retries, "
+                                     "its own /metrics")
+    router_server.add_router_args(rtr)
+    rtr.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks (results go to docs/BENCHMARKS.md by hand)")
     kinds = bench.add_subparsers(dest="kind", required=True)

@@ -28,9 +28,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         help="seconds a request may take before it counts as failed")
 
     data = p.add_argument_group("prompts")
-    data.add_argument("--dataset-name", choices=["random"], default="random",
+    data.add_argument("--dataset-name", choices=["random", "multiturn"], default="random",
                       help="random: random token ids (with --random-range-ratio 0, every request has the "
-                           "same input and output length)")
+                           "same input and output length); multiturn: chat conversations sharing a system "
+                           "prompt, each turn's prompt the history so far (--multiturn-*; the request count is "
+                           "conversations x turns, --num-prompts is not used)")
     data.add_argument("--num-prompts", type=int, default=1000)
     data.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     data.add_argument("--random-input-len", type=int, default=1024)
@@ -46,6 +48,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                       help="tokenizer directory (with tokenizer.json) for the prompts and for counting output "
                            "tokens a server does not report (default: the model path the server reports, "
                            "when it is a local directory; the embedded model's for our server on it)")
+
+    multi = p.add_argument_group("multi-turn chat (--dataset-name multiturn, on /v1/chat/completions)")
+    multi.add_argument("--multiturn-conversations", type=int, default=8,
+                       help="conversations; each sends its next turn when its answer is complete")
+    multi.add_argument("--multiturn-turns", type=int, default=4, help="questions per conversation")
+    multi.add_argument("--multiturn-system-len", type=int, default=256,
+                       help="tokens of the system prompt every conversation shares")
+    multi.add_argument("--multiturn-question-len", type=int, default=32,
+                       help="tokens of each question (answers: --random-output-len)")
+
+    routing = p.add_argument_group("replicas behind the router (the benchmark starts them)")
+    routing.add_argument("--router", choices=["cache-aware", "round-robin"], default=None,
+                         help="start --replicas deepinfer serve replicas and a deepinfer router with this policy "
+                              "in front of them on this host, and benchmark through it (--base-url, --host and "
+                              "--port are not used)")
+    routing.add_argument("--replicas", type=int, default=2, help="replicas behind --router")
+    routing.add_argument("--serve-args", default="",
+                         help="arguments of each replica's deepinfer serve, one string, e.g. "
+                              "'--device cpu --max-num-seqs 16'")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"),

@@ -48,6 +48,7 @@ class RequestResult:
     latency: float = 0.0             # E2EL
     prompt_len: int = 0              # the server's usage.prompt_tokens when given
     output_tokens: int | None = None  # the server's usage.completion_tokens; None: not reported
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when given
     generated_text: str = ""
 
 
@@ -69,14 +70,24 @@ def build_payload(kind: str, model: str, sample: SampleRequest, *, ignore_eos: b
     if kind == CHAT:
         if not isinstance(sample.prompt, str):
             raise ValueError("chat completions take text prompts; token-id prompts need /v1/completions")
-        body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": sample.prompt}],
-                                "max_completion_tokens": sample.output_len}
-    else:
-        body = {"model": model, "prompt": sample.prompt, "max_tokens": sample.output_len}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
+        return build_chat_payload(model, [{"role": "user", "content": sample.prompt}], sample.output_len,
+                                  ignore_eos=ignore_eos, extra_body=extra_body)
+    body = {"model": model, "prompt": sample.prompt, "max_tokens": sample.output_len}
+    return _streamed(body, sample.output_len, ignore_eos) | extra_body
+
+
+def build_chat_payload(model: str, messages: list[dict[str, str]], output_len: int, *, ignore_eos: bool,
+                       extra_body: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chat request over ``messages`` (a conversation so far) asking for ``output_len`` tokens."""
+    body = {"model": model, "messages": messages, "max_completion_tokens": output_len}
+    return _streamed(body, output_len, ignore_eos) | extra_body
+
+
+def _streamed(body: dict[str, Any], output_len: int, ignore_eos: bool) -> dict[str, Any]:
+    body = body | {"stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
-        body |= {"ignore_eos": True, "min_tokens": sample.output_len}
-    return body | extra_body
+        body |= {"ignore_eos": True, "min_tokens": output_len}
+    return body
 
 
 def _carries_output(choice: dict[str, Any]) -> tuple[bool, str]:
@@ -141,6 +152,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, payload: dict[str, A
                 result.output_tokens = int(usage["completion_tokens"])
             if usage.get("prompt_tokens") is not None:
                 result.prompt_len = int(usage["prompt_tokens"])
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                result.cached_tokens = int(cached)
         return False
 
     # A redirect is a failure with its status: followed, it would turn the POST into a GET.

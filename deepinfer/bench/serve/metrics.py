@@ -200,3 +200,28 @@ def format_result(metrics: dict[str, Any], *, max_concurrency: int | None, reque
                   for p in percentiles]
     lines.append("=" * 50)
     return "\n".join(lines)
+
+
+def multiturn_metrics(results: Sequence[RequestResult], turns: Sequence[int]) -> dict[str, Any]:
+    """The multi-turn workload's own figures: the prefix-hit rate (cached prompt tokens / prompt
+    tokens over completed requests, from the servers' ``usage``; None when a server does not
+    report cached tokens) and the mean TTFT of each turn."""
+    ok = [(r, t) for r, t in zip(results, turns) if r.success]
+    prompt = sum(r.prompt_len for r, _ in ok)
+    reported = bool(ok) and all(r.cached_tokens is not None for r, _ in ok)
+    cached = sum(r.cached_tokens or 0 for r, _ in ok) if reported else None
+    per_turn: dict[int, list[float]] = {}
+    for r, t in ok:
+        per_turn.setdefault(t, []).append(r.ttft)
+    return {
+        "total_cached_tokens": cached,
+        "prefix_hit_rate": cached / prompt if cached is not None and prompt else None,
+        "mean_ttft_ms_per_turn": [1000.0 * float(np.mean(per_turn[t])) for t in sorted(per_turn)],
+    }
+
+
+def format_multiturn(figures: dict[str, Any]) -> str:
+    rate = figures["prefix_hit_rate"]
+    lines = [_line("Prefix-cache hit rate:", "not reported" if rate is None else f"{100 * rate:.1f}%"),
+             _line("Mean TTFT per turn (ms):", ", ".join(f"{t:.1f}" for t in figures["mean_ttft_ms_per_turn"]))]
+    return "\n".join(lines)

@@ -17,6 +17,13 @@ extends the ids); the length kept is that of the final encoding, never more than
 the target. Either way the server's own ``usage.prompt_tokens``, when it sends
 one, replaces the client's count in the results.
 
+Multi-turn chat (``--dataset-name multiturn``): one system prompt of ``--multiturn-system-len``
+tokens shared by ``--multiturn-conversations`` conversations of ``--multiturn-turns`` questions
+of ``--multiturn-question-len`` tokens each, all text of random tokens (cut to length as
+above). A turn's request is the conversation so far, the answers the server gave included,
+plus the next question (conversations.py sends them), so prompts share a prefix across
+conversations (the system prompt) and grow within one (the history).
+
 Arrivals: at ``--request-rate`` R requests/s the gaps between sends are gamma
 distributed with mean 1/R and shape ``--burstiness`` b (b = 1: a Poisson
 process; b < 1 burstier, b > 1 more even, b = inf evenly spaced); R = inf sends
@@ -72,10 +79,7 @@ def sample_random(tokenizer: Tokenizer, *, num_prompts: int, input_len: int, out
                          f"--random-input-len draw {in_low} must be >= 1")
     out_low, out_high = length_range(output_len, range_ratio, low_at_least=1)
 
-    special = set(tokenizer.all_special_ids)
-    allowed = np.array([t for t in range(tokenizer.vocab_size) if t not in special], dtype=np.int64)
-    if allowed.size == 0:
-        raise ValueError("the tokenizer has no ordinary (non-special) tokens to draw prompts from")
+    allowed = _ordinary_ids(tokenizer)
     rng = np.random.default_rng(seed)
     input_lens = rng.integers(in_low, in_high + 1, size=num_prompts)
     output_lens = rng.integers(out_low, out_high + 1, size=num_prompts)
@@ -89,6 +93,41 @@ def sample_random(tokenizer: Tokenizer, *, num_prompts: int, input_len: int, out
         else:
             requests.append(SampleRequest(ids, len(ids), n_out))
     return requests
+
+
+@dataclass(frozen=True)
+class Conversations:
+    system: str                   # the shared system prompt
+    questions: list[list[str]]    # [conversation][turn]
+    output_len: int               # tokens asked for per answer
+
+
+def sample_multiturn(tokenizer: Tokenizer, *, conversations: int, turns: int, system_len: int, question_len: int,
+                     output_len: int, seed: int = 0) -> Conversations:
+    """The multi-turn chat workload: texts of about the given token lengths."""
+    for name, value in (("--multiturn-conversations", conversations), ("--multiturn-turns", turns),
+                        ("--multiturn-question-len", question_len), ("--random-output-len", output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if system_len < 0:
+        raise ValueError(f"--multiturn-system-len must be >= 0, got {system_len}")
+    allowed = _ordinary_ids(tokenizer)
+    rng = np.random.default_rng(seed)
+
+    def text(n: int) -> str:
+        return _text_of_length(tokenizer, rng.choice(allowed, size=n).tolist(), rng, allowed)[0] if n else ""
+
+    system = text(system_len)
+    return Conversations(system, [[text(question_len) for _ in range(turns)] for _ in range(conversations)],
+                         output_len)
+
+
+def _ordinary_ids(tokenizer: Tokenizer) -> np.ndarray:
+    special = set(tokenizer.all_special_ids)
+    allowed = np.array([t for t in range(tokenizer.vocab_size) if t not in special], dtype=np.int64)
+    if allowed.size == 0:
+        raise ValueError("the tokenizer has no ordinary (non-special) tokens to draw prompts from")
+    return allowed
 
 
 def _text_of_length(tokenizer: Tokenizer, ids: list[int], rng: np.random.Generator,

@@ -1,0 +1,93 @@
+"""``deepinfer router`` and ``deepinfer serve --replicas N``: command-line options (argparse
+only, so the CLI builds its parser without importing the router) and running them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Sequence
+
+from deepinfer.router.policy import POLICIES, CacheAwareConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_policy_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The routing options; ``prefix`` ("router-" on ``serve``) keeps them apart from engine flags."""
+    defaults = CacheAwareConfig()
+    g = p.add_argument_group("routing")
+    g.add_argument(f"--{prefix}policy", choices=POLICIES, default="cache-aware",
+                   help="cache-aware: prefix affinity (an approximate radix tree of the prompts each replica "
+                        "was sent) weighed against load; round-robin: one replica after the other")
+    g.add_argument(f"--{prefix}load-weight", type=float, default=defaults.load_weight,
+                   help="cache-aware: the work one request in flight counts for, in mean prompts (0: the cache "
+                        "alone decides)")
+    g.add_argument(f"--{prefix}balance-abs-threshold", type=int, default=defaults.balance_abs_threshold,
+                   help="cache-aware: ignore affinity when the busiest replica has more than this many requests "
+                        "in flight above the least busy one ...")
+    g.add_argument(f"--{prefix}balance-rel-threshold", type=float, default=defaults.balance_rel_threshold,
+                   help="... and more than this many times its load")
+    g.add_argument(f"--{prefix}max-tree-size", type=int, default=defaults.max_tree_size,
+                   help="cache-aware: prompt characters (or token ids) remembered per replica, least recently "
+                        "used forgotten first")
+    g.add_argument(f"--{prefix}max-retries", type=int, default=2,
+                   help="times a request a replica failed is sent to another")
+    g.add_argument(f"--{prefix}health-interval", type=float, default=5.0,
+                   help="seconds between health checks of each replica")
+
+
+def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str = ""):
+    """The :class:`RouterConfig` of the options ``add_policy_args`` added."""
+    from deepinfer.router.app import RouterConfig
+
+    def get(name: str):
+        return getattr(args, (prefix + name).replace("-", "_"))
+
+    cache_aware = CacheAwareConfig(load_weight=get("load-weight"),
+                                   balance_abs_threshold=get("balance-abs-threshold"),
+                                   balance_rel_threshold=get("balance-rel-threshold"),
+                                   max_tree_size=get("max-tree-size"))
+    return RouterConfig(backends=tuple(backends), policy=get("policy"), cache_aware=cache_aware,
+                        max_retries=get("max-retries"), health_interval_s=get("health-interval"))
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", nargs="+", action="extend", required=True, metavar="URL",
+                   help="replica URLs, e.g. http://10.0.0.2:8000 (repeatable)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    add_policy_args(p)
+
+
+def _serve_app(app, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """``deepinfer router``: route to the ``--backend`` replicas until interrupted."""
+    from deepinfer.router.app import build_router_app
+
+    app = build_router_app(router_config(args, args.backend))
+    logger.warning("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(args.backend), args.host,
+                   args.port)
+    _serve_app(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """``deepinfer serve --replicas N``: N replicas of this ``serve`` command on free local
+    ports, and the router on ``--host:--port`` in front of them, until interrupted."""
+    from deepinfer.router import replicas
+    from deepinfer.router.app import build_router_app
+
+    # Checked before the replicas take minutes to load.
+    router_config(args, ["http://127.0.0.1"], prefix="router_")
+    with replicas.replicas(args.replicas, args.argv) as children:
+        urls = [c.url for c in children]
+        app = build_router_app(router_config(args, urls, prefix="router_"))
+        logger.warning("%d replicas (%s) behind the router (%s) on http://%s:%d", len(urls), ", ".join(urls),
+                       args.router_policy, args.host, args.port)
+        _serve_app(app, args.host, args.port, args.log_level)
+    return 0
