@@ -16,6 +16,8 @@ Over the successful requests (times in ms in the results):
   over the request's events (vLLM counts one token per event, which undercounts
   when events carry several). Peak concurrent requests: the most requests in
   flight at once (intervals [send, last token)).
+- Multi-turn workload: the prefix-cache hit rate (the servers' cached prompt tokens over
+  prompt tokens, completed requests) and the mean TTFT of each turn.
 """
 
 from __future__ import annotations
