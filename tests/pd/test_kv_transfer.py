@@ -11,6 +11,8 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine import kv_transfer
+from deepinfer.entrypoints.cli import main
+from deepinfer.scheduler.kv_tiers import TierIndex
 
 from .. import TINY_V4_MODEL
 from ..engine.conftest import make_checkpoint
@@ -97,3 +99,33 @@ def test_malformed_exports_are_named():
         kv_transfer.decode(blob[:-1])
     back = kv_transfer.decode(blob)
     assert back.blocks[0].data == b"x" * 8 and back.blocks[0].keys == [b"k" * 32] and back.num_tokens == [16]
+
+
+def test_tier_index_takes_imports_like_evicted_blocks():
+    index = TierIndex(host_bytes=200, disk_bytes=0, group_bytes=[100])
+    first = index.imported(0, [b"a16", b"a32"])
+    assert first is not None and index.lookup(b"a16") is index.lookup(b"a32") is first
+    slot = first.slot
+    assert index.imported(0, [b"a16", b"a32"]) is None          # held already
+    index.imported(0, [b"b"])
+    index.imported(0, [b"c"])                                   # over budget: the oldest goes
+    assert not index.has(b"a32") and index.has(b"b") and index.has(b"c")
+    ops = index.take_ops()
+    assert [(op.kind, op.slot) for op in ops] == [("drop", slot)]   # no save: the bytes came with it
+    assert index.host_used == 200 and index.stats.imported_blocks == 3
+    assert TierIndex(host_bytes=50, disk_bytes=0, group_bytes=[100]).imported(0, [b"x"]) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["router", "--prefill", "http://127.0.0.1:1"], "needs both --prefill"),
+    (["router", "--backend", "http://127.0.0.1:1", "--prefill", "http://127.0.0.1:2", "--decode",
+      "http://127.0.0.1:3"], "--backend with --prefill"),
+    (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1"], "listed twice"),
+    (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--prefill-timeout", "0"],
+     "prefill_timeout_s must be > 0"),
+    (["serve", "--role", "decode"], "--kv-offload-gib"),
+    (["serve", "--role", "prefill", "--replicas", "2"], "--role and --replicas"),
+])
+def test_cli_refuses_bad_pd_settings(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
