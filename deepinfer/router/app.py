@@ -37,7 +37,9 @@ not: the choice of replica (policy.py), starting replicas (replicas.py).
   ``max_retries`` times; then the client gets a 502 naming each failure, and the decode
   instance never sees the request. A prefill's own error answer (a 400 for a bad request)
   is the client's. Requests asking for prompt logprobs skip the prefill (their decode
-  instance computes the whole prompt anyway).
+  instance computes the whole prompt anyway), and so do prompts shorter than
+  ``prefill_min_len`` (routing-key elements: characters, or token ids), which cost the
+  decode instance less than the round trip would.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class RouterConfig:
     request_timeout_s: float = 6 * 60 * 60
     prefill: tuple[str, ...] = ()        # prefill instances (PD mode); backends are then the decode ones
     prefill_timeout_s: float = 600.0     # a prefill instance's answer (the prompts' KV) within this
+    prefill_min_len: int = 0             # shorter routing keys (prompt characters or token ids) skip prefill
 
     def __post_init__(self) -> None:
         # One spelling per backend: it names the backend in the metrics and the policy.
@@ -118,6 +121,8 @@ class RouterConfig:
         if len(set(urls)) != len(urls):
             raise ValueError(f"backends, prefill: a URL is listed twice in {list(urls)}")
         make_policy(self.policy)                   # names the policies on a typo
+        if self.prefill_min_len < 0:
+            raise ValueError(f"prefill_min_len must be >= 0, got {self.prefill_min_len}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "prefill_timeout_s"):
@@ -375,7 +380,7 @@ class Router:
             if isinstance(parsed, dict):
                 key, stream = routing_key(parsed), parsed.get("stream") is True
         blob: bytes | None = None
-        if routed and self.prefills and _wants_prefill(parsed):
+        if routed and self.prefills and len(key) >= self.config.prefill_min_len and _wants_prefill(parsed):
             prefilled = await self._prefill(key, path, body, headers)
             if isinstance(prefilled, Response):
                 return prefilled

@@ -37,7 +37,7 @@ def add_policy_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str = "",
-                  prefill: Sequence[str] = (), prefill_timeout_s: float = 600.0):
+                  prefill: Sequence[str] = (), prefill_timeout_s: float = 600.0, prefill_min_len: int = 0):
     """The :class:`RouterConfig` of the options ``add_policy_args`` added; ``prefill``: the
     prefill instances of prefill/decode disaggregation (``backends`` are then the decode ones)."""
     from deepinfer.router.app import RouterConfig
@@ -51,7 +51,8 @@ def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str
                                    max_tree_size=get("max-tree-size"))
     return RouterConfig(backends=tuple(backends), policy=get("policy"), cache_aware=cache_aware,
                         max_retries=get("max-retries"), health_interval_s=get("health-interval"),
-                        prefill=tuple(prefill), prefill_timeout_s=prefill_timeout_s)
+                        prefill=tuple(prefill), prefill_timeout_s=prefill_timeout_s,
+                        prefill_min_len=prefill_min_len)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +67,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--prefill-timeout", type=float, default=600.0,
                     help="seconds a prefill instance has to answer a request's KV blocks before it counts as "
                          "failed")
+    pd.add_argument("--prefill-min-len", type=int, default=0,
+                    help="prompts shorter than this (characters; token ids for token-id prompts) go straight to the "
+                         "decode instance, which computes them itself (default 0: every prompt is prefilled)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_policy_args(p)
@@ -87,7 +91,8 @@ def run_router(args: argparse.Namespace) -> int:
         if not (args.prefill and args.decode):
             raise ValueError("prefill/decode disaggregation needs both --prefill URL ... and --decode URL ...")
         app = build_router_app(router_config(args, args.decode, prefill=args.prefill,
-                                             prefill_timeout_s=args.prefill_timeout))
+                                             prefill_timeout_s=args.prefill_timeout,
+                                             prefill_min_len=args.prefill_min_len))
         logger.warning("routing (%s) prefills over %s and decodes over %s on http://%s:%d", args.policy,
                        ", ".join(args.prefill), ", ".join(args.decode), args.host, args.port)
     else:

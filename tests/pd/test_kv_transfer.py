@@ -123,6 +123,8 @@ def test_tier_index_takes_imports_like_evicted_blocks():
     (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1"], "listed twice"),
     (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--prefill-timeout", "0"],
      "prefill_timeout_s must be > 0"),
+    (["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--prefill-min-len", "-1"],
+     "prefill_min_len must be >= 0"),
     (["serve", "--role", "decode"], "--kv-offload-gib"),
     (["serve", "--role", "prefill", "--replicas", "2"], "--role and --replicas"),
 ])

@@ -175,3 +175,27 @@ def test_roles_check_their_settings():
     with pytest.raises(ValueError, match="choose one of prefill, decode"):
         check_role("both", 1)
     check_role("prefill", 0)
+
+
+def test_short_prompts_skip_the_prefill_instance(servers):
+    single, prefill, decode = servers
+    path, body = REQUESTS[3]                    # a chat prompt of a few hundred characters
+
+    async def run(min_len: int) -> tuple[int, Any]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session, \
+                router_over([decode.url], prefill=(prefill.url,), prefill_min_len=min_len) as (router_url, _):
+            return await call(session, router_url, path, body)
+
+    asyncio.run(run(0))                         # warm: the same prompt again is a device hit on both
+    steps = prefill.engine_call(lambda e: e.stats.steps)
+    status, answer = asyncio.run(run(len(WORDS) + 100))
+    assert status == 200 and prefill.engine_call(lambda e: e.stats.steps) == steps
+    asyncio.run(run(len(WORDS) - 100))
+    assert prefill.engine_call(lambda e: e.stats.steps) > steps
+    want = asyncio.run(_direct(single.url, path, body))
+    assert_close(choices(answer), choices(want))
+
+
+async def _direct(url: str, path: str, body: dict[str, Any]) -> Any:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        return (await call(session, url, path, body))[1]
