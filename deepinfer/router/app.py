@@ -4,8 +4,9 @@ several ``deepinfer serve`` replicas (or any OpenAI-compatible servers) chosen b
 own Prometheus metrics.
 
 What belongs here: forwarding (bodies and statuses unchanged, streams relayed as their
-bytes arrive), backend state (health, requests in flight), retries, /metrics. What does
-not: the choice of replica (policy.py), starting replicas (replicas.py).
+bytes arrive), backend state (health, requests in flight), retries, /metrics, and the
+prefill/decode mode's prefill and KV hand-over. What does not: the choice of replica
+(policy.py), starting replicas (replicas.py), the KV export format (engine/kv_transfer.py).
 
 - Routes passed through: POST /v1/completions and /v1/chat/completions (routed by the
   policy), GET /v1/models, POST /tokenize and /detokenize (any healthy replica). Headers go
