@@ -77,9 +77,19 @@ def assert_close(got: Any, want: Any, path: str = "") -> None:
 
 
 def assert_no_leaks(*running) -> None:
+    """Every device block free again; the host tier's bytes are exactly its index's entries."""
+    def host_consistent(e) -> bool:
+        if e.kv.tiers is None:
+            return True
+        e.runner.kv_tiers.flush()
+        index = e.kv.tiers
+        return (set(e.runner.kv_tiers.host) == {x.slot for x in index.host.values()}
+                and index.host_used == sum(x.nbytes for x in index.host.values()) <= index.host_capacity)
+
     for s in running:
         s.wait_idle()
         assert s.pool_is_full()
+        assert s.engine_call(host_consistent)
 
 
 def test_pd_answers_equal_a_single_instance(servers):
