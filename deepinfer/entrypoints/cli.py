@@ -129,6 +129,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     if args.replicas > 1:
+        if args.role is not None:
+            raise ValueError("--role and --replicas: start prefill and decode instances separately and put "
+                             "`deepinfer router --prefill ... --decode ...` in front of them")
         return router_server.run_replicas(args)
     from deepinfer.entrypoints.openai.api_server import run_server
 
@@ -216,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--replicas", type=int, default=1,
                      help="data-parallel replicas: N engines, each its own process on a free local port, behind "
                           "the router (deepinfer router) on --host/--port; the --router-* options set its policy")
+    srv.add_argument("--role", choices=("prefill", "decode"), default=None,
+                     help="prefill/decode disaggregation behind `deepinfer router --prefill ... --decode ...`: "
+                          "prefill computes prompts and answers their KV blocks (/kv/prefill/...); decode imports "
+                          "them into its host tier (/kv/import, needs --kv-offload-gib) and generates")
     router_server.add_policy_args(srv, prefix="router-")
     srv.set_defaults(func=cmd_serve)
 

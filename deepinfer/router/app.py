@@ -4,8 +4,9 @@ several ``deepinfer serve`` replicas (or any OpenAI-compatible servers) chosen b
 own Prometheus metrics.
 
 What belongs here: forwarding (bodies and statuses unchanged, streams relayed as their
-bytes arrive), backend state (health, requests in flight), retries, /metrics. What does
-not: the choice of replica (policy.py), starting replicas (replicas.py).
+bytes arrive), backend state (health, requests in flight), retries, /metrics, and the
+prefill/decode mode's prefill and KV hand-over. What does not: the choice of replica
+(policy.py), starting replicas (replicas.py), the KV export format (engine/kv_transfer.py).
 
 - Routes passed through: POST /v1/completions and /v1/chat/completions (routed by the
   policy), GET /v1/models, POST /tokenize and /detokenize (any healthy replica). Headers go
@@ -24,6 +25,22 @@ not: the choice of replica (policy.py), starting replicas (replicas.py).
   ``max_retries`` times; the policy chooses among the backends not yet tried. A streamed
   response whose backend dies after its first bytes were relayed cannot be replayed: the
   client gets an error event (OpenAI's error shape, status 502) and ``data: [DONE]``.
+- Prefill/decode disaggregation (``prefill`` URLs given; ``backends`` are then the decode
+  instances, ``deepinfer serve --role prefill|decode``): a generating request is first sent
+  to a prefill instance (the policy's choice among them), which computes its prompts and
+  answers their KV blocks; the router posts those to the decode instance chosen for the
+  request (``/kv/import``, into its host tier), then forwards the request there as usual:
+  its prefix lookup finds the blocks, so it recomputes only the prompt's last partial
+  block and its output is a single instance's. Transfers go over HTTP (TCP), each
+  request's on its own, so one request's transfer overlaps others' prefill, transfer and
+  decode. A prefill instance that fails (connection refused or reset, 502/503/504, no
+  answer within ``prefill_timeout_s``) is marked unhealthy and another is tried, up to
+  ``max_retries`` times; then the client gets a 502 naming each failure, and the decode
+  instance never sees the request. A prefill's own error answer (a 400 for a bad request)
+  is the client's. Requests asking for prompt logprobs skip the prefill (their decode
+  instance computes the whole prompt anyway), and so do prompts shorter than
+  ``prefill_min_len`` (routing-key elements: characters, or token ids), which cost the
+  decode instance less than the round trip would.
 """
 
 from __future__ import annotations
@@ -87,21 +104,29 @@ class RouterConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 5.0
     request_timeout_s: float = 6 * 60 * 60
+    prefill: tuple[str, ...] = ()        # prefill instances (PD mode); backends are then the decode ones
+    prefill_timeout_s: float = 600.0     # a prefill instance's answer (the prompts' KV) within this
+    prefill_min_len: int = 0             # shorter routing keys (prompt characters or token ids) skip prefill
 
     def __post_init__(self) -> None:
         # One spelling per backend: it names the backend in the metrics and the policy.
         object.__setattr__(self, "backends", tuple(url.rstrip("/") for url in self.backends))
+        object.__setattr__(self, "prefill", tuple(url.rstrip("/") for url in self.prefill))
         if not self.backends:
             raise ValueError("backends: give at least one backend URL (--backend http://HOST:PORT)")
-        for url in self.backends:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"backends: {url!r} is not an http(s):// URL")
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"backends: a URL is listed twice in {list(self.backends)}")
+        for name in ("backends", "prefill"):
+            for url in getattr(self, name):
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{name}: {url!r} is not an http(s):// URL")
+        urls = self.backends + self.prefill
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"backends, prefill: a URL is listed twice in {list(urls)}")
         make_policy(self.policy)                   # names the policies on a typo
+        if self.prefill_min_len < 0:
+            raise ValueError(f"prefill_min_len must be >= 0, got {self.prefill_min_len}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "prefill_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -152,6 +177,14 @@ class RouterMetrics:
         self.external = Gauge("deepinfer_router_backend_external_requests",
                               "Requests other clients held on the backend at the last check.", ["backend"],
                               registry=r)
+        self.kv_transfer_bytes = Counter("deepinfer_router_kv_transfer_bytes",
+                                         "KV-block bytes moved from prefill to decode instances.", registry=r)
+        self.kv_transfer_seconds = Counter("deepinfer_router_kv_transfer_seconds",
+                                           "Seconds spent in each PD stage: prefill (the prefill instance's "
+                                           "answer) and import (the decode instance's).", ["stage"], registry=r)
+        self.prefill_failures = Counter("deepinfer_router_prefill_failures",
+                                        "Prefills a prefill instance failed (it is then marked unhealthy).",
+                                        ["backend"], registry=r)
         for url in backends:
             self.healthy.labels(url).set(0)
             self.in_flight.labels(url).set(0)
@@ -169,6 +202,15 @@ def error_response(status: int, message: str) -> JSONResponse:
 def _error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
                       "param": None, "code": status}}
+
+
+def _wants_prefill(body: Any) -> bool:
+    """Whether a request gains from a prefill instance: not one asking for prompt logprobs
+    (its decode instance computes the whole prompt for them), nor a body the backend will
+    refuse anyway."""
+    if not isinstance(body, dict):
+        return False
+    return body.get("prompt_logprobs") is None and not (body.get("echo") and body.get("logprobs") is not None)
 
 
 def _forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -205,7 +247,12 @@ class Router:
         self.policy = policy or make_policy(config.policy, config.cache_aware if config.policy == "cache-aware"
                                             else None)
         self.backends = {url: Backend(url) for url in config.backends}
-        self.metrics = RouterMetrics(list(self.backends))
+        # PD mode: the prefill instances, chosen by a policy of their own (prefix affinity to
+        # their caches too).
+        self.prefills = {url: Backend(url) for url in config.prefill}
+        self.prefill_policy = make_policy(config.policy, config.cache_aware if config.policy == "cache-aware"
+                                          else None)
+        self.metrics = RouterMetrics(list(self.backends) + list(self.prefills))
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -241,7 +288,7 @@ class Router:
             await self.check_health()
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(b) for b in self.backends.values()))
+        await asyncio.gather(*(self._check(b) for b in [*self.backends.values(), *self.prefills.values()]))
 
     async def _check(self, backend: Backend) -> None:
         aiohttp = aiohttp_module()
@@ -284,7 +331,7 @@ class Router:
         if backend.healthy:
             logger.warning("backend %s is unhealthy: %s", backend.url, why)
             # When it comes back its cache is likely empty (restarted): forget what it was sent.
-            self.policy.forget(backend.url)
+            (self.prefill_policy if backend.url in self.prefills else self.policy).forget(backend.url)
         backend.healthy, backend.last_error = False, why
         self.metrics.healthy.labels(backend.url).set(0)
 
@@ -299,7 +346,8 @@ class Router:
         return error_response(503, self.unhealthy_message())
 
     def unhealthy_message(self) -> str:
-        down = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}" for b in self.backends.values())
+        down = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}"
+                         for b in [*self.backends.values(), *self.prefills.values()])
         return f"no healthy backend ({down})"
 
     async def forward(self, method: str, path: str, request: Request, *, routed: bool) -> Response:
@@ -324,6 +372,7 @@ class Router:
         headers = _forward_headers(request.headers)
         key: Key = ""
         stream = False
+        parsed: Any = None
         if routed:
             try:
                 parsed = json.loads(body)
@@ -331,6 +380,12 @@ class Router:
                 parsed = None          # the backend answers it with its own 400
             if isinstance(parsed, dict):
                 key, stream = routing_key(parsed), parsed.get("stream") is True
+        blob: bytes | None = None
+        if routed and self.prefills and len(key) >= self.config.prefill_min_len and _wants_prefill(parsed):
+            prefilled = await self._prefill(key, path, body, headers)
+            if isinstance(prefilled, Response):
+                return prefilled
+            blob = prefilled
         tried: set[str] = set()
         errors: list[str] = []
         failed: Backend | None = None
@@ -344,6 +399,10 @@ class Router:
             tried.add(backend.url)
             self.metrics.requests.labels(backend.url, path).inc()
             try:
+                if blob is not None:
+                    refused = await self._import(backend, blob, headers)
+                    if refused is not None:
+                        return refused
                 return await self._send(backend, method, path, body, headers, stream)
             except _BackendFailed as exc:
                 errors.append(f"{backend.url}: {exc}")
@@ -429,6 +488,78 @@ class Router:
             resp.close()
             self._leave(backend)
 
+    # -- prefill/decode disaggregation ------------------------------------------------------------
+    async def _prefill(self, key: Key, path: str, body: bytes, headers: dict[str, str]) -> bytes | Response:
+        """The request's prompts' KV blocks from a prefill instance (retried on another when one
+        fails), or the response the client gets: the prefill's own error answer, or a 502 /
+        503 when no prefill instance could serve it."""
+        aiohttp = aiohttp_module()
+        tried: set[str] = set()
+        errors: list[str] = []
+        for _ in range(1 + self.config.max_retries):
+            candidates = [url for url, b in self.prefills.items() if b.healthy and url not in tried]
+            if not candidates:
+                break
+            now = time.monotonic()
+            decision = self.prefill_policy.choose(key, candidates, {u: self.prefills[u].load for u in candidates}, now)
+            self.prefill_policy.record(key, decision.replica, now)
+            prefill = self.prefills[decision.replica]
+            tried.add(prefill.url)
+            self.metrics.requests.labels(prefill.url, "/kv/prefill" + path).inc()
+            self._enter(prefill)
+            t0 = time.perf_counter()
+            try:
+                async with self.session.post(prefill.url + "/kv/prefill" + path, data=body, headers=headers,
+                                             timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
+                                             ) as resp:
+                    data = await resp.read()
+                    status, content_type = resp.status, resp.headers.get("Content-Type", "application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                status, data, content_type = 0, why.encode(), ""
+            finally:
+                self._leave(prefill)
+            self.metrics.kv_transfer_seconds.labels("prefill").inc(time.perf_counter() - t0)
+            if status == 200:
+                self.metrics.kv_transfer_bytes.inc(len(data))
+                return data
+            if status and status not in _RETRY_STATUSES:
+                return Response(data, status_code=status, media_type=content_type)
+            why = data.decode("utf-8", "replace")[:300]
+            why = f"HTTP {status}: {why}" if status else why
+            errors.append(f"prefill {prefill.url}: {why}")
+            self.metrics.prefill_failures.labels(prefill.url).inc()
+            self.mark_unhealthy(prefill, why)
+        self.metrics.failed.inc()
+        if errors:
+            return error_response(502, f"every prefill instance tried failed this request: {'; '.join(errors)}")
+        down = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}" for b in self.prefills.values())
+        return error_response(503, f"no healthy prefill instance ({down})")
+
+    async def _import(self, backend: Backend, blob: bytes, headers: dict[str, str]) -> Response | None:
+        """Post the prefilled KV blocks to the decode instance ``backend``: None once it holds
+        them, the client's 502 when it refuses them (another model or cache layout); a
+        connection failure raises ``_BackendFailed`` (another decode instance is tried)."""
+        aiohttp = aiohttp_module()
+        headers = {**{k: v for k, v in headers.items() if k.lower() != "content-type"},
+                   "Content-Type": "application/x-deepinfer-kv"}
+        t0 = time.perf_counter()
+        try:
+            async with self.session.post(backend.url + "/kv/import", data=blob, headers=headers) as resp:
+                text = (await resp.read()).decode("utf-8", "replace")
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise _BackendFailed(f"KV import: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.metrics.kv_transfer_seconds.labels("import").inc(time.perf_counter() - t0)
+        if status in _RETRY_STATUSES:
+            raise _BackendFailed(f"KV import: HTTP {status}: {text[:300]}")
+        if status != 200:
+            self.metrics.failed.inc()
+            return error_response(502, f"decode instance {backend.url} refused the prefilled KV blocks "
+                                       f"(HTTP {status}): {text[:300]}")
+        return None
+
     def _enter(self, backend: Backend) -> None:
         backend.in_flight += 1
         self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
@@ -477,7 +608,8 @@ def build_router_app(config: RouterConfig, policy: RoutingPolicy | None = None) 
 
     @app.get("/health")
     async def health() -> Response:
-        if any(b.healthy for b in router.backends.values()):
+        if any(b.healthy for b in router.backends.values()) and (
+                not router.prefills or any(b.healthy for b in router.prefills.values())):
             return Response(status_code=200)
         return error_response(503, router.unhealthy_message())
 

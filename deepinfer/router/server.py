@@ -36,8 +36,10 @@ def add_policy_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help="seconds between health checks of each replica")
 
 
-def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str = ""):
-    """The :class:`RouterConfig` of the options ``add_policy_args`` added."""
+def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str = "",
+                  prefill: Sequence[str] = (), prefill_timeout_s: float = 600.0, prefill_min_len: int = 0):
+    """The :class:`RouterConfig` of the options ``add_policy_args`` added; ``prefill``: the
+    prefill instances of prefill/decode disaggregation (``backends`` are then the decode ones)."""
     from deepinfer.router.app import RouterConfig
 
     def get(name: str):
@@ -48,12 +50,26 @@ def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str
                                    balance_rel_threshold=get("balance-rel-threshold"),
                                    max_tree_size=get("max-tree-size"))
     return RouterConfig(backends=tuple(backends), policy=get("policy"), cache_aware=cache_aware,
-                        max_retries=get("max-retries"), health_interval_s=get("health-interval"))
+                        max_retries=get("max-retries"), health_interval_s=get("health-interval"),
+                        prefill=tuple(prefill), prefill_timeout_s=prefill_timeout_s,
+                        prefill_min_len=prefill_min_len)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", nargs="+", action="extend", required=True, metavar="URL",
+    p.add_argument("--backend", nargs="+", action="extend", default=[], metavar="URL",
                    help="replica URLs, e.g. http://10.0.0.2:8000 (repeatable)")
+    pd = p.add_argument_group("prefill/decode disaggregation (instead of --backend)")
+    pd.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
+                    help="prefill instances (deepinfer serve --role prefill): they compute each request's prompt "
+                         "and the router moves its KV blocks to the decode instance over HTTP")
+    pd.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
+                    help="decode instances (deepinfer serve --role decode --kv-offload-gib G)")
+    pd.add_argument("--prefill-timeout", type=float, default=600.0,
+                    help="seconds a prefill instance has to answer a request's KV blocks before it counts as "
+                         "failed")
+    pd.add_argument("--prefill-min-len", type=int, default=0,
+                    help="prompts shorter than this (characters; token ids for token-id prompts) go straight to the "
+                         "decode instance, which computes them itself (default 0: every prompt is prefilled)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_policy_args(p)
@@ -69,9 +85,20 @@ def run_router(args: argparse.Namespace) -> int:
     """``deepinfer router``: route to the ``--backend`` replicas until interrupted."""
     from deepinfer.router.app import build_router_app
 
-    app = build_router_app(router_config(args, args.backend))
-    logger.warning("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(args.backend), args.host,
-                   args.port)
+    if args.prefill or args.decode:
+        if args.backend:
+            raise ValueError("--backend with --prefill/--decode: give replicas, or prefill and decode instances")
+        if not (args.prefill and args.decode):
+            raise ValueError("prefill/decode disaggregation needs both --prefill URL ... and --decode URL ...")
+        app = build_router_app(router_config(args, args.decode, prefill=args.prefill,
+                                             prefill_timeout_s=args.prefill_timeout,
+                                             prefill_min_len=args.prefill_min_len))
+        logger.warning("routing (%s) prefills over %s and decodes over %s on http://%s:%d", args.policy,
+                       ", ".join(args.prefill), ", ".join(args.decode), args.host, args.port)
+    else:
+        app = build_router_app(router_config(args, args.backend))
+        logger.warning("routing (%s) over %s on http://%s:%d", args.policy, ", ".join(args.backend), args.host,
+                       args.port)
     _serve_app(app, args.host, args.port, args.log_level)
     return 0
 

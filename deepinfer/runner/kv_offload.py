@@ -165,6 +165,12 @@ class KVTierStore:
         self._pending = [f for f in self._pending if not f.done()]
         return loads
 
+    def put_host(self, slot: int, data: bytes) -> None:
+        """Host-tier bytes for ``slot`` that came from another engine (scheduler/kv_tiers.py,
+        ``TierIndex.imported``): stored as a save's copy would be."""
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.host[slot] = host.pin_memory() if self.cuda else host
+
     @staticmethod
     def wait(loads: Sequence[Future]) -> set[bytes]:
         """Wait for loads (``execute``'s futures); the keys of those that failed."""

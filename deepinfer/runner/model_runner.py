@@ -224,6 +224,13 @@ class ModelRunner:
                                     self.config.cache.kv_disk_dir)
         return self.kv_tiers.scan()
 
+    def read_kv_block(self, group: int, block: int) -> bytes:
+        """The bytes of ``group``'s part of page ``block`` (every layer of the group), as the
+        lower tiers keep them; on CUDA the copy waits for the work queued before it."""
+        if self.kv_buffer is None:
+            raise RuntimeError("read_kv_block needs the KV cache: call allocate_kv_cache first")
+        return self.kv_buffer[block, :self.groups[group].bytes_per_block].cpu().numpy().tobytes()
+
     def kv_cache_layers(self) -> list[torch.nn.Module]:
         """The layers that keep entries in the KV cache: the model's, then a model drafter's."""
         layers = list(self.model.kv_cache_layers())

@@ -697,6 +697,41 @@ class KVCacheManager:
                 self.tiers.evicted(block, self.pool.block_group[block], list(keys))
         self.tiers.persist_host()
 
+    def prefix_blocks(self, token_ids: Sequence[int]) -> tuple[int, list[tuple[int, int, list[bytes]]]]:
+        """What another engine needs for the longest prefix hit of ``token_ids`` this device
+        cache serves (prefill/decode disaggregation): the hit's tokens, and per block of it
+        (group, device block, every key the block carries, shortest prefix first). Only
+        reads; the blocks' content is final below the keys they carry (entries are causal)."""
+        if not self.enable_prefix_caching:
+            return 0, []
+        req_id = "\0export"       # never a sequence's id: its hashes are dropped below
+        try:
+            hashes = self.block_hashes(req_id, token_ids)
+            keys = [self._prefix_key_fn(gid, hashes[gid], token_ids) for gid in range(len(self.managers))]
+            hit = self._hit_tokens(hashes, keys, len(token_ids) - 1)
+            blocks = []
+            for gid, m in enumerate(self.managers):
+                for key in m.hit_keys(hashes[gid], keys[gid], hit):
+                    block = self.pool.lookup(key)
+                    blocks.append((gid, block, list(self.pool.block_keys[block])))
+            return hit, blocks
+        finally:
+            self._hashes.pop(req_id, None)
+
+    def import_block(self, group: int, keys: list[bytes]) -> TierEntry | None:
+        """A block another engine computed, under ``keys``: a new host-tier entry (its bytes
+        go to the entry's slot), or None when this engine holds the block already (device
+        or tiers) or its host tier cannot take it."""
+        if self.tiers is None:
+            raise ValueError("importing KV blocks needs a host tier (kv_offload_bytes > 0)")
+        if not 0 <= group < len(self.managers):
+            raise ValueError(f"KV block group {group} is out of range [0, {len(self.managers)})")
+        if not keys:
+            raise ValueError("a KV block comes with at least one key")
+        if self.pool.lookup(keys[-1]) is not None:
+            return None
+        return self.tiers.imported(group, keys)
+
     def take_tier_ops(self) -> list[TierOp]:
         return [] if self.tiers is None else self.tiers.take_ops()
 

@@ -62,6 +62,7 @@ class TierLoad:
 @dataclass
 class TierStats:
     saved_blocks: int = 0
+    imported_blocks: int = 0
     loaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     failed_loads: int = 0
 
@@ -117,23 +118,43 @@ class TierIndex:
     def evicted(self, block: int, group: int, keys: list[bytes]) -> None:
         """The device pool is evicting ``block`` of ``group``, registered under ``keys``
         (shortest prefix first): keep its bytes in host memory."""
+        entry = self._hold(group, keys)
+        if entry is None:
+            return
+        self.ops.append(TierOp("save", entry.key, group, slot=entry.slot, block=block, keys=entry.keys))
+        self.stats.saved_blocks += 1
+        self._fit_host()
+
+    def imported(self, group: int, keys: list[bytes]) -> TierEntry | None:
+        """A block of ``group`` under ``keys`` (shortest prefix first) arrives from another
+        engine (prefill/decode disaggregation): the new host entry, whose bytes the caller
+        puts at its ``slot`` before the next plan's ops run; None when the tiers hold it
+        already or host memory cannot take it."""
+        if self.group_bytes[group] > self.host_capacity:
+            return None
+        entry = self._hold(group, keys)
+        if entry is not None:
+            self.stats.imported_blocks += 1
+            self._fit_host()
+        return entry
+
+    def _hold(self, group: int, keys: list[bytes]) -> TierEntry | None:
+        """A fresh host slot for the block under ``keys``, or None when held already (a disk
+        entry that host memory cannot take stays where it is)."""
         key = keys[-1]
         entry = self.by_key.get(key)
         if entry is not None and entry.key == key and (entry.in_host or entry.nbytes > self.host_capacity):
-            # Held already (a disk entry that host memory cannot take stays where it is).
             self.touch(entry)
-            return
+            return None
         if entry is None or entry.key != key:
             entry = TierEntry(key, group, tuple(keys), self.group_bytes[group])
         entry.slot = self._next_slot
         self._next_slot += 1
-        self.ops.append(TierOp("save", key, group, slot=entry.slot, block=block, keys=entry.keys))
-        self.stats.saved_blocks += 1
         self.host[key] = entry
         self.host_used += entry.nbytes
         for k in entry.keys:
             self.by_key[k] = entry
-        self._fit_host()
+        return entry
 
     def loaded(self, entry: TierEntry) -> str:
         """``entry`` is being loaded back: the tier it is read from."""

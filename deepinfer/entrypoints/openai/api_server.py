@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 GET /health, POST /tokenize, POST /detokenize (vLLM shapes), GET /metrics
-(Prometheus, vLLM names). Every error is OpenAI's ``{"error": {...}}`` body;
+(Prometheus, vLLM names); with ``--role prefill|decode`` the internal KV routes of
+prefill/decode disaggregation (kv_routes.py). Every error is OpenAI's ``{"error": {...}}`` body;
 request validation errors are 400 (not FastAPI's 422). With an API key, every
 route but /health wants ``Authorization: Bearer <key>``.
 
@@ -33,6 +34,7 @@ from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.entrypoints.openai.async_engine import AsyncEngine, EngineDeadError
 from deepinfer.entrypoints.openai.chat import create_chat_completion
 from deepinfer.entrypoints.openai.completions import create_completion
+from deepinfer.entrypoints.openai.kv_routes import add_kv_routes, check_role
 from deepinfer.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from deepinfer.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                    CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -77,14 +79,16 @@ def default_model_name(engine: Engine) -> str:
 def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None,
               api_key: str | None = None, health_timeout_s: float = 30.0,
               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, role: str | None = None) -> FastAPI:
     """The server app for ``engine``. The engine thread starts and stops with the
     app's lifespan; ``app.state.async_engine`` reaches it (tests read engine state
     through ``async_engine.call``). ``tool_call_parser``, ``enable_auto_tool_choice``
     and ``reasoning_parser`` are ``deepinfer serve``'s flags of the same names (vLLM's):
     the tool-call format (None: the model's own, ``default_tool_call_parser``), whether
-    the model may choose to call tools, and how a thinking model's reasoning is split off."""
+    the model may choose to call tools, and how a thinking model's reasoning is split off.
+    ``role``: ``--role``, the instance's part in prefill/decode disaggregation (kv_routes.py)."""
     _check_tool_flags(tool_call_parser, enable_auto_tool_choice)
+    check_role(role, engine.config.cache.kv_offload_bytes)
     names = list(served_model_names or [default_model_name(engine)])
     metrics = ServerMetrics(names[0])
     async_engine = AsyncEngine(engine, metrics)
@@ -167,6 +171,9 @@ def build_app(engine: Engine, *, served_model_names: Sequence[str] | None = None
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if role is not None:
+        add_kv_routes(app, state, role)
+
     app.openapi = lambda: _openapi_without_422(app)
     return app
 
@@ -241,10 +248,11 @@ def run_server(args: argparse.Namespace) -> None:
     from deepinfer.entrypoints.llm import build_engine_config
 
     _check_tool_flags(args.tool_call_parser, args.enable_auto_tool_choice)   # before the slow part
+    check_role(args.role, int(args.kv_offload_gib * 2**30))
     engine = Engine(build_engine_config(**engine_kwargs(args)))
     freeze_heap()   # the engine lives as long as the process
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, role=args.role)
     logger.warning("serving %s on http://%s:%d", app.state.server_state.model_name, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -251,6 +251,27 @@ def _delta_tool_call(piece: ToolCallDelta) -> DeltaToolCall:
     return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
 
 
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    return kwargs
+
+
+def _prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: _Tools | None,
+                template_kwargs: dict[str, Any]) -> list[int]:
+    text = render_chat(state.tokenizer, req.messages, req.add_generation_prompt is not False, template_kwargs,
+                       tools=tools.definitions if tools is not None else None, tool_format=state.tool_format)
+    return state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+
+
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The token ids ``create_chat_completion`` gives the engine for ``req`` (prefill/decode
+    disaggregation: the prefill instance computes exactly the prompt the decode one will)."""
+    state.check_model(req.model)
+    return _prompt_ids(state, req, _tools(state, req), _template_kwargs(req))
+
+
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Response:
     state.check_model(req.model)
     check_fields(req)
@@ -259,15 +280,11 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     length_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     tools = _tools(state, req)
-    template_kwargs = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:
-        template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    template_kwargs = _template_kwargs(req)
     thinking = state.reasoning is not None and state.reasoning.enabled(template_kwargs)
     constraint, constraint_field = output_constraint(req)
     grammar = _grammar(state, tools, thinking, constraint, constraint_field)
-    text = render_chat(state.tokenizer, req.messages, req.add_generation_prompt is not False, template_kwargs,
-                       tools=tools.definitions if tools is not None else None, tool_format=state.tool_format)
-    ids = state.tokenizer.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    ids = _prompt_ids(state, req, tools, template_kwargs)
     state.check_length([ids], max_tokens, length_field)
     top_n = (req.top_logprobs or 0) if req.logprobs else None
     rename = dict(_RENAME)

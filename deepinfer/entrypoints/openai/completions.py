@@ -75,6 +75,13 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     return JSONResponse(resp.model_dump(mode="json"))
 
 
+def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[list[int]]:
+    """The token ids ``create_completion`` gives the engine for ``req``, one list per prompt
+    (prefill/decode disaggregation: the prefill instance computes exactly these)."""
+    state.check_model(req.model)
+    return [p.ids for p in _prompts(state, req)]
+
+
 def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     p = req.prompt
     add_special = req.add_special_tokens is not False
