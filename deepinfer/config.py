@@ -334,7 +334,14 @@ class ParallelConfig:
 
     ``distributed_executor_backend`` (vLLM's name): ``"mp"`` — the engine starts one worker
     process per rank itself (parallel/executor.py); ``"external_launcher"`` — every rank is a
-    process someone else started (``torchrun``), each running the whole engine on its shard."""
+    process someone else started (``torchrun``), each running the whole engine on its shard.
+
+    Expert load balancing (EPLB, vLLM's names): with ``enable_eplb`` every worker counts its
+    experts' load and, every ``eplb_step_interval`` engine steps, places the experts anew for
+    the load of the last ``eplb_window_size`` steps (parallel/balancer.py), using
+    ``num_redundant_experts`` extra slots per MoE layer for replicas of busy experts. It needs
+    ``ep`` > 1 and the ``"mp"`` executor; the experts plus the redundant slots must divide by
+    ``ep`` (checked against the model in ``parallel.executor.check_parallel``)."""
 
     tp: int = 1
     ep: int = 1
@@ -342,6 +349,10 @@ class ParallelConfig:
     cp: int = 1
     pp: int = 1
     distributed_executor_backend: str = "mp"
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
         for name, long_name in (("tp", "tensor_parallel_size"), ("ep", "expert_parallel_size"),
@@ -360,6 +371,26 @@ class ParallelConfig:
         if self.world_size % self.tp or self.world_size % self.ep:
             raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
                              f"must divide each other: the world is max(tp, ep)={self.world_size} ranks")
+        self._check_eplb()
+
+    def _check_eplb(self) -> None:
+        for name, low in (("num_redundant_experts", 0), ("eplb_window_size", 1), ("eplb_step_interval", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        if not isinstance(self.enable_eplb, bool):
+            raise ValueError(f"enable_eplb={self.enable_eplb!r} must be a bool")
+        if not self.enable_eplb:
+            if self.num_redundant_experts:
+                raise ValueError(f"num_redundant_experts={self.num_redundant_experts} needs enable_eplb=True: "
+                                 "only the load balancer places replicas in the redundant slots")
+            return
+        if self.ep == 1:
+            raise ValueError("enable_eplb=True needs expert parallelism: expert_parallel_size=1; balancing "
+                             "moves experts between ranks, so set expert_parallel_size > 1")
+        if self.distributed_executor_backend != "mp":
+            raise NotImplementedError(f"enable_eplb=True with distributed_executor_backend="
+                                      f"{self.distributed_executor_backend!r} is not yet supported; use 'mp'")
 
     @property
     def world_size(self) -> int:

@@ -12,6 +12,12 @@ tier's hit rate), ``deepinfer:kv_tier_transfer_bytes{direction}`` and
 host_to_disk, disk_to_device; their ratio is the bandwidth, also given as the gauge
 ``deepinfer:kv_tier_bandwidth_bytes_per_second``), ``deepinfer:kv_tier_usage_bytes{tier}``
 and ``deepinfer:kv_tier_failed_loads`` (corrupt disk entries found, never used).
+
+With expert load balancing (``enable_eplb``), ``eplb_metrics`` adds ours:
+``deepinfer:eplb_rebalances`` (rebalances done), ``deepinfer:eplb_steps_since_rebalance``
+and ``deepinfer:eplb_imbalance{when}``: the last rebalance's load imbalance (max / mean tokens
+per rank, averaged over the MoE layers; 1.0 is balanced, 0.0 before the first rebalance),
+``before`` it (measured) and ``after`` it (the new placement on the same load).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ def engine_metrics(engine: "Engine", model_name: str) -> list[Metric]:
         Counter("vllm:num_preemptions", dict(labels), sched.num_preemptions),
     ]
     out += tier_metrics(engine, labels)
+    out += eplb_metrics(engine, labels)
     if engine.config.speculative is not None:
         out += [
             Counter("vllm:spec_decode_num_drafts", dict(labels), spec.num_drafts),
@@ -73,9 +80,11 @@ def engine_metrics(engine: "Engine", model_name: str) -> list[Metric]:
 
 def tier_metrics(engine: "Engine", labels: dict[str, str]) -> list[Metric]:
     """The KV-cache tiers' counters (module docstring); none without tiers."""
-    kv, store = engine.kv, engine.runner.kv_tiers
-    if kv.tiers is None or store is None:
+    kv = engine.kv
+    # A parallel engine has no tiers, and its runner (the executor) no kv_tiers.
+    if kv.tiers is None or engine.runner.kv_tiers is None:
         return []
+    store = engine.runner.kv_tiers
     hits = {"device": kv.prefix_hits - sum(kv.tier_hits.values()), **kv.tier_hits}
     out: list[Metric] = [Counter("deepinfer:kv_tier_hit_tokens", {**labels, "tier": t}, n) for t, n in hits.items()]
     stats = store.stats
@@ -88,3 +97,15 @@ def tier_metrics(engine: "Engine", labels: dict[str, str]) -> list[Metric]:
             Gauge("deepinfer:kv_tier_usage_bytes", {**labels, "tier": "disk"}, float(kv.tiers.disk_used)),
             Counter("deepinfer:kv_tier_failed_loads", dict(labels), kv.tiers.stats.failed_loads)]
     return out
+
+
+def eplb_metrics(engine: "Engine", labels: dict[str, str]) -> list[Metric]:
+    """The expert load balancer's counters (module docstring): rank 0's, as of the last
+    finished step; none without EPLB."""
+    if not engine.config.parallel.enable_eplb:
+        return []
+    stats = engine.runner.eplb_stats
+    return [Counter("deepinfer:eplb_rebalances", dict(labels), stats.rebalances),
+            Gauge("deepinfer:eplb_steps_since_rebalance", dict(labels), float(stats.steps_since_rebalance)),
+            Gauge("deepinfer:eplb_imbalance", {**labels, "when": "before"}, stats.imbalance_before),
+            Gauge("deepinfer:eplb_imbalance", {**labels, "when": "after"}, stats.imbalance_after)]

@@ -33,6 +33,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--eplb", action="store_true",
+                   help="expert load balancing while serving: experts are placed anew every --eplb-interval "
+                        "steps for the load of the last --eplb-window steps (needs --ep > 1)")
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert slots per MoE layer for replicas of busy experts (with --eplb)")
+    p.add_argument("--eplb-window", type=int, default=1000, help="engine steps of expert load EPLB places for")
+    p.add_argument("--eplb-interval", type=int, default=3000, help="engine steps between EPLB rebalances")
     p.add_argument("--dp", type=int, default=1, help="data parallel size")
     p.add_argument("--cp", type=int, default=1, help="context parallel size")
     p.add_argument("--enforce-eager", action="store_true",
@@ -91,6 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 kv_offload_gib=args.kv_offload_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
                 async_scheduling=args.async_scheduling, seed=args.seed,
                 tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
+                enable_eplb=args.eplb, num_redundant_experts=args.num_redundant_experts,
+                eplb_window_size=args.eplb_window, eplb_step_interval=args.eplb_interval,
                 data_parallel_size=args.dp, context_parallel_size=args.cp,
                 enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                 kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,

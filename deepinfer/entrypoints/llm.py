@@ -51,6 +51,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                         tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                         data_parallel_size: int = 1, context_parallel_size: int = 1,
                         pipeline_parallel_size: int = 1, distributed_executor_backend: str = "mp",
+                        enable_eplb: bool = False, num_redundant_experts: int = 0,
+                        eplb_window_size: int = 1000, eplb_step_interval: int = 3000,
                         enforce_eager: bool = False,
                         cuda_graph_sizes: Sequence[int] | None = None,
                         hf_config: dict[str, Any] | None = None, hf_overrides: dict[str, Any] | None = None,
@@ -79,6 +81,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
     ``speculative_config``: vLLM's dict (``SpeculativeConfig.from_dict``); None: no
     speculative decoding. ``distributed_executor_backend``: how ranks start above one
     (``ParallelConfig``): ``"mp"`` worker processes, or ``"external_launcher"`` under torchrun.
+    ``enable_eplb``, ``num_redundant_experts``, ``eplb_window_size``, ``eplb_step_interval``:
+    expert load balancing while serving (``ParallelConfig``; needs ``expert_parallel_size`` > 1).
     ``kv_offload_gib``: host memory (GiB) for blocks evicted from the KV cache;
     ``kv_disk_dir`` / ``kv_disk_gib``: a disk tier below it, found again by a restarted
     engine (``CacheConfig``)."""
@@ -112,7 +116,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "auto",
                                   prefill_keep_tokens=yoco_prefill_keep_tokens),
         parallel=ParallelConfig(tp=tensor_parallel_size, ep=expert_parallel_size,
                                 dp=data_parallel_size, cp=context_parallel_size, pp=pipeline_parallel_size,
-                                distributed_executor_backend=distributed_executor_backend),
+                                distributed_executor_backend=distributed_executor_backend,
+                                enable_eplb=enable_eplb, num_redundant_experts=num_redundant_experts,
+                                eplb_window_size=eplb_window_size, eplb_step_interval=eplb_step_interval),
         device=dev, seed=seed, enforce_eager=enforce_eager, batch_invariant=batch_invariant,
         speculative=None if speculative_config is None else SpeculativeConfig.from_dict(speculative_config))
 
@@ -163,8 +169,9 @@ class LLM:
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges as vLLM's metric objects (deepinfer/metrics.py):
-        prefix-cache queries and hits, preemptions, and with speculative decoding its drafts,
-        draft tokens and accepted tokens (in total and per draft position)."""
+        prefix-cache queries and hits, preemptions, with speculative decoding its drafts,
+        draft tokens and accepted tokens (in total and per draft position), and with EPLB its
+        rebalances and load imbalance."""
         return engine_metrics(self.engine, self.engine.config.model.path)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -53,8 +53,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "enable_lora": (False, "LoRA adapters are not supported"),
     "max_loras": (None, "LoRA adapters are not supported"),
     "max_lora_rank": (None, "LoRA adapters are not supported"),
-    "enable_eplb": (False, "expert-parallel load balancing needs expert parallelism over several devices, "
-                           "which is not yet supported"),
     "enable_sleep_mode": (False, "sleep mode is not supported"),
     "calculate_kv_scales": (False, "FP8 KV-cache scales are not supported"),
     "disable_sliding_window": (False, "sliding-window layers always keep their window"),

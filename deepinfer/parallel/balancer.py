@@ -81,6 +81,9 @@ class ExpertLoadBalancer:
             raise ValueError("EPLB needs expert-parallel MoE layers: build the model under an expert-"
                              "parallel group (parallel.groups.use_groups) or with redundant experts")
         self.config = config
+        # Load counted before balancing began (warm-up, profiling forwards) is not serving load.
+        for m in self.layers:
+            m.ep.take_load()
         # Per layer: logical load [E] of each of the last window_size steps.
         self._window: list[deque[torch.Tensor]] = [deque(maxlen=config.window_size) for _ in self.layers]
         # Per layer: pairs per physical slot [P] since the last rebalance (measured imbalance).

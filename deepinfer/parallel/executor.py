@@ -11,7 +11,8 @@ bookkeeping; it holds no model. Every rank, 0 included, is a worker process that
 shard of the model under :func:`~deepinfer.parallel.groups.use_groups` and owns a
 ``ModelRunner`` (its device, its part of the KV cache). Each step the driver sends the same
 ``StepPlan`` to every worker; all of them run it (their collectives meet inside the forward)
-and rank 0's ``StepResult`` goes back to the scheduler. Every rank samples from the same
+and rank 0's ``StepResult`` goes back to the scheduler (with EPLB on, with the load
+balancer's stats: every worker steps its ``ExpertLoadBalancer`` after every step). Every rank samples from the same
 gathered logits with the same seeded generator, so all keep the same tokens for the next
 step's placeholders. Keeping rank 0 out of the driver means the driver never waits inside a
 collective: it only waits on pipes and on the workers' process sentinels, so a worker that
@@ -52,6 +53,8 @@ from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import get_model_class
+from deepinfer.parallel.balancer import EPLBConfig, EPLBStats, ExpertLoadBalancer
+from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
 from deepinfer.runner.model_runner import ModelRunner
 from deepinfer.scheduler.kv_cache import KVCacheGroup
@@ -74,7 +77,7 @@ class ExecutorDeadError(RuntimeError):
 def check_parallel(config: EngineConfig) -> None:
     """Refuse parallel sizes that the model or the machine cannot take, before anything loads:
     tp must divide the model's sharded widths (``CausalLM.check_parallel``), ep its routed
-    experts, and on CUDA the world must fit the visible devices; KV-cache tiers and model
+    experts (plus the redundant slots of EPLB), and on CUDA the world must fit the visible devices; KV-cache tiers and model
     drafters are not yet supported with several ranks."""
     par = config.parallel
     cls = get_model_class(config.model.architecture)
@@ -84,7 +87,12 @@ def check_parallel(config: EngineConfig) -> None:
         if not counts:
             raise ValueError(f"expert_parallel_size={par.ep}: {config.model.architecture} has no routed experts "
                              "to shard; run it with expert_parallel_size=1")
-        if int(counts[0]) % par.ep:
+        if par.num_redundant_experts:
+            slots = int(counts[0]) + par.num_redundant_experts
+            if slots % par.ep:
+                raise ValueError(f"expert_parallel_size={par.ep} must divide the model's {int(counts[0])} routed "
+                                 f"experts + num_redundant_experts={par.num_redundant_experts} = {slots} slots")
+        elif int(counts[0]) % par.ep:
             raise ValueError(f"expert_parallel_size={par.ep} must divide the model's {int(counts[0])} routed experts")
     if config.device.type == "cuda":
         available = torch.cuda.device_count()
@@ -176,11 +184,15 @@ class Worker:
         self.groups = build_groups(config.parallel, rank)
         _first_collectives(self.groups, device)
         sched = config.scheduler
-        with use_groups(self.groups):
+        par = config.parallel
+        with use_groups(self.groups), use_expert_parallel(ExpertParallelConfig(par.num_redundant_experts)):
             self.model = load_model(self.config.model, device, config.seed)
             self.replay_keep = self.model.replay_keep_tokens(sched.prefill_truncation_mode, sched.prefill_keep_tokens)
             self.runner = ModelRunner(self.config, self.model, eos_token_ids,
                                       bounded_replay=self.replay_keep is not None)
+        # EPLB starts with the first step, so that warm-up and profiling forwards (KV-cache
+        # sizing, graph capture) count as no load.
+        self.balancer: ExpertLoadBalancer | None = None
 
     def describe(self) -> dict[str, Any]:
         """What the engine asks of its runner before the first step."""
@@ -189,9 +201,14 @@ class Worker:
                     num_lookahead_tokens=r.num_lookahead_tokens, prefix_hit_margin=r.prefix_hit_margin,
                     drafter_has_confidences=r.drafter_has_confidences)
 
-    def execute(self, plan: StepPlan, after_idle: bool) -> StepResult | None:
+    def execute(self, plan: StepPlan, after_idle: bool) -> tuple[StepResult, EPLBStats | None] | None:
         """Run one step (``after_idle``: the engine was idle before it, so the device's idle time
-        is not measured); rank 0 returns its result (the others' are the same)."""
+        is not measured), then step EPLB when it is on; rank 0 returns its result (the others'
+        are the same) with the balancer's stats (None without EPLB)."""
+        par = self.config.parallel
+        if par.enable_eplb and self.balancer is None:
+            self.balancer = ExpertLoadBalancer(self.model, EPLBConfig(window_size=par.eplb_window_size,
+                                                                      interval=par.eplb_step_interval))
         if after_idle:
             self.runner.reset_idle_clock()
         if self.config.batch_invariant:
@@ -199,7 +216,13 @@ class Worker:
                 result = self.runner.finish(self.runner.launch(plan))
         else:
             result = self.runner.finish(self.runner.launch(plan))
-        return result if self.rank == 0 else None
+        # Every rank gets every plan, so all step the balancer together (its rebalance is a set
+        # of collectives), steps without MoE tokens included: those add an empty load.
+        if self.balancer is not None:
+            self.balancer.step()
+        if self.rank != 0:
+            return None
+        return result, None if self.balancer is None else self.balancer.stats
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "execute":
@@ -288,6 +311,8 @@ class MultiprocExecutor:
         self.conns: list[Connection] = []
         self._launched = 0
         self._idle = False    # the engine went idle since the last launch
+        # EPLB's stats after the last finished step (rank 0's); None without EPLB.
+        self.eplb_stats: EPLBStats | None = EPLBStats() if config.parallel.enable_eplb else None
         for rank in range(self.world_size):
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, eos_token_ids, rank, port, theirs),
@@ -336,8 +361,12 @@ class MultiprocExecutor:
         return self._launched
 
     def finish(self, handle: int) -> StepResult:
-        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order)."""
-        return self._collect()[0]
+        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order);
+        the EPLB stats that come with it are kept in :attr:`eplb_stats`."""
+        result, stats = self._collect()[0]
+        if stats is not None:
+            self.eplb_stats = stats
+        return result
 
     # -- plumbing -----------------------------------------------------------------------
     def _call_all(self, method: str, *args: Any) -> list[Any]:

@@ -12,7 +12,9 @@ Gauges and the cumulative engine counters (prefix-cache queries/hits in tokens,
 preemptions) are refreshed from the engine after every step; prompt tokens
 count when a request's prefill completes, generation tokens as they arrive.
 With KV-cache tiers, the ``deepinfer:kv_tier_*`` series of deepinfer/metrics.py
-(``tier_metrics``): hits per tier, transfer bytes, seconds and bandwidth, usage.
+(``tier_metrics``): hits per tier, transfer bytes, seconds and bandwidth, usage. With
+EPLB, its ``deepinfer:eplb_*`` series (``eplb_metrics``): ``deepinfer:eplb_rebalances_total``,
+``deepinfer:eplb_steps_since_rebalance`` and ``deepinfer:eplb_imbalance{when="before|after"}``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 
 from deepinfer.engine.engine import Engine
-from deepinfer.metrics import tier_metrics
+from deepinfer.metrics import eplb_metrics, tier_metrics
 
 __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 
@@ -37,6 +39,15 @@ _TIER_SERIES = {
     "deepinfer:kv_tier_usage_bytes": ("Bytes held in each lower KV-cache tier.", "tier", False),
     "deepinfer:kv_tier_failed_loads": ("Corrupt disk-tier entries found on loading (never used).", None, True),
 }
+
+# The expert load balancer's series, in the same form (exported only with EPLB on).
+_EPLB_SERIES = {
+    "deepinfer:eplb_rebalances": ("Expert load balancing rebalances done.", None, True),
+    "deepinfer:eplb_steps_since_rebalance": ("Engine steps since the last expert rebalance.", None, False),
+    "deepinfer:eplb_imbalance": ("Expert load imbalance (max / mean tokens per rank) of the last rebalance, "
+                                 "before and after it.", "when", False),
+}
+_SERIES = {**_TIER_SERIES, **_EPLB_SERIES}
 
 # vLLM's bucket boundaries, so dashboards built for it read the same.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -87,10 +98,10 @@ class ServerMetrics:
         self._success = Counter("vllm:request_success", "Count of finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
-        self._tier: dict[str, Counter | Gauge] = {
+        self._series: dict[str, Counter | Gauge] = {
             metric: (Counter if is_counter else Gauge)(metric, doc, labels + ([label] if label else []), registry=r)
-            for metric, (doc, label, is_counter) in _TIER_SERIES.items()}
-        self._seen_tier: dict[tuple[str, ...], float] = {}
+            for metric, (doc, label, is_counter) in _SERIES.items()}
+        self._seen_series: dict[tuple[str, ...], float] = {}
         # Last seen values of the engine's own cumulative counters.
         self._seen_queries = self._seen_hits = self._seen_preemptions = 0
         self._seen_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
@@ -116,12 +127,13 @@ class ServerMetrics:
                 self._spec_per_pos.labels(self._model_name, str(k)).inc(n - seen)
         self._seen_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                            list(spec.accepted_per_pos))
-        for m in tier_metrics(engine, {"model_name": self._model_name}):
-            series = self._tier[m.name].labels(*m.labels.values())
-            if _TIER_SERIES[m.name][2]:
+        labels = {"model_name": self._model_name}
+        for m in tier_metrics(engine, labels) + eplb_metrics(engine, labels):
+            series = self._series[m.name].labels(*m.labels.values())
+            if _SERIES[m.name][2]:
                 ident = (m.name, *m.labels.values())
-                series.inc(m.value - self._seen_tier.get(ident, 0))
-                self._seen_tier[ident] = m.value
+                series.inc(m.value - self._seen_series.get(ident, 0))
+                self._seen_series[ident] = m.value
             else:
                 series.set(m.value)
 
