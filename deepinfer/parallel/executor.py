@@ -77,8 +77,8 @@ class ExecutorDeadError(RuntimeError):
 def check_parallel(config: EngineConfig) -> None:
     """Refuse parallel sizes that the model or the machine cannot take, before anything loads:
     tp must divide the model's sharded widths (``CausalLM.check_parallel``), ep its routed
-    experts (plus the redundant slots of EPLB), and on CUDA the world must fit the visible devices; KV-cache tiers and model
-    drafters are not yet supported with several ranks."""
+    experts (plus the redundant slots of EPLB), and on CUDA the world must fit the visible
+    devices; KV-cache tiers and model drafters are not yet supported with several ranks."""
     par = config.parallel
     cls = get_model_class(config.model.architecture)
     cls.check_parallel(config.model.hf_config, par.tp)
