@@ -308,6 +308,7 @@ def test_verification_steps_through_graphs_on_deepseek_v3(v3_dir):
     _verification_through_graphs(str(v3_dir))
 
 
+@pytest.mark.slow
 def test_verification_steps_through_graphs_on_deepseek_v41():
     _verification_through_graphs(str(Path(__file__).resolve().parent.parent / "data" / "v41_reference" / "checkpoint"))
 
