@@ -322,6 +322,11 @@ _TOP_RENAMES = {
     "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
     "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
 }
+# The projections DeepSeek ships in FP8 in V4 and V4.1 (models/quantize.py): the attention's q_a,
+# q_b, kv and o_b, the indexer's q_b and the shared expert. o_a (a grouped GEMM), the compressors
+# and the indexer's other projections stay 16-bit, as do lm_head and the routers.
+FP8_LINEARS = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
+               r"|shared_experts\.(gate_proj|up_proj|down_proj)$")
 _LAYER_NAME = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\."
                           r"(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
@@ -354,11 +359,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
     supports_cuda_graphs = True
 
-    # The projections DeepSeek ships in FP8 (models/quantize.py): the attention's q_a, q_b, kv and
-    # o_b, the indexer's q_b and the shared expert. o_a (a grouped GEMM), the compressors and the
-    # indexer's other projections stay 16-bit, as do lm_head and the routers.
-    fp8_linears = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
-                   r"|shared_experts\.(gate_proj|up_proj|down_proj)$")
+    fp8_linears = FP8_LINEARS
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:

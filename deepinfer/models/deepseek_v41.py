@@ -54,7 +54,7 @@ from deepinfer.layers.engram import (Engram, EngramLayout, EngramRows, build_tok
                                      table_in_host_memory)
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
-from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, remap_block_tensor
+from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, FP8_LINEARS, remap_block_tensor
 from deepinfer.models.quant import pair_scales
 from deepinfer.parallel.tensor import check_divides
 from deepinfer.transfer import to_device
@@ -476,11 +476,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     # fixed-shape tensor ops over ceil(max_seq_len / ratio) entry slots.
     supports_cuda_graphs = True
 
-    # The projections DeepSeek ships in FP8 (models/quantize.py): the attention's q_a, q_b, kv and
-    # o_b, the indexer's q_b and the shared expert. o_a (a grouped GEMM), the compressors and the
-    # indexer's other projections stay 16-bit, as do lm_head and the routers.
-    fp8_linears = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
-                   r"|shared_experts\.(gate_proj|up_proj|down_proj)$")
+    fp8_linears = FP8_LINEARS
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:
