@@ -40,7 +40,13 @@ prefill/decode mode's prefill and KV hand-over. What does not: the choice of rep
   is the client's. Requests asking for prompt logprobs skip the prefill (their decode
   instance computes the whole prompt anyway), and so do prompts shorter than
   ``prefill_min_len`` (routing-key elements: characters, or token ids), which cost the
-  decode instance less than the round trip would.
+  decode instance less than the round trip would. With ``kv_transfer="shared"``
+  (``--kv-transfer shared``: prefill and decode instances on one host) the blocks stay in a
+  buffer the prefill instance shares (CUDA IPC between GPUs, shared memory on the CPU;
+  engine/kv_share.py) and only its handle passes through the router; the router releases
+  the buffer once the decode instance has imported it. A shared buffer is opened at most
+  once: when that import's decode instance fails, the request goes on to another without
+  the blocks (it computes the prompt itself; the output is the same).
 """
 
 from __future__ import annotations
@@ -83,6 +89,11 @@ _HELD_GAUGES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waitin
 # Statuses that say the backend, not the request, failed: another replica may serve it.
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
+# The prefill instance's KV hand-over (entrypoints/openai/kv_routes.py).
+KV_TRANSFERS = ("inline", "shared")
+_TRANSFER_HEADER = "X-DeepInfer-KV-Transfer"
+_SHARE_HEADER = "X-DeepInfer-KV-Share"
+
 
 def aiohttp_module() -> ModuleType:
     """aiohttp (the router's HTTP client), or an ImportError that says how to install it."""
@@ -107,6 +118,7 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()        # prefill instances (PD mode); backends are then the decode ones
     prefill_timeout_s: float = 600.0     # a prefill instance's answer (the prompts' KV) within this
     prefill_min_len: int = 0             # shorter routing keys (prompt characters or token ids) skip prefill
+    kv_transfer: str = "inline"          # "shared": prefill and decode instances share the KV buffer (one host)
 
     def __post_init__(self) -> None:
         # One spelling per backend: it names the backend in the metrics and the policy.
@@ -124,6 +136,8 @@ class RouterConfig:
         make_policy(self.policy)                   # names the policies on a typo
         if self.prefill_min_len < 0:
             raise ValueError(f"prefill_min_len must be >= 0, got {self.prefill_min_len}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"kv_transfer={self.kv_transfer!r}: choose one of {', '.join(KV_TRANSFERS)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "prefill_timeout_s"):
@@ -233,6 +247,16 @@ def _requests_held(metrics_text: str) -> int | None:
     values = [sample.value for family in families for sample in family.samples
               if sample.name in _HELD_GAUGES]
     return int(sum(values)) if values else None
+
+
+@dataclass
+class _Prefilled:
+    """A prefill instance's answer: the KV export, and for a shared one its buffer's id."""
+
+    blob: bytes
+    prefill_url: str
+    share_id: str | None = None
+    opened: bool = False        # a decode instance mapped the buffer (or may have)
 
 
 class _BackendFailed(Exception):
@@ -380,12 +404,21 @@ class Router:
                 parsed = None          # the backend answers it with its own 400
             if isinstance(parsed, dict):
                 key, stream = routing_key(parsed), parsed.get("stream") is True
-        blob: bytes | None = None
+        prefilled: _Prefilled | None = None
         if routed and self.prefills and len(key) >= self.config.prefill_min_len and _wants_prefill(parsed):
-            prefilled = await self._prefill(key, path, body, headers)
-            if isinstance(prefilled, Response):
-                return prefilled
-            blob = prefilled
+            answer = await self._prefill(key, path, body, headers)
+            if isinstance(answer, Response):
+                return answer
+            prefilled = answer
+        try:
+            return await self._decode(method, path, body, headers, key, stream, routed, prefilled)
+        finally:
+            if prefilled is not None and prefilled.share_id is not None:
+                await self._release(prefilled)
+
+    async def _decode(self, method: str, path: str, body: bytes, headers: dict[str, str], key: Key, stream: bool,
+                      routed: bool, prefilled: _Prefilled | None) -> Response:
+        blob = None if prefilled is None else prefilled.blob
         tried: set[str] = set()
         errors: list[str] = []
         failed: Backend | None = None
@@ -400,7 +433,11 @@ class Router:
             self.metrics.requests.labels(backend.url, path).inc()
             try:
                 if blob is not None:
-                    refused = await self._import(backend, blob, headers)
+                    try:
+                        refused = await self._import(backend, blob, headers, prefilled)
+                    finally:
+                        if prefilled.share_id is not None:
+                            blob = None      # a shared buffer is opened once; others compute the prompt
                     if refused is not None:
                         return refused
                 return await self._send(backend, method, path, body, headers, stream)
@@ -489,7 +526,7 @@ class Router:
             self._leave(backend)
 
     # -- prefill/decode disaggregation ------------------------------------------------------------
-    async def _prefill(self, key: Key, path: str, body: bytes, headers: dict[str, str]) -> bytes | Response:
+    async def _prefill(self, key: Key, path: str, body: bytes, headers: dict[str, str]) -> _Prefilled | Response:
         """The request's prompts' KV blocks from a prefill instance (retried on another when one
         fails), or the response the client gets: the prefill's own error answer, or a 502 /
         503 when no prefill instance could serve it."""
@@ -508,12 +545,15 @@ class Router:
             self.metrics.requests.labels(prefill.url, "/kv/prefill" + path).inc()
             self._enter(prefill)
             t0 = time.perf_counter()
+            share_id = None
             try:
-                async with self.session.post(prefill.url + "/kv/prefill" + path, data=body, headers=headers,
+                async with self.session.post(prefill.url + "/kv/prefill" + path, data=body,
+                                             headers={**headers, _TRANSFER_HEADER: self.config.kv_transfer},
                                              timeout=aiohttp.ClientTimeout(total=self.config.prefill_timeout_s)
                                              ) as resp:
                     data = await resp.read()
                     status, content_type = resp.status, resp.headers.get("Content-Type", "application/json")
+                    share_id = resp.headers.get(_SHARE_HEADER)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                 status, data, content_type = 0, why.encode(), ""
@@ -521,8 +561,9 @@ class Router:
                 self._leave(prefill)
             self.metrics.kv_transfer_seconds.labels("prefill").inc(time.perf_counter() - t0)
             if status == 200:
-                self.metrics.kv_transfer_bytes.inc(len(data))
-                return data
+                if share_id is None:
+                    self.metrics.kv_transfer_bytes.inc(len(data))
+                return _Prefilled(data, prefill.url, share_id)
             if status and status not in _RETRY_STATUSES:
                 return Response(data, status_code=status, media_type=content_type)
             why = data.decode("utf-8", "replace")[:300]
@@ -536,14 +577,18 @@ class Router:
         down = "; ".join(f"{b.url}: {b.last_error or 'not checked yet'}" for b in self.prefills.values())
         return error_response(503, f"no healthy prefill instance ({down})")
 
-    async def _import(self, backend: Backend, blob: bytes, headers: dict[str, str]) -> Response | None:
+    async def _import(self, backend: Backend, blob: bytes, headers: dict[str, str],
+                      prefilled: _Prefilled) -> Response | None:
         """Post the prefilled KV blocks to the decode instance ``backend``: None once it holds
         them, the client's 502 when it refuses them (another model or cache layout); a
-        connection failure raises ``_BackendFailed`` (another decode instance is tried)."""
+        connection failure raises ``_BackendFailed`` (another decode instance is tried).
+        Notes in ``prefilled`` whether the instance mapped a shared buffer (when it cannot
+        be known, it may have)."""
         aiohttp = aiohttp_module()
         headers = {**{k: v for k, v in headers.items() if k.lower() != "content-type"},
                    "Content-Type": "application/x-deepinfer-kv"}
         t0 = time.perf_counter()
+        prefilled.opened = True
         try:
             async with self.session.post(backend.url + "/kv/import", data=blob, headers=headers) as resp:
                 text = (await resp.read()).decode("utf-8", "replace")
@@ -552,6 +597,15 @@ class Router:
             raise _BackendFailed(f"KV import: {type(exc).__name__}: {exc}") from exc
         finally:
             self.metrics.kv_transfer_seconds.labels("import").inc(time.perf_counter() - t0)
+        if status == 200 and prefilled.share_id is not None:
+            try:
+                answer = json.loads(text)
+                prefilled.opened = bool(answer["opened"])
+                self.metrics.kv_transfer_bytes.inc(int(answer["bytes"]))
+            except (ValueError, KeyError, TypeError):
+                pass
+        elif status not in _RETRY_STATUSES:
+            prefilled.opened = False      # refused before mapping anything (kv_routes.py)
         if status in _RETRY_STATUSES:
             raise _BackendFailed(f"KV import: HTTP {status}: {text[:300]}")
         if status != 200:
@@ -559,6 +613,18 @@ class Router:
             return error_response(502, f"decode instance {backend.url} refused the prefilled KV blocks "
                                        f"(HTTP {status}): {text[:300]}")
         return None
+
+    async def _release(self, prefilled: _Prefilled) -> None:
+        """Tell the prefill instance its shared buffer is done with (it frees it; if this
+        fails, the instance frees it at its expiry)."""
+        aiohttp = aiohttp_module()
+        try:
+            async with self.session.post(prefilled.prefill_url + "/kv/release",
+                                         json={"id": prefilled.share_id, "opened": prefilled.opened},
+                                         timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.warning("releasing KV share %s on %s failed: %s", prefilled.share_id, prefilled.prefill_url, exc)
 
     def _enter(self, backend: Backend) -> None:
         backend.in_flight += 1

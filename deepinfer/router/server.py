@@ -37,7 +37,8 @@ def add_policy_args(p: argparse.ArgumentParser, prefix: str = "") -> None:
 
 
 def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str = "",
-                  prefill: Sequence[str] = (), prefill_timeout_s: float = 600.0, prefill_min_len: int = 0):
+                  prefill: Sequence[str] = (), prefill_timeout_s: float = 600.0, prefill_min_len: int = 0,
+                  kv_transfer: str = "inline"):
     """The :class:`RouterConfig` of the options ``add_policy_args`` added; ``prefill``: the
     prefill instances of prefill/decode disaggregation (``backends`` are then the decode ones)."""
     from deepinfer.router.app import RouterConfig
@@ -52,7 +53,7 @@ def router_config(args: argparse.Namespace, backends: Sequence[str], prefix: str
     return RouterConfig(backends=tuple(backends), policy=get("policy"), cache_aware=cache_aware,
                         max_retries=get("max-retries"), health_interval_s=get("health-interval"),
                         prefill=tuple(prefill), prefill_timeout_s=prefill_timeout_s,
-                        prefill_min_len=prefill_min_len)
+                        prefill_min_len=prefill_min_len, kv_transfer=kv_transfer)
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +71,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     pd.add_argument("--prefill-min-len", type=int, default=0,
                     help="prompts shorter than this (characters; token ids for token-id prompts) go straight to the "
                          "decode instance, which computes them itself (default 0: every prompt is prefilled)")
+    pd.add_argument("--kv-transfer", choices=("inline", "shared"), default="inline",
+                    help="how KV blocks move from prefill to decode instances: inline (in the HTTP bodies; any "
+                         "hosts) or shared (prefill and decode instances on this host: a buffer they share, CUDA "
+                         "IPC between GPUs or shared memory on the CPU; only its handle goes over HTTP)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     add_policy_args(p)
@@ -92,7 +97,8 @@ def run_router(args: argparse.Namespace) -> int:
             raise ValueError("prefill/decode disaggregation needs both --prefill URL ... and --decode URL ...")
         app = build_router_app(router_config(args, args.decode, prefill=args.prefill,
                                              prefill_timeout_s=args.prefill_timeout,
-                                             prefill_min_len=args.prefill_min_len))
+                                             prefill_min_len=args.prefill_min_len,
+                                             kv_transfer=args.kv_transfer))
         logger.warning("routing (%s) prefills over %s and decodes over %s on http://%s:%d", args.policy,
                        ", ".join(args.prefill), ", ".join(args.decode), args.host, args.port)
     else:

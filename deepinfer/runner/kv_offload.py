@@ -123,6 +123,7 @@ class KVTierStore:
         self._stream = torch.cuda.Stream(kv_buffer.device) if self.cuda else None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-kv-tiers")
         self._pending: list[Future] = []
+        self._importing = False
         self._lock = threading.Lock()
         self.stats = TransferStats()
 
@@ -165,11 +166,25 @@ class KVTierStore:
         self._pending = [f for f in self._pending if not f.done()]
         return loads
 
-    def put_host(self, slot: int, data: bytes) -> None:
+    def put_host(self, slot: int, data: bytes | torch.Tensor) -> None:
         """Host-tier bytes for ``slot`` that came from another engine (scheduler/kv_tiers.py,
-        ``TierIndex.imported``): stored as a save's copy would be."""
-        host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.host[slot] = host.pin_memory() if self.cuda else host
+        ``TierIndex.imported``), as bytes or as a uint8 tensor on any device (a mapped
+        same-host buffer): stored as a save's copy would be. Copies from a device are queued;
+        :meth:`sync_imports` waits for them."""
+        if isinstance(data, torch.Tensor):
+            host = torch.empty(data.shape, dtype=torch.uint8, pin_memory=self.cuda)
+            host.copy_(data, non_blocking=data.is_cuda)
+            self._importing |= data.is_cuda
+        else:
+            host = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            host = host.pin_memory() if self.cuda else host
+        self.host[slot] = host
+
+    def sync_imports(self) -> None:
+        """Wait for :meth:`put_host`'s queued device copies (before their source goes away)."""
+        if self._importing:
+            torch.cuda.synchronize()
+            self._importing = False
 
     @staticmethod
     def wait(loads: Sequence[Future]) -> set[bytes]:

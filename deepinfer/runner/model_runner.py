@@ -227,9 +227,13 @@ class ModelRunner:
     def read_kv_block(self, group: int, block: int) -> bytes:
         """The bytes of ``group``'s part of page ``block`` (every layer of the group), as the
         lower tiers keep them; on CUDA the copy waits for the work queued before it."""
+        return self.kv_block_view(group, block).cpu().numpy().tobytes()
+
+    def kv_block_view(self, group: int, block: int) -> torch.Tensor:
+        """``group``'s part of page ``block`` in the device cache (uint8, a view)."""
         if self.kv_buffer is None:
-            raise RuntimeError("read_kv_block needs the KV cache: call allocate_kv_cache first")
-        return self.kv_buffer[block, :self.groups[group].bytes_per_block].cpu().numpy().tobytes()
+            raise RuntimeError("reading KV blocks needs the KV cache: call allocate_kv_cache first")
+        return self.kv_buffer[block, :self.groups[group].bytes_per_block]
 
     def kv_cache_layers(self) -> list[torch.nn.Module]:
         """The layers that keep entries in the KV cache: the model's, then a model drafter's."""

@@ -92,12 +92,26 @@ def assert_no_leaks(*running) -> None:
         assert s.engine_call(host_consistent)
 
 
-def test_pd_answers_equal_a_single_instance(servers):
+@pytest.fixture(params=["inline", "shared"])
+def transfer(request, servers):
+    """The hand-over; shared memory gets a decode instance of its own, so that its blocks
+    come through the shared buffer (the module's decode instance holds them already)."""
     single, prefill, decode = servers
+    if request.param == "inline":
+        yield request.param, decode
+        return
+    with serve(make_engine(kv_offload_gib=0.01), role="decode") as fresh:
+        yield request.param, fresh
+
+
+def test_pd_answers_equal_a_single_instance(servers, transfer):
+    single, prefill, _ = servers
+    kv_transfer, decode = transfer
+    staged = prefill.app.state.kv_shares.staged_total
 
     async def run() -> tuple[list, list, str]:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session, \
-                router_over([decode.url], prefill=(prefill.url,)) as (router_url, _):
+                router_over([decode.url], prefill=(prefill.url,), kv_transfer=kv_transfer) as (router_url, _):
             want = [await call(session, single.url, path, body) for path, body in REQUESTS]
             # All at once: transfers of some overlap the prefill and decode of others.
             got = await asyncio.gather(*(call(session, router_url, path, body) for path, body in REQUESTS))
@@ -116,7 +130,12 @@ def test_pd_answers_equal_a_single_instance(servers):
     assert hits >= (len(LONG) - 1) // step * step
     plain = [a for (p, b), (_, a) in zip(REQUESTS, got) if not b.get("stream") and "prompt_logprobs" not in b]
     assert all(a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for a in plain)
-    assert "deepinfer_router_kv_transfer_bytes_total" in metrics
+    moved = [float(line.split()[-1]) for line in metrics.splitlines()
+             if line.startswith("deepinfer_router_kv_transfer_bytes_total")]
+    assert moved and moved[0] > 0
+    # Shared: every prefill went through a buffer, released by the router once imported.
+    assert prefill.app.state.kv_shares.staged_total - staged == (0 if kv_transfer == "inline" else sum("prompt_logprobs" not in b for _, b in REQUESTS))
+    assert len(prefill.app.state.kv_shares) == 0
     assert_no_leaks(single, prefill, decode)
 
 
