@@ -104,17 +104,24 @@ def check_shared(name: str, model: str | None, dtype: str) -> bool:
     torch.cuda.synchronize()
     torch.cuda.ipc_collect()
     after = torch.cuda.memory_allocated()
+    # A buffer nobody opened: released with its opener's count, it is freed at once.
+    unopened = kv_transfer.export_prompts(prefill.engine, prompts(), shares)
+    shares.release(unopened.share["id"], opened=False)
+    torch.cuda.synchronize()
+    torch.cuda.ipc_collect()
+    after_unopened = torch.cuda.memory_allocated()
     same = sum(g == w.outputs[0].token_ids for g, w in zip(got["tokens"], want))
     diff = max((abs(a - w.outputs[0].logprobs[i][t].logprob)
                 for g, lp, w in zip(got["tokens"], got["logprobs"], want)
                 for i, (t, a) in enumerate(zip(g, lp)) if t == w.outputs[0].token_ids[i]), default=0.0)
     ok = (got["opened"] and got["imported"] == len(export.blocks) > 0 and got["cached"] == export.num_tokens
-          and after == before and staged >= got["bytes"])
+          and after == before == after_unopened and staged >= got["bytes"])
     if dtype == "float32":
         ok &= same == len(want) and diff <= 1e-5
     print(f"{name} {dtype} shared (CUDA IPC, decode in another process): staged {got['bytes']} bytes "
           f"({staged} allocated), {got['imported']} blocks, cached {got['cached']}, greedy equal {same}/{len(want)}, "
-          f"max |dlogprob| {diff:.2e}, allocated after release {after - before:+d} bytes: "
+          f"max |dlogprob| {diff:.2e}, allocated after release {after - before:+d} bytes "
+          f"(unopened buffer: {after_unopened - before:+d}): "
           f"{'ok' if ok else 'FAILED'}", flush=True)
     return ok
 
