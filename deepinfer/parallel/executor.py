@@ -153,6 +153,20 @@ def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
             dist.all_reduce(torch.zeros(1, device=device), group=group.group)
 
 
+@torch.inference_mode()
+def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
+    """A forward of one token without a KV cache, run only for its collectives: a data-parallel
+    rank without work this step meets the others' MoE dispatch and combine (the tensor-parallel
+    collectives, within its own group, come along). Its expert load is not counted. Without
+    expert-parallel layers no collective crosses data-parallel ranks, and nothing runs."""
+    loads = [(m.ep, m.ep.load.clone()) for m in model.modules() if isinstance(m, FusedMoE) and m.ep is not None]
+    if not loads:
+        return
+    model(torch.zeros(1, dtype=torch.long, device=device), ForwardContext.no_cache([1], device))
+    for ep, load in loads:
+        ep.load.copy_(load)
+
+
 def join_external_launch(config: EngineConfig) -> tuple[EngineConfig, ParallelGroups]:
     """This process as one rank of a launch someone else started (``torchrun``;
     ``distributed_executor_backend="external_launcher"``): join ``torch.distributed`` from the
@@ -239,7 +253,7 @@ class Worker:
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
             result = self.runner.finish(self.runner.launch(plan))
             if join_collectives and plan.is_empty:
-                self.dummy_forward()
+                dummy_forward(self.model, self.config.device)
         # Every rank gets every plan, so all step the balancer together (its rebalance is a set
         # of collectives), steps without MoE tokens included: those add an empty load.
         if self.balancer is not None:
@@ -253,21 +267,6 @@ class Worker:
         """This rank reports its data-parallel rank's results: the first of the first tensor-
         parallel group serving it."""
         return self.rank < self.config.parallel.tp * self.config.parallel.dp and self.rank % self.config.parallel.tp == 0
-
-    @torch.inference_mode()
-    def dummy_forward(self) -> None:
-        """A forward of one token without a KV cache, run only for its collectives (every MoE
-        layer's dispatch and combine; the tensor-parallel ones, within this rank's group, come
-        along); its expert load is not counted. Without expert-parallel layers no collective
-        crosses data-parallel ranks, and nothing runs."""
-        loads = [(m.ep, m.ep.load.clone()) for m in self.model.modules()
-                 if isinstance(m, FusedMoE) and m.ep is not None]
-        if not loads:
-            return
-        ids = torch.zeros(1, dtype=torch.long, device=self.config.device)
-        self.model(ids, ForwardContext.no_cache([1], self.config.device))
-        for ep, load in loads:
-            ep.load.copy_(load)
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "execute":

@@ -20,8 +20,12 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ParallelConfig
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
+from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.data import DataParallelScheduler
+from deepinfer.parallel.executor import dummy_forward
+from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from tests.engine.conftest import make_checkpoint
+from tests.parallel.ep_harness import HF_MOE, HF_TINY, moe_layers, randomize
 
 TINY_V4 = Path(__file__).resolve().parents[1] / "data" / "tiny-v4-model"
 # V4.1's packed FP8/FP4 KV records round: compare with unrounded float32 entries.
@@ -213,3 +217,76 @@ def test_rank_layout():
     assert ParallelConfig(ep=2, dp=2).describe() == ("world 2 ranks: tp=1 (attention shards), dp=2 (request "
                                                      "shards), cp=1 (context shards), ep=2 (expert shards)")
     assert ParallelConfig(tp=2, dp=4).world_size == 8
+
+
+def test_dummy_forward_reaches_every_moe_layer_and_counts_no_load():
+    """An idle rank's dummy forward calls every expert-parallel layer once (so it meets the
+    other ranks' dispatch and combine) and leaves the load counters as they were."""
+    config = {**HF_TINY, **HF_MOE["Qwen3MoeForCausalLM"], "architectures": ["Qwen3MoeForCausalLM"],
+              "head_dim": 16}
+    # Redundant slots give the layers an ExpertParallel of one rank (filled at random: no load).
+    with use_expert_parallel(ExpertParallelConfig(num_redundant_experts=8)):
+        model = get_model_class("Qwen3MoeForCausalLM")(config, torch.float32)
+    randomize(model, 0)
+    layers = moe_layers(model)
+    assert layers and all(m.ep is not None for m in layers)
+    calls = []
+    for i, m in enumerate(layers):
+        m.ep.load.copy_(torch.arange(m.ep.load.numel()) + i)
+        forward = m.ep.forward
+        m.ep.forward = lambda *a, i=i, forward=forward, **k: calls.append(i) or forward(*a, **k)
+    before = [m.ep.load.clone() for m in layers]
+    dummy_forward(model, torch.device("cpu"))
+    assert calls == list(range(len(layers)))
+    assert all(torch.equal(m.ep.load, b) for m, b in zip(layers, before))
+
+
+@pytest.mark.slow
+def test_eplb_with_data_parallel_keeps_greedy_tokens(checkpoints):
+    """EPLB under data parallelism: each rank counts its own tokens and the balancer sums the
+    window over the expert-parallel group (every data-parallel rank), so the placement is the
+    whole load's. Rebalancing mid-generation changes no token."""
+    path = checkpoints["Qwen3MoeForCausalLM"]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    with LLM(model=str(path), device="cpu", max_num_batched_tokens=16, dtype="float32") as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    with LLM(model=str(path), device="cpu", max_num_batched_tokens=16, dtype="float32", expert_parallel_size=2,
+             data_parallel_size=2, enable_eplb=True, num_redundant_experts=2, eplb_window_size=4,
+             eplb_step_interval=3) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+        stats = llm.engine.runner.eplb_stats
+    assert got == ref
+    assert stats.rebalances >= 2 and stats.imbalance_before >= 1.0
+
+
+@pytest.mark.slow
+def test_preemption_and_abort_under_data_parallel(checkpoints):
+    """A rank whose cache cannot hold both its sequences preempts one and recomputes it later
+    (greedy tokens unchanged); an aborted request ends as aborted while the others finish."""
+    path = checkpoints["Qwen3MoeForCausalLM"]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with LLM(model=str(path), device="cpu", dtype="float32") as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params, use_tqdm=False)]
+    # 5 blocks of 16 tokens a rank, one kept back: 4 blocks for two or three sequences of up
+    # to 63 tokens each.
+    with LLM(model=str(path), device="cpu", dtype="float32", expert_parallel_size=2, data_parallel_size=2,
+             num_kv_blocks=5, block_size=16) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in _prompts()]
+        victim = engine.add_request(_prompts((9,))[0], SamplingParams(max_tokens=50, ignore_eos=True))
+        outs = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            steps += 1
+            if steps == 3:
+                engine.abort(victim)
+        assert [outs[i].outputs[0].token_ids for i in ids] == ref
+        assert outs[victim].outputs[0].finish_reason == "abort"
+        assert len(outs[victim].outputs[0].token_ids) < 50
+        per_rank = [s.num_preemptions for s in engine.scheduler.schedulers]
+        assert sum(per_rank) > 0 and engine.scheduler.num_preemptions == sum(per_rank)
+        for kv in engine.kv.managers:
+            assert kv.num_free_blocks == kv.pool.num_blocks - 1
