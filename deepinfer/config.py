@@ -385,6 +385,12 @@ class ParallelConfig:
         requests; the experts stay expert-parallel over ``ep`` ranks."""
         if self.dp == 1:
             return
+        if self.ep == 1:
+            raise NotImplementedError(
+                f"dp={self.dp} (data_parallel_size) without expert parallelism (expert_parallel_size=1): "
+                "attention data parallelism is not yet supported on its own; it shards the requests of a MoE "
+                "model whose experts are expert-parallel (set expert_parallel_size > 1), and replicas of a "
+                "whole model run as separate engines behind `deepinfer router`")
         if self.world_size % (self.tp * self.dp) or self.world_size % self.ep:
             raise ValueError(f"ep={self.ep} (expert_parallel_size) and tp={self.tp} x dp={self.dp} "
                              f"(data_parallel_size) = {self.tp * self.dp} must divide the world of "

@@ -202,6 +202,8 @@ def test_killed_worker_fails_requests_without_hanging(checkpoints, victim):
     (dict(expert_parallel_size=2, data_parallel_size=2, distributed_executor_backend="external_launcher"),
      NotImplementedError, r"dp=2 \(data_parallel_size\) with distributed_executor_backend='external_launcher'"),
     (dict(data_parallel_size=0), ValueError, r"dp=0 \(data_parallel_size\) must be an int >= 1"),
+    (dict(data_parallel_size=2), NotImplementedError,
+     r"dp=2 \(data_parallel_size\) without expert parallelism \(expert_parallel_size=1\)"),
 ])
 def test_bad_sizes_are_refused_before_loading(checkpoints, kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -216,7 +218,7 @@ def test_rank_layout():
     assert [par.dp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     assert ParallelConfig(ep=2, dp=2).describe() == ("world 2 ranks: tp=1 (attention shards), dp=2 (request "
                                                      "shards), cp=1 (context shards), ep=2 (expert shards)")
-    assert ParallelConfig(tp=2, dp=4).world_size == 8
+    assert ParallelConfig(tp=2, dp=4, ep=4).world_size == 8
 
 
 def test_dummy_forward_reaches_every_moe_layer_and_counts_no_load():
