@@ -39,7 +39,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.parallel.data import DataParallelKV, DataParallelScheduler
+from deepinfer.parallel.data import DataParallelKV, DataParallelPlan, DataParallelScheduler
 from deepinfer.parallel.executor import ExecutorDeadError, MultiprocExecutor, join_external_launch
 from deepinfer.parallel.groups import ParallelGroups, use_groups
 from deepinfer.request import Request, RequestStatus
@@ -99,7 +99,7 @@ class EngineStats:
 
 @dataclass
 class _Launched:
-    plan: StepPlan
+    plan: StepPlan | DataParallelPlan
     handle: StepHandle
 
 
@@ -382,7 +382,7 @@ class Engine:
             self._detokenize(req)
         return touched
 
-    def _fail_all(self, plan: StepPlan, reason: str) -> None:
+    def _fail_all(self, plan: StepPlan | DataParallelPlan, reason: str) -> None:
         """The model cannot run any more (a parallel worker died): ``plan`` and every request
         not finished end with the error, and the engine refuses new ones."""
         self.dead = reason

@@ -14,14 +14,19 @@ shard of the model under :func:`~deepinfer.parallel.groups.use_groups` and owns 
 and rank 0's ``StepResult`` goes back to the scheduler (with EPLB on, with the load
 balancer's stats: every worker steps its ``ExpertLoadBalancer`` after every step). Every rank samples from the same
 gathered logits with the same seeded generator, so all keep the same tokens for the next
-step's placeholders. Keeping rank 0 out of the driver means the driver never waits inside a
-collective: it only waits on pipes and on the workers' process sentinels, so a worker that
-dies is noticed at once, whatever the backend.
+step's placeholders. Under attention data parallelism (``dp`` > 1, parallel/data.py) each
+worker gets its data-parallel rank's own plan instead, a worker without work that step runs
+a dummy forward to meet the MoE layers' collectives, and the first worker of each
+data-parallel rank returns that rank's result. Keeping rank 0 out of the driver means the
+driver never waits inside a collective: it only waits on pipes and on the workers' process
+sentinels, so a worker that dies is noticed at once, whatever the backend.
 
 Protocol. Each worker answers every message, in order: ``("ok", value)`` or ``("error",
 traceback)``. A reading thread in the worker drains the pipe into a queue so that the driver
 can send step N+1 (overlapped scheduling) while the worker still sends step N's result,
-without both blocking on full pipes. A worker exits when the driver's end of its pipe closes.
+without both blocking on full pipes. The engine does not finish a launch of bookkeeping only
+(no sequence to run): its replies are read and dropped before the next finished step's. A
+worker exits when the driver's end of its pipe closes.
 
 Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) there is no driver:
 each launched process runs a whole engine on its rank (:func:`join_external_launch`).
@@ -266,7 +271,8 @@ class Worker:
     def leads(self) -> bool:
         """This rank reports its data-parallel rank's results: the first of the first tensor-
         parallel group serving it."""
-        return self.rank < self.config.parallel.tp * self.config.parallel.dp and self.rank % self.config.parallel.tp == 0
+        par = self.config.parallel
+        return self.rank < par.tp * par.dp and self.rank % par.tp == 0
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "execute":

@@ -151,6 +151,12 @@ def test_assignment_by_prefix_load_and_n(checkpoints):
         assert sorted(outs) == sorted([a, b, c, fork]) and all(o.error is None for o in outs.values())
         assert len(outs[fork].outputs) == 3
         assert not sched.rank_of
+        # /metrics sums the ranks' counters.
+        metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+        queries = [kv.prefix_queries for kv in engine.kv.managers]
+        assert min(queries) > 0 and metrics["vllm:prefix_cache_queries"] == sum(queries)
+        assert metrics["vllm:prefix_cache_hits"] == sum(kv.prefix_hits for kv in engine.kv.managers)
+        assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] < 1
         # Nothing runs now; the shared prefix is cached on one rank only, and a new request
         # sharing it goes there although both ranks are idle.
         d = engine.add_request(shared + [9, 9, 9], params)
