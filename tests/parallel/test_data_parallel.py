@@ -20,6 +20,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ParallelConfig
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
+from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.data import DataParallelScheduler
 from deepinfer.parallel.executor import dummy_forward
@@ -157,6 +158,9 @@ def test_assignment_by_prefix_load_and_n(checkpoints):
         assert min(queries) > 0 and metrics["vllm:prefix_cache_queries"] == sum(queries)
         assert metrics["vllm:prefix_cache_hits"] == sum(kv.prefix_hits for kv in engine.kv.managers)
         assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] < 1
+        server = ServerMetrics("m")
+        server.observe_engine(engine)
+        assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(sum(queries))}' in server.render().decode()
         # Nothing runs now; the shared prefix is cached on one rank only, and a new request
         # sharing it goes there although both ranks are idle.
         d = engine.add_request(shared + [9, 9, 9], params)
@@ -298,3 +302,22 @@ def test_preemption_and_abort_under_data_parallel(checkpoints):
         assert sum(per_rank) > 0 and engine.scheduler.num_preemptions == sum(per_rank)
         for kv in engine.kv.managers:
             assert kv.num_free_blocks == kv.pool.num_blocks - 1
+
+
+@pytest.mark.slow
+def test_ngram_speculative_decoding_under_data_parallel(checkpoints):
+    """Each data-parallel rank drafts and verifies its own sequences (the n-gram drafter runs
+    in every worker's runner): greedy tokens equal the single-process run's."""
+    path = checkpoints["Qwen3MoeForCausalLM"]
+    # Repeating prompts, so that the drafter finds matches.
+    prompts = [(p * 3)[:40] for p in _prompts((7, 9, 5, 11))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(model=str(path), device="cpu", dtype="float32") as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=str(path), device="cpu", dtype="float32", expert_parallel_size=2, data_parallel_size=2,
+             speculative_config=spec) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.scheduler.spec_stats
+    assert got == ref
+    assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
