@@ -325,12 +325,15 @@ class ParallelConfig:
     """Tensor (``tp``), expert (``ep``), data (``dp``), context (``cp``) and pipeline (``pp``)
     parallel sizes.
 
-    Tensor and expert parallelism run now; data, context and pipeline parallelism are refused
-    as not yet supported. The world is ``max(tp, ep)`` ranks, one process (and on CUDA one
-    device) each; both sizes must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
-    group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; every rank runs every step,
-    so tensor-parallel groups beyond the first repeat the first one's work (``tp=2, ep=4``:
-    attention on two ranks, twice; experts over all four).
+    Tensor, expert and attention data parallelism run now; context and pipeline parallelism
+    are refused as not yet supported. The world is ``max(ep, tp*dp, tp*cp)`` ranks, one process
+    (and on CUDA one device) each; every size must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a
+    tensor-parallel group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group. Without data
+    parallelism every rank runs every request, so tensor-parallel groups beyond the first
+    repeat the first one's work (``tp=2, ep=4``: attention on two ranks, twice; experts over
+    all four). With ``dp`` > 1 tensor-parallel group k serves data-parallel rank k mod dp: its
+    own requests, KV cache and prefix cache (:meth:`dp_rank_of`; parallel/data.py); the MoE
+    layers stay expert-parallel over the ``ep`` group, each rank dispatching its own tokens.
 
     ``distributed_executor_backend`` (vLLM's name): ``"mp"`` — the engine starts one worker
     process per rank itself (parallel/executor.py); ``"external_launcher"`` — every rank is a
@@ -361,17 +364,40 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} ({long_name}) must be an int >= 1")
-            if value > 1 and name in ("dp", "cp", "pp"):
+            if value > 1 and name in ("cp", "pp"):
                 raise NotImplementedError(
                     f"{name}={value} ({long_name}): {long_name.split('_size')[0].replace('_', ' ')} is not "
-                    f"yet supported; run with {name}=1 (tensor and expert parallelism are: tp, ep)")
+                    f"yet supported; run with {name}=1 (tensor, expert and data parallelism are: tp, ep, dp)")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              f"supported; choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+        if self.dp > 1 and self.cp > 1:
+            raise ValueError(f"dp={self.dp} (data_parallel_size) and cp={self.cp} (context_parallel_size) "
+                             "cannot both be above 1: attention ranks split either requests or contexts")
+        self._check_data_parallel()
         if self.world_size % self.tp or self.world_size % self.ep:
             raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
                              f"must divide each other: the world is max(tp, ep)={self.world_size} ranks")
         self._check_eplb()
+
+    def _check_data_parallel(self) -> None:
+        """Attention data parallelism: ``dp`` blocks of ``tp`` ranks each take their own
+        requests; the experts stay expert-parallel over ``ep`` ranks."""
+        if self.dp == 1:
+            return
+        if self.ep == 1:
+            raise NotImplementedError(
+                f"dp={self.dp} (data_parallel_size) without expert parallelism (expert_parallel_size=1): "
+                "attention data parallelism is not yet supported on its own; it shards the requests of a MoE "
+                "model whose experts are expert-parallel (set expert_parallel_size > 1), and replicas of a "
+                "whole model run as separate engines behind `deepinfer router`")
+        if self.world_size % (self.tp * self.dp) or self.world_size % self.ep:
+            raise ValueError(f"ep={self.ep} (expert_parallel_size) and tp={self.tp} x dp={self.dp} "
+                             f"(data_parallel_size) = {self.tp * self.dp} must divide the world of "
+                             f"max(ep, tp x dp)={self.world_size} ranks")
+        if self.distributed_executor_backend != "mp":
+            raise NotImplementedError(f"dp={self.dp} (data_parallel_size) with distributed_executor_backend="
+                                      f"{self.distributed_executor_backend!r} is not yet supported; use 'mp'")
 
     def _check_eplb(self) -> None:
         for name, low in (("num_redundant_experts", 0), ("eplb_window_size", 1), ("eplb_step_interval", 1)):
@@ -395,7 +421,18 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         """Ranks (processes, devices) the engine runs its model on."""
-        return max(self.tp, self.ep)
+        return max(self.ep, self.tp * self.dp, self.tp * self.cp)
+
+    def dp_rank_of(self, rank: int) -> int:
+        """The attention data-parallel rank whose requests global rank ``rank`` runs: ranks
+        ``[k*tp, (k+1)*tp)`` form tensor-parallel group k, and group k serves DP rank k mod dp
+        (groups past the first tp x dp ranks repeat the first ones' work)."""
+        return (rank // self.tp) % self.dp
+
+    def describe(self) -> str:
+        """The rank layout on one line."""
+        return (f"world {self.world_size} ranks: tp={self.tp} (attention shards), dp={self.dp} (request shards), "
+                f"cp={self.cp} (context shards), ep={self.ep} (expert shards)")
 
 
 SPECULATIVE_METHODS = ("ngram", "dspark", "mtp")

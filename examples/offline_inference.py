@@ -3,9 +3,10 @@
     python examples/offline_inference.py                       # embedded tiny model
     python examples/offline_inference.py --model /path/to/ckpt --ep 8 --dp 8
 
-The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp and --ep
-start one worker process per rank (CUDA devices, or the CPU with --device cpu); --dp and --cp
-above 1 raise a clear error until they land.
+The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp, --ep and
+--dp start one worker process per rank (CUDA devices, or the CPU with --device cpu): with --dp
+each data-parallel rank runs its own requests' attention, the experts are split over --ep
+ranks. --cp above 1 raises a clear error until it lands.
 """
 
 import argparse
@@ -27,6 +28,7 @@ def main() -> None:
 
     llm = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
               data_parallel_size=args.dp, context_parallel_size=args.cp)
+    print(llm.engine.config.parallel.describe())
     prompts = [
         "The meaning of a module is",
         "Return the number of",

@@ -39,6 +39,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from deepinfer.models.loader import load_model
 from deepinfer.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.parallel.data import DataParallelKV, DataParallelPlan, DataParallelScheduler
 from deepinfer.parallel.executor import ExecutorDeadError, MultiprocExecutor, join_external_launch
 from deepinfer.parallel.groups import ParallelGroups, use_groups
 from deepinfer.request import Request, RequestStatus
@@ -98,7 +99,7 @@ class EngineStats:
 
 @dataclass
 class _Launched:
-    plan: StepPlan
+    plan: StepPlan | DataParallelPlan
     handle: StepHandle
 
 
@@ -139,14 +140,25 @@ class Engine:
             disk_entries = self.runner.enable_kv_tiers()
             tiers = TierIndex(config.cache.kv_offload_bytes, config.cache.kv_disk_bytes,
                               [g.bytes_per_block for g in groups], disk_entries)
-        self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, tiers)
         spec = config.speculative
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.model.max_model_len, eos_ids,
-                                   replay_keep_tokens=replay_keep,
-                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-                                   varlen_sps=self._varlen_sps() if spec and spec.varlen else None,
-                                   num_lookahead_tokens=self.runner.num_lookahead_tokens,
-                                   prefix_hit_margin=self.runner.prefix_hit_margin)
+        varlen_sps = self._varlen_sps() if spec and spec.varlen else None
+
+        def scheduler(kv: KVCacheManager) -> Scheduler:
+            return Scheduler(config.scheduler, kv, config.model.max_model_len, eos_ids,
+                             replay_keep_tokens=replay_keep,
+                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                             varlen_sps=varlen_sps, num_lookahead_tokens=self.runner.num_lookahead_tokens,
+                             prefix_hit_margin=self.runner.prefix_hit_margin)
+
+        if par.dp > 1:
+            # Attention data parallelism: each DP rank's own KV cache (of num_blocks blocks on
+            # its workers) and scheduler, behind one (parallel/data.py).
+            caches = [KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching) for _ in range(par.dp)]
+            self.kv = DataParallelKV(caches)
+            self.scheduler = DataParallelScheduler([scheduler(kv) for kv in caches])
+        else:
+            self.kv = KVCacheManager(groups, num_blocks, config.cache.enable_prefix_caching, tiers)
+            self.scheduler = scheduler(self.kv)
         self.requests: dict[str, _UserRequest] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -370,7 +382,7 @@ class Engine:
             self._detokenize(req)
         return touched
 
-    def _fail_all(self, plan: StepPlan, reason: str) -> None:
+    def _fail_all(self, plan: StepPlan | DataParallelPlan, reason: str) -> None:
         """The model cannot run any more (a parallel worker died): ``plan`` and every request
         not finished end with the error, and the engine refuses new ones."""
         self.dead = reason

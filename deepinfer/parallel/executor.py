@@ -14,14 +14,19 @@ shard of the model under :func:`~deepinfer.parallel.groups.use_groups` and owns 
 and rank 0's ``StepResult`` goes back to the scheduler (with EPLB on, with the load
 balancer's stats: every worker steps its ``ExpertLoadBalancer`` after every step). Every rank samples from the same
 gathered logits with the same seeded generator, so all keep the same tokens for the next
-step's placeholders. Keeping rank 0 out of the driver means the driver never waits inside a
-collective: it only waits on pipes and on the workers' process sentinels, so a worker that
-dies is noticed at once, whatever the backend.
+step's placeholders. Under attention data parallelism (``dp`` > 1, parallel/data.py) each
+worker gets its data-parallel rank's own plan instead, a worker without work that step runs
+a dummy forward to meet the MoE layers' collectives, and the first worker of each
+data-parallel rank returns that rank's result. Keeping rank 0 out of the driver means the
+driver never waits inside a collective: it only waits on pipes and on the workers' process
+sentinels, so a worker that dies is noticed at once, whatever the backend.
 
 Protocol. Each worker answers every message, in order: ``("ok", value)`` or ``("error",
 traceback)``. A reading thread in the worker drains the pipe into a queue so that the driver
 can send step N+1 (overlapped scheduling) while the worker still sends step N's result,
-without both blocking on full pipes. A worker exits when the driver's end of its pipe closes.
+without both blocking on full pipes. The engine does not finish a launch of bookkeeping only
+(no sequence to run): its replies are read and dropped before the next finished step's. A
+worker exits when the driver's end of its pipe closes.
 
 Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) there is no driver:
 each launched process runs a whole engine on its rank (:func:`join_external_launch`).
@@ -33,6 +38,8 @@ any fault is fatal: the executor stops every worker and raises :class:`ExecutorD
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import multiprocessing as mp
 import queue
@@ -50,10 +57,13 @@ import torch.distributed as dist
 
 from deepinfer.batch_invariant import batch_invariant_mode
 from deepinfer.config import EngineConfig, ParallelConfig
+from deepinfer.forward_context import ForwardContext
 from deepinfer.kv_spec import KVCacheSpec
+from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.balancer import EPLBConfig, EPLBStats, ExpertLoadBalancer
+from deepinfer.parallel.data import DataParallelPlan, DataParallelResult
 from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
 from deepinfer.runner.model_runner import ModelRunner
@@ -97,8 +107,8 @@ def check_parallel(config: EngineConfig) -> None:
     if config.device.type == "cuda":
         available = torch.cuda.device_count()
         if par.world_size > available:
-            raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep} need "
-                             f"{par.world_size} CUDA devices; {available} are visible")
+            raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep}, data_parallel_size="
+                             f"{par.dp} need {par.world_size} CUDA devices; {available} are visible")
     if config.cache.has_lower_tiers:
         raise NotImplementedError(f"kv_offload_gib / kv_disk_dir with {par.world_size} ranks: the KV cache's host "
                                   "and disk tiers are not yet supported under parallelism")
@@ -121,15 +131,45 @@ def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
                 mine = Group(size=size, rank=rank - start, group=group)
         return mine
 
-    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep))
+    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep), dp=data_parallel_group(parallel, rank))
+
+
+def data_parallel_group(parallel: ParallelConfig, rank: int) -> Group:
+    """This rank's attention data-parallel group: within each block of ``tp * dp`` consecutive
+    ranks, the ranks of one tensor-parallel rank (one per data-parallel rank). Every rank
+    creates every group, in the same order."""
+    if parallel.dp == 1:
+        return Group()
+    mine, width = None, parallel.tp * parallel.dp
+    for start in range(0, parallel.world_size, width):
+        for t in range(parallel.tp):
+            members = [start + k * parallel.tp + t for k in range(parallel.dp)]
+            group = dist.new_group(members)
+            if rank in members:
+                mine = Group(size=parallel.dp, rank=members.index(rank), group=group)
+    return mine
 
 
 def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
     """One collective per group: NCCL sets a communicator up on its first collective, which
     must not happen inside a CUDA-graph capture (the decode graphs)."""
-    for group in (groups.tp, groups.ep):
+    for group in (groups.tp, groups.ep, groups.dp):
         if not group.is_single:
             dist.all_reduce(torch.zeros(1, device=device), group=group.group)
+
+
+@torch.inference_mode()
+def dummy_forward(model: torch.nn.Module, device: torch.device) -> None:
+    """A forward of one token without a KV cache, run only for its collectives: a data-parallel
+    rank without work this step meets the others' MoE dispatch and combine (the tensor-parallel
+    collectives, within its own group, come along). Its expert load is not counted. Without
+    expert-parallel layers no collective crosses data-parallel ranks, and nothing runs."""
+    loads = [(m.ep, m.ep.load.clone()) for m in model.modules() if isinstance(m, FusedMoE) and m.ep is not None]
+    if not loads:
+        return
+    model(torch.zeros(1, dtype=torch.long, device=device), ForwardContext.no_cache([1], device))
+    for ep, load in loads:
+        ep.load.copy_(load)
 
 
 def join_external_launch(config: EngineConfig) -> tuple[EngineConfig, ParallelGroups]:
@@ -201,28 +241,38 @@ class Worker:
                     num_lookahead_tokens=r.num_lookahead_tokens, prefix_hit_margin=r.prefix_hit_margin,
                     drafter_has_confidences=r.drafter_has_confidences)
 
-    def execute(self, plan: StepPlan, after_idle: bool) -> tuple[StepResult, EPLBStats | None] | None:
+    def execute(self, plan: StepPlan, after_idle: bool,
+                join_collectives: bool = False) -> tuple[StepResult, EPLBStats | None] | None:
         """Run one step (``after_idle``: the engine was idle before it, so the device's idle time
-        is not measured), then step EPLB when it is on; rank 0 returns its result (the others'
-        are the same) with the balancer's stats (None without EPLB)."""
+        is not measured), then step EPLB when it is on. The first rank of each data-parallel
+        rank returns its result (the others of its tensor-parallel group have the same) with
+        the balancer's stats (rank 0's; None without EPLB). ``join_collectives``: another
+        data-parallel rank has work this step while ``plan`` has none, so this rank runs a
+        dummy forward to meet the MoE layers' collectives."""
         par = self.config.parallel
         if par.enable_eplb and self.balancer is None:
             self.balancer = ExpertLoadBalancer(self.model, EPLBConfig(window_size=par.eplb_window_size,
                                                                       interval=par.eplb_step_interval))
         if after_idle:
             self.runner.reset_idle_clock()
-        if self.config.batch_invariant:
-            with batch_invariant_mode():
-                result = self.runner.finish(self.runner.launch(plan))
-        else:
+        with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
             result = self.runner.finish(self.runner.launch(plan))
+            if join_collectives and plan.is_empty:
+                dummy_forward(self.model, self.config.device)
         # Every rank gets every plan, so all step the balancer together (its rebalance is a set
         # of collectives), steps without MoE tokens included: those add an empty load.
         if self.balancer is not None:
             self.balancer.step()
-        if self.rank != 0:
+        if not self.leads:
             return None
-        return result, None if self.balancer is None else self.balancer.stats
+        return result, None if self.balancer is None or self.rank else self.balancer.stats
+
+    @property
+    def leads(self) -> bool:
+        """This rank reports its data-parallel rank's results: the first of the first tensor-
+        parallel group serving it."""
+        par = self.config.parallel
+        return self.rank < par.tp * par.dp and self.rank % par.tp == 0
 
     def call(self, method: str, *args: Any) -> Any:
         if method == "execute":
@@ -304,12 +354,14 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
         check_parallel(config)
         self.world_size = config.parallel.world_size
+        self.parallel = config.parallel
         self.dead: str | None = None
         ctx = mp.get_context("spawn")
         port = free_port()
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._launched = 0
+        self._unfinished: collections.deque[int] = collections.deque()   # launched, replies not read
         self._idle = False    # the engine went idle since the last launch
         # EPLB's stats after the last finished step (rank 0's); None without EPLB.
         self.eplb_stats: EPLBStats | None = EPLBStats() if config.parallel.enable_eplb else None
@@ -322,8 +374,8 @@ class MultiprocExecutor:
             self.procs.append(proc)
             self.conns.append(mine)
         self._stopper = weakref.finalize(self, _stop_workers, self.procs, self.conns, True)
-        logger.info("started %d worker processes (tp=%d, ep=%d): pids %s", self.world_size,
-                    config.parallel.tp, config.parallel.ep, [p.pid for p in self.procs])
+        logger.info("started %d worker processes (%s): pids %s", self.world_size,
+                    config.parallel.describe(), [p.pid for p in self.procs])
         info = self._collect()[0]
         self.replay_keep: int | None = info["replay_keep"]
         self._kv_cache_specs: list[KVCacheSpec] = info["kv_cache_specs"]
@@ -353,20 +405,37 @@ class MultiprocExecutor:
         # Told with the next step: no round trip to the workers while the engine is idle.
         self._idle = True
 
-    def launch(self, plan: StepPlan) -> int:
-        """Send ``plan`` to every worker; the handle is the step's number."""
-        self._send_all("execute", plan, self._idle)
+    def launch(self, plan: StepPlan | DataParallelPlan) -> int:
+        """Send ``plan`` to every worker (a data-parallel plan: each worker its DP rank's part);
+        the handle is the step's number."""
+        if isinstance(plan, DataParallelPlan):
+            busy = not plan.is_empty
+            par = self.parallel
+            self._send_each("execute", [(plan.plans[par.dp_rank_of(r)], self._idle, busy)
+                                        for r in range(self.world_size)])
+        else:
+            self._send_all("execute", plan, self._idle)
         self._idle = False
         self._launched += 1
+        self._unfinished.append(self._launched)
         return self._launched
 
-    def finish(self, handle: int) -> StepResult:
-        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order);
-        the EPLB stats that come with it are kept in :attr:`eplb_stats`."""
-        result, stats = self._collect()[0]
+    def finish(self, handle: int) -> StepResult | DataParallelResult:
+        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order), or
+        under data parallelism each DP rank's; the EPLB stats that come with rank 0's are kept
+        in :attr:`eplb_stats`."""
+        # The engine never finishes a launch of bookkeeping only (no sequence on any rank):
+        # its replies come first and are skipped.
+        while True:
+            replies = self._collect()
+            if self._unfinished.popleft() == handle:
+                break
+        result, stats = replies[0]
         if stats is not None:
             self.eplb_stats = stats
-        return result
+        if self.parallel.dp == 1:
+            return result
+        return DataParallelResult([replies[d * self.parallel.tp][0] for d in range(self.parallel.dp)])
 
     # -- plumbing -----------------------------------------------------------------------
     def _call_all(self, method: str, *args: Any) -> list[Any]:
@@ -374,10 +443,14 @@ class MultiprocExecutor:
         return self._collect()
 
     def _send_all(self, method: str, *args: Any) -> None:
+        self._send_each(method, [args] * self.world_size)
+
+    def _send_each(self, method: str, args: list[tuple]) -> None:
+        """``method`` to every worker, rank r with ``args[r]``."""
         self._check_alive()
         for rank, conn in enumerate(self.conns):
             try:
-                conn.send((method, args))
+                conn.send((method, args[rank]))
             except (BrokenPipeError, OSError):
                 self._fail(f"worker rank {rank} (pid {self.procs[rank].pid}) is gone "
                            f"(exit code {self.procs[rank].exitcode})")

@@ -598,6 +598,15 @@ class KVCacheManager:
             hit = self._hit_tokens(hashes, keys, hit - self.hit_step)
         return hit
 
+    def probe_prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """:meth:`find_prefix_hit` for a prompt no sequence holds, keeping nothing (a data-parallel
+        driver asks every rank's cache before it assigns the request)."""
+        probe = "\0probe"
+        try:
+            return self.find_prefix_hit(probe, token_ids)
+        finally:
+            self._hashes.pop(probe, None)
+
     def count_lookup(self, num_tokens: int, hit: int) -> None:
         """Count one admitted request's lookup in the prefix-cache counters (tokens queried and
         hit, vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``). Lookups of a request that

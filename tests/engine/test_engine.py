@@ -225,7 +225,7 @@ def test_impossible_request_fails_alone():
 
 
 def test_parallel_flags_raise():
-    with pytest.raises(NotImplementedError, match=r"dp=2 \(data_parallel_size\): data parallel is not yet supported"):
+    with pytest.raises(NotImplementedError, match=r"dp=2 \(data_parallel_size\) without expert parallelism"):
         LLM(device="cpu", data_parallel_size=2)
 
 

@@ -26,7 +26,7 @@ def test_example_generates():
 
 
 def test_example_unsupported_parallel_flags_fail_clearly():
-    for flag, value, message in (("--dp", "2", "data parallel is not yet supported"),
+    for flag, value, message in (("--dp", "2", "attention data parallelism is not yet supported on its own"),
                                  ("--cp", "2", "context parallel is not yet supported"),
                                  ("--tp", "3", "tensor_parallel_size=3 must divide config.json num_attention_heads=4")):
         res = run("--device", "cpu", flag, value)
@@ -38,4 +38,12 @@ def test_example_unsupported_parallel_flags_fail_clearly():
 def test_example_runs_on_two_cpu_ranks():
     res = run("--device", "cpu", "--tp", "2", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.count(" -> ") == 4
+
+
+@pytest.mark.slow
+def test_example_runs_data_parallel_on_two_cpu_ranks():
+    res = run("--device", "cpu", "--ep", "2", "--dp", "2", "--max-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert "world 2 ranks: tp=1 (attention shards), dp=2 (request shards)" in res.stdout
     assert res.stdout.count(" -> ") == 4

@@ -75,7 +75,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
 
 
 # -- checkpoints -------------------------------------------------------------------------------
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     """Every parameter and persistent buffer random (tid2eid rows: distinct expert ids)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def write_v4_checkpoint(path: Path, seed: int = 0) -> Path:
     """A random tiny DeepSeek-V4 checkpoint under our own names (stacked experts)."""
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
     model = DeepseekV4ForCausalLM(V4_CONFIG, torch.float32)
-    _randomize(model, seed)
+    randomize(model, seed)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(V4_CONFIG))

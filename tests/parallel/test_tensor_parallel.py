@@ -321,7 +321,7 @@ def test_external_launcher_outside_a_launch_is_refused(checkpoints, monkeypatch)
     ("Qwen3MoeForCausalLM", dict(tensor_parallel_size=2, expert_parallel_size=3), ValueError,
      r"must divide each other: the world is max\(tp, ep\)=3 ranks"),
     ("LlamaForCausalLM", dict(data_parallel_size=2), NotImplementedError,
-     r"dp=2 \(data_parallel_size\): data parallel is not yet supported"),
+     r"dp=2 \(data_parallel_size\) without expert parallelism \(expert_parallel_size=1\)"),
     ("LlamaForCausalLM", dict(context_parallel_size=2), NotImplementedError, r"cp=2 .*not yet supported"),
     ("LlamaForCausalLM", dict(tensor_parallel_size=2, kv_offload_gib=0.01), NotImplementedError,
      "host and disk tiers are not yet supported under parallelism"),
