@@ -12,7 +12,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 timeout 200 python3 scripts/probes/pd_cuda_check.py > "$OUT/pd_cuda.log" 2>&1
 echo "pd_cuda_check exit $?"; grep -E "ok|FAILED|OK|Error" "$OUT/pd_cuda.log" | tail -8
 timeout 330 python3 -m deepinfer.entrypoints.cli bench multiturn --config deepseek-v4-flash --num-layers 4 \
-    --system-len 2000 --conversations 32 --turns 4 --question-len 128 --answer-len 64 --num-kv-blocks 1200 \
+    --system-len 2000 --conversations 32 --turns 4 --question-len 128 --answer-len 64 --num-kv-blocks 600 \
     --settings off,on,host,disk --kv-offload-gib 8 --kv-disk-dir /tmp/kv-disk --kv-disk-gib 16 \
     --output-json "$OUT/multiturn_tiers.json" > "$OUT/multiturn_tiers.log" 2>&1
 echo "multiturn exit $?"; tail -25 "$OUT/multiturn_tiers.log"
