@@ -113,10 +113,11 @@ def check_supported(device: torch.device, architecture: str, world_size: int = 1
             f"batch_invariant=True on cuda with {architecture}: this model's CUDA forward is not made "
             f"batch-invariant yet; supported: {', '.join(sorted(CUDA_ARCHITECTURES))}")
     from deepinfer import env
-    if env.kernel_backend() == "torch":
+    from deepinfer.kernels.backend import triton_available
+    if env.kernel_backend() == "torch" or not triton_available():
         raise NotImplementedError(
-            "batch_invariant=True on cuda with DEEPINFER_KERNEL_BACKEND=torch: the CUDA mode runs the "
-            "Triton kernels; unset DEEPINFER_KERNEL_BACKEND")
+            "batch_invariant=True on cuda without the Triton kernels (DEEPINFER_KERNEL_BACKEND=torch or "
+            "no triton package): the CUDA mode runs the Triton kernels; unset DEEPINFER_KERNEL_BACKEND")
     if world_size > 1:
         raise NotImplementedError(
             f"batch_invariant=True on cuda with {world_size} ranks (tensor/expert/data parallel): the "
@@ -300,11 +301,26 @@ def _ops():
     return batch_invariant_ops
 
 
+_MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _stock_product(name: str, *args: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The stock CUDA kernel of ``name`` (its ``.out`` overload, which is not replaced), for
+    the dtypes the Triton matmul does not take (float64, integers): no model path uses them."""
+    shape = getattr(torch.ops.aten, name).default(*(t.to("meta") for t in args), **kwargs).shape
+    out = torch.empty(shape, dtype=args[-1].dtype, device=args[-1].device)
+    return getattr(torch.ops.aten, name).out(*args, **kwargs, out=out)
+
+
 def _cuda_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("mm", a, b)
     return _ops().mm(a, b)
 
 
 def _cuda_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("bmm", a, b)
     return _ops().bmm(a, b)
 
 
@@ -321,6 +337,8 @@ def _with_input(x: torch.Tensor, prod: torch.Tensor, beta: float, alpha: float,
 
 def _cuda_addmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
                 alpha: float = 1) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("addmm", x, a, b, beta=beta, alpha=alpha)
     return _with_input(x, _ops().mm(a, b, torch.float32), beta, alpha, a.dtype)
 
 
@@ -331,6 +349,8 @@ def _cuda_addmm_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: flo
 
 def _cuda_baddbmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
                   alpha: float = 1) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("baddbmm", x, a, b, beta=beta, alpha=alpha)
     return _with_input(x, _ops().bmm(a, b, torch.float32), beta, alpha, a.dtype)
 
 

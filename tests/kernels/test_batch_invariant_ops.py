@@ -202,3 +202,13 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch():
         tw_m[at] = tw[0]
         for got, ref in zip(run(xs, ids_m, tw_m), want):
             assert torch.equal(got[at], ref[0]), m
+
+
+def test_cuda_overrides_leave_other_dtypes_to_the_stock_kernels():
+    a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    assert torch.equal(batch_invariant._cuda_mm(a, b), torch.ops.aten.mm.out(a, b, out=torch.empty(4, 3,
+                                                                                           dtype=torch.float64)))
+    bias = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(batch_invariant._cuda_addmm(bias, a, b, beta=2.0), torch.addmm(bias, a, b, beta=2.0))
+    ints = torch.randint(0, 4, (2, 4, 6)), torch.randint(0, 4, (2, 6, 3))
+    assert torch.equal(batch_invariant._cuda_bmm(*ints), torch.bmm(*ints))
