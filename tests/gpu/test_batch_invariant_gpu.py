@@ -51,11 +51,6 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> lis
             for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
-def release(llm: LLM) -> None:
-    del llm
-    torch.cuda.empty_cache()
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_needle_is_bitwise_the_same_alone_batched_chunked_eager_hit_and_preempted(name):
     vocab = 300
@@ -69,45 +64,52 @@ def test_needle_is_bitwise_the_same_alone_batched_chunked_eager_hit_and_preempte
     llm = make(name)
     assert llm.engine.runner.decode_graphs is not None, "decode graphs were captured"
     alone = [run(llm, [needle], [p])[0] for p in params]
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
     assert len(alone[0][0]) == 8 and len(alone[0][2]) == 90
 
     llm = make(name, enforce_eager=True)
     assert [run(llm, [needle], [p])[0] for p in params] == alone, "eager differs from CUDA graphs"
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
 
     llm = make(name)
     for p, want in zip(params, alone):
         got = run(llm, [others[0], needle, *others[1:]], [greedy, p, seeded, greedy])[1]
         assert got == want, "the needle changed inside a batch"
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
 
     llm = make(name, max_num_batched_tokens=16, block_size=16)
     for p, want in zip(params, alone):
         got = run(llm, [*others, needle], [greedy, seeded, greedy, p])[3]
         assert got == want, "the needle changed when chunked"
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
 
     # A prefix hit: the needle's first 48 tokens come from another request's blocks (requests
     # with prompt logprobs compute every position, so these ask for none).
     no_plp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=4, ignore_eos=True)
     llm = make(name)
     want = run(llm, [needle], [no_plp])[0][:2]
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
     llm = make(name, block_size=16)
     run(llm, [needle[:50] + [5, 6, 7]], [no_plp])
     after = llm.generate([{"prompt_token_ids": needle}], no_plp, use_tqdm=False)[0]
     assert after.num_cached_tokens >= 32
     assert [after.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
                                          for pos in after.outputs[0].logprobs]] == list(want), "prefix hit"
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
 
     # Preemption: a pool too small for all four at once.
     llm = make(name, block_size=4, num_kv_blocks=PREEMPT_BLOCKS[name], max_num_batched_tokens=16)
     got = run(llm, [*others, needle], [no_plp] * 4)[3][:2]
     assert llm.engine.scheduler.num_preemptions > 0
     assert got == want, "preemption"
-    release(llm)
+    del llm
+    torch.cuda.empty_cache()
 
 
 def _rows_differ(fn, x: torch.Tensor, ms: tuple[int, ...] = (1, 3, 17, 64)) -> bool:
