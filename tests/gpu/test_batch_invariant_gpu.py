@@ -61,39 +61,34 @@ def test_needle_is_bitwise_the_same_alone_batched_chunked_eager_hit_and_preempte
     seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=11, logprobs=4, prompt_logprobs=2)
     params = [greedy, seeded]
 
-    llm = make(name)
+    # Prefix caching off where one engine serves several comparisons, so no run reads another's blocks.
+    llm = make(name, enable_prefix_caching=False)
     assert llm.engine.runner.decode_graphs is not None, "decode graphs were captured"
     alone = [run(llm, [needle], [p])[0] for p in params]
+    assert len(alone[0][0]) == 8 and len(alone[0][2]) == 90
+    for p, want in zip(params, alone):
+        got = run(llm, [others[0], needle, *others[1:]], [greedy, p, seeded, greedy])[1]
+        assert got == want, "the needle changed inside a batch"
+    # For the prefix-hit and preemption runs below (requests with prompt logprobs compute every
+    # position and read no cached blocks, so these ask for none).
+    no_plp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=4, ignore_eos=True)
+    want = run(llm, [needle], [no_plp])[0][:2]
     del llm
     torch.cuda.empty_cache()
-    assert len(alone[0][0]) == 8 and len(alone[0][2]) == 90
 
-    llm = make(name, enforce_eager=True)
+    llm = make(name, enforce_eager=True, enable_prefix_caching=False)
     assert [run(llm, [needle], [p])[0] for p in params] == alone, "eager differs from CUDA graphs"
     del llm
     torch.cuda.empty_cache()
 
-    llm = make(name)
-    for p, want in zip(params, alone):
-        got = run(llm, [others[0], needle, *others[1:]], [greedy, p, seeded, greedy])[1]
-        assert got == want, "the needle changed inside a batch"
-    del llm
-    torch.cuda.empty_cache()
-
-    llm = make(name, max_num_batched_tokens=16, block_size=16)
-    for p, want in zip(params, alone):
+    llm = make(name, max_num_batched_tokens=16, block_size=16, enable_prefix_caching=False)
+    for p, want_p in zip(params, alone):
         got = run(llm, [*others, needle], [greedy, seeded, greedy, p])[3]
-        assert got == want, "the needle changed when chunked"
+        assert got == want_p, "the needle changed when chunked"
     del llm
     torch.cuda.empty_cache()
 
-    # A prefix hit: the needle's first 48 tokens come from another request's blocks (requests
-    # with prompt logprobs compute every position, so these ask for none).
-    no_plp = SamplingParams(max_tokens=12, temperature=0.0, logprobs=4, ignore_eos=True)
-    llm = make(name)
-    want = run(llm, [needle], [no_plp])[0][:2]
-    del llm
-    torch.cuda.empty_cache()
+    # A prefix hit: the needle's first 48 tokens come from another request's blocks.
     llm = make(name, block_size=16)
     run(llm, [needle[:50] + [5, 6, 7]], [no_plp])
     after = llm.generate([{"prompt_token_ids": needle}], no_plp, use_tqdm=False)[0]
