@@ -4,8 +4,9 @@
 For Llama and Qwen3-MoE (random weights, bf16), the tiny trained DeepSeek-V4 and the embedded
 DeepSeek-V4.1: a needle request's tokens, logprobs and prompt logprobs are bitwise the same
 alone (decode steps replayed from CUDA graphs), alone eager, inside a batch, chunked, after a
-prefix-cache hit and after preemption. The negative control: in normal mode the same
-products and reductions on CUDA do change with the batch (and the mode's do not).
+prefix-cache hit and after preemption. The mode's kernels in bf16 at V4-Flash-like widths
+(tensor-core MMAs): a row alone and among others, bitwise. The negative control: in normal
+mode the same products and reductions on CUDA do change with the batch (and the mode's do not).
 """
 
 from __future__ import annotations
@@ -132,3 +133,63 @@ def test_normal_mode_varies_with_the_batch_and_the_mode_does_not():
                                    rtol=2e-2, atol=2e-1)
     print("normal mode differs with the batch for [linear, sum, log_softmax, logsumexp]:", normal)
     assert any(normal), "the stock CUDA kernels gave the same bits for every M: no negative control here"
+
+
+def test_bf16_kernels_keep_a_row_whatever_the_batch():
+    """The mode's kernels at DeepSeek-V4-Flash-like widths in bf16 (tensor-core MMAs, which the
+    interpreter tests cannot reach): a row's bits alone equal its bits among others."""
+    from deepinfer.kernels import batch_invariant_ops as ops
+    from deepinfer.kernels.fused_moe import fused_moe
+    from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention_invariant
+    from deepinfer.kernels.sparse_attention import invariant_config, sparse_attention
+
+    from ..kernels.test_paged_attention import build_cache
+
+    torch.manual_seed(0)
+    bf16, dev = torch.bfloat16, "cuda"
+    x = torch.randn(1000, 4096, device=dev, dtype=bf16)
+    w = torch.randn(2048, 4096, device=dev, dtype=bf16)
+    full = ops.mm(x, w.t())
+    for m in (1, 3, 17, 64):
+        assert torch.equal(ops.mm(x[:m], w.t()), full[:m]), m
+    assert torch.equal(ops.mm(x[700:701], w.t())[0], full[700])
+
+    # Paged attention (GQA 32 / 8, D = 128): the last token of a 300-token prompt, as a decode,
+    # and as the last of a 7-token chunk beside another sequence's chunk.
+    gen = torch.Generator().manual_seed(1)
+    lens = [300, 40]
+    cache, table = build_cache(lens, 16, 8, 128, gen)
+    cache, table = cache.to(dev, bf16), table.to(dev)
+    q = torch.randn(300, 32, 128, generator=gen).to(dev, bf16)
+    whole = paged_attention(q, cache, table[:1], [0, 300], lens[:1], 0.088, invariant=True)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    decoded = paged_decode_attention_invariant(torch.stack([q[-1], q[0]]), cache, table, lens_t, 0.088)
+    assert torch.equal(decoded[0], whole[-1])
+    chunk = torch.cat([q[-7:], torch.randn(5, 32, 128, generator=gen).to(dev, bf16)])
+    got = paged_attention(chunk, cache, table, [0, 7, 12], lens, 0.088, invariant=True)
+    assert torch.equal(got[6], whole[-1])
+
+    # Sparse attention (64 heads x 512, MQA): one token alone and among 16 with wider slot rows.
+    kv = torch.randn(64, 64, 1, 1, 512, device=dev, dtype=bf16)
+    sinks = torch.randn(64, device=dev)
+    q1 = torch.randn(1, 64, 512, device=dev, dtype=bf16)
+    row = torch.randperm(64 * 64, device=dev)[:600]
+    alone = sparse_attention(q1, [(kv, row[None])], sinks, 0.044, config=invariant_config(q1))
+    qs = torch.randn(17, 64, 512, device=dev, dtype=bf16)
+    qs[4] = q1[0]
+    slots = torch.randint(0, 64 * 64, (17, 1100), device=dev)
+    slots[4] = -1
+    slots[4, :600] = row
+    many = sparse_attention(qs, [(kv, slots)], sinks, 0.044, config=invariant_config(qs))
+    assert torch.equal(many[4], alone[0])
+
+    # Fused MoE: a token's output alone and among 16 and 300 others routed elsewhere too.
+    e, h, i, k = 16, 1024, 512, 4
+    gate_up = torch.randn(e, 2 * i, h, device=dev, dtype=bf16) * 0.03
+    down = torch.randn(e, h, i, device=dev, dtype=bf16) * 0.03
+    xm = torch.randn(301, h, device=dev, dtype=bf16)
+    ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(301)])
+    tw = torch.rand(301, k, device=dev)
+    want = fused_moe(xm[:1], gate_up, down, tw[:1], ids[:1], invariant=True)
+    for m in (17, 301):
+        assert torch.equal(fused_moe(xm[:m], gate_up, down, tw[:m], ids[:m], invariant=True)[0], want[0]), m
