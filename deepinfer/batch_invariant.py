@@ -1,17 +1,24 @@
-"""Batch-invariant mode on the CPU: a row's result does not depend on its batch.
+"""Batch-invariant mode: a row's result does not depend on its batch.
 
 Contract: with ``batch_invariant=True`` every op's output row for a token is a function
 of that token's inputs and its request's KV cache only, not of how many rows share the
 call, their order, or how the prompt was chunked. So a request's tokens and logprobs are
 bitwise the same alone, inside any batch, and under any chunk budget, on one device kind
-and one software version (other CPUs or torch builds may give other, equally invariant,
-bits).
+and one software version (other CPUs, GPUs or torch builds may give other, equally
+invariant, bits).
 
-Why the CPU needs it: torch's CPU GEMM picks its blocking by the problem's shape, so
+Two halves, both switched on by :func:`batch_invariant_mode` around an engine's steps:
+aten overrides (torch.library, as batch_invariant_ops does) for the ops model code calls
+through torch (every ``nn.Linear``, einsum, the sampler's softmaxes), and the kernel
+backend (``kernels/backend.py``), which reads :func:`enabled` and gives our own kernels
+one reduction order. Overrides rather than routing in backend.py because the torch ops
+are called from everywhere (linears, einsums, norms of third-party-shaped code): a missed
+call site would silently break the contract, an override cannot be missed.
+
+The CPU: torch's CPU GEMM picks its blocking by the problem's shape, so
 ``mm(a[:m], w)`` differs in the last bits from ``mm(a, w)[:m]`` for small ``m``
-(measured: m in {1, 2, 3} with one thread, also 5 and 7 with two). The fix, as
-batch_invariant_ops does on CUDA, replaces aten ops on the CPU dispatch key while the
-mode is on:
+(measured: m in {1, 2, 3} with one thread, also 5 and 7 with two). The fix replaces aten
+ops on the CPU dispatch key while the mode is on:
 
 - ``mm``, ``addmm`` (and ``addmm_``), ``bmm``: one tiled batched product. Batch entries
   and rows go in tiles of ``TILE_ROWS``, columns in tiles of ``KEY_TILE``, and the reduction
@@ -32,6 +39,19 @@ The originals are reached through the ``.out`` overloads, which are not replaced
 Attention (:func:`paged_attention`) reduces over keys in tiles of ``KEY_TILE`` at
 absolute positions, merged in a fixed order, so neither chunk boundaries nor the other
 sequences of a decode batch change a query's reduction order.
+
+CUDA: cuBLAS picks its kernel (and split-K) by shape and torch's reductions split a long
+row over several CTAs when there are few rows, so the CUDA key's ``mm``, ``addmm``,
+``addmm_``, ``bmm``, ``baddbmm``, ``_softmax``, ``_log_softmax``, ``logsumexp``,
+``mean.dim`` and ``sum.dim_IntList`` run the Triton kernels of
+``kernels/batch_invariant_ops.py`` (one tile config for every M, no split-K; reductions
+over any dims, one program a row). CUDA elementwise kernels compute every element with the
+same code wherever it falls, so they need nothing. Our own kernels take fixed configs in
+the mode (``kernels/backend.py``): attention through the one prefill kernel with key tiles
+at absolute positions for prefill, chunks and decode alike (CUDA graphs included), sparse
+attention with one tile config and no split, the MoE, router, FP8/FP4 GEMM and
+hyper-connection kernels with the config of one M for every M. What is not covered on CUDA
+is refused by :func:`check_supported`.
 
 The replacement is process-wide while registered, so :func:`batch_invariant_mode` holds
 it only around an engine's steps (reentrant, counted); other engines and tests in the
@@ -59,6 +79,9 @@ VECTOR_WIDTH = 16
 # or :func:`paged_attention`) and tested bitwise; others are refused in the mode.
 CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"})
+# Architectures whose CUDA forward is covered: DeepSeek-V3's MLA decode kernel
+# (kernels/mla_decode.py) splits keys by batch size and has no invariant form yet.
+CUDA_ARCHITECTURES = CPU_ARCHITECTURES - {"DeepseekV3ForCausalLM"}
 
 _lock = threading.Lock()
 _depth = 0
@@ -70,17 +93,39 @@ def enabled() -> bool:
     return _depth > 0
 
 
-def check_supported(device: torch.device, architecture: str) -> None:
-    """Raise unless the mode is built for ``device`` and ``architecture``: the mode never
-    silently runs a path that is not invariant."""
-    if device.type != "cpu":
+def check_supported(device: torch.device, architecture: str, world_size: int = 1,
+                    speculative: bool = False) -> None:
+    """Raise unless the mode is built for ``device`` and ``architecture`` (and, on CUDA, a
+    single device without speculative decoding): the mode never silently runs a path that
+    is not invariant."""
+    if device.type == "cpu":
+        if architecture not in CPU_ARCHITECTURES:
+            raise NotImplementedError(
+                f"batch_invariant=True with {architecture}: this model's CPU forward is not made "
+                f"batch-invariant yet; supported: {', '.join(sorted(CPU_ARCHITECTURES))}")
+        return
+    if device.type != "cuda":
         raise NotImplementedError(
-            f"batch_invariant=True on {device.type}: the batch-invariant kernels for {device.type} "
-            "are not built yet (the mode runs on the CPU only); run with batch_invariant=False")
-    if architecture not in CPU_ARCHITECTURES:
+            f"batch_invariant=True on {device.type}: the batch-invariant kernels are built for cpu and "
+            "cuda only; run with batch_invariant=False")
+    if architecture not in CUDA_ARCHITECTURES:
         raise NotImplementedError(
-            f"batch_invariant=True with {architecture}: this model's CPU forward is not made batch-invariant "
-            f"yet; supported: {', '.join(sorted(CPU_ARCHITECTURES))}")
+            f"batch_invariant=True on cuda with {architecture}: this model's CUDA forward is not made "
+            f"batch-invariant yet; supported: {', '.join(sorted(CUDA_ARCHITECTURES))}")
+    from deepinfer import env
+    from deepinfer.kernels.backend import triton_available
+    if env.kernel_backend() == "torch" or not triton_available():
+        raise NotImplementedError(
+            "batch_invariant=True on cuda without the Triton kernels (DEEPINFER_KERNEL_BACKEND=torch or "
+            "no triton package): the CUDA mode runs the Triton kernels; unset DEEPINFER_KERNEL_BACKEND")
+    if world_size > 1:
+        raise NotImplementedError(
+            f"batch_invariant=True on cuda with {world_size} ranks (tensor/expert/data parallel): the "
+            "collectives are not made batch-invariant on cuda; run on one device")
+    if speculative:
+        raise NotImplementedError(
+            "batch_invariant=True on cuda with speculative decoding: the verification steps are not "
+            "made batch-invariant on cuda; drop speculative_config")
 
 
 def _row_tiles(x: torch.Tensor) -> torch.Tensor:
@@ -247,10 +292,111 @@ _OVERRIDES = (("mm", _mm), ("addmm", _addmm), ("addmm_", _addmm_), ("bmm", _bmm)
               *_TRANSCENDENTAL_OVERRIDES)
 
 
+
+# -- CUDA: the Triton kernels of kernels/batch_invariant_ops.py --------------------------------------
+
+def _ops():
+    # Imported on first use: a CPU-only install never needs Triton for the CPU mode.
+    from deepinfer.kernels import batch_invariant_ops
+    return batch_invariant_ops
+
+
+_MATMUL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _stock_product(name: str, *args: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The stock CUDA kernel of ``name`` (its ``.out`` overload, which is not replaced), for
+    the dtypes the Triton matmul does not take (float64, integers): no model path uses them."""
+    shape = getattr(torch.ops.aten, name).default(*(t.to("meta") for t in args), **kwargs).shape
+    out = torch.empty(shape, dtype=args[-1].dtype, device=args[-1].device)
+    return getattr(torch.ops.aten, name).out(*args, **kwargs, out=out)
+
+
+def _cuda_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("mm", a, b)
+    return _ops().mm(a, b)
+
+
+def _cuda_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("bmm", a, b)
+    return _ops().bmm(a, b)
+
+
+def _with_input(x: torch.Tensor, prod: torch.Tensor, beta: float, alpha: float,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``beta * x + alpha * prod`` in float32 (prod the float32 product), rounded once to
+    ``dtype``, as cuBLAS's epilogue adds a bias; beta = 0 ignores x (nan included)."""
+    if alpha != 1:
+        prod = prod * alpha
+    if beta != 0:
+        prod = prod + (x.float() if beta == 1 else x.float() * beta)
+    return prod.to(dtype)
+
+
+def _cuda_addmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+                alpha: float = 1) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("addmm", x, a, b, beta=beta, alpha=alpha)
+    return _with_input(x, _ops().mm(a, b, torch.float32), beta, alpha, a.dtype)
+
+
+def _cuda_addmm_(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+                 alpha: float = 1) -> torch.Tensor:
+    return x.copy_(_cuda_addmm(x, a, b, beta=beta, alpha=alpha))
+
+
+def _cuda_baddbmm(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1,
+                  alpha: float = 1) -> torch.Tensor:
+    if a.dtype not in _MATMUL_DTYPES or a.dtype != b.dtype:
+        return _stock_product("baddbmm", x, a, b, beta=beta, alpha=alpha)
+    return _with_input(x, _ops().bmm(a, b, torch.float32), beta, alpha, a.dtype)
+
+
+def _cuda_softmax(log: bool):
+    def fn(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        out_dtype = torch.float32 if half_to_float else x.dtype
+        if x.dtype == torch.float64:
+            stock = torch.ops.aten._log_softmax.out if log else torch.ops.aten._softmax.out
+            return stock(x, dim, half_to_float, out=torch.empty(x.shape, dtype=out_dtype, device=x.device))
+        return _ops().softmax(x, dim, log, out_dtype)
+    return fn
+
+
+def _cuda_reduce(op_name: str):
+    """``sum.dim_IntList`` / ``mean.dim`` over any dims: floating inputs (but float64) by the
+    row kernel; integer and boolean sums, exact in any order, and float64 as stock."""
+    stock = torch.ops.aten.sum.IntList_out if op_name == "sum" else torch.ops.aten.mean.out
+
+    def fn(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        ops = _ops()
+        out_dtype = dtype or (x.dtype if x.is_floating_point() or op_name == "mean" else torch.int64)
+        if x.dim() == 0 or x.dtype == torch.float64 or out_dtype == torch.float64 or not x.is_floating_point():
+            shape = torch.empty(x.shape, device="meta").sum(dim, keepdim=keepdim).shape
+            return stock(x, dim, keepdim, dtype=dtype, out=torch.empty(shape, dtype=out_dtype, device=x.device))
+        return ops.reduce(x, dim, keepdim, ops.SUM if op_name == "sum" else ops.MEAN, out_dtype)
+    return fn
+
+
+def _cuda_logsumexp(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    if x.dim() == 0 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        shape = torch.empty(x.shape, device="meta").sum(dim, keepdim=keepdim).shape
+        return torch.ops.aten.logsumexp.out(x, dim, keepdim, out=torch.empty(shape, dtype=x.dtype, device=x.device))
+    ops = _ops()
+    return ops.reduce(x, dim, keepdim, ops.LOGSUMEXP)
+
+
+_CUDA_OVERRIDES = (("mm", _cuda_mm), ("addmm", _cuda_addmm), ("addmm_", _cuda_addmm_), ("bmm", _cuda_bmm),
+                   ("baddbmm", _cuda_baddbmm), ("_softmax", _cuda_softmax(False)),
+                   ("_log_softmax", _cuda_softmax(True)), ("logsumexp", _cuda_logsumexp),
+                   ("mean.dim", _cuda_reduce("mean")), ("sum.dim_IntList", _cuda_reduce("sum")))
+
+
 @contextlib.contextmanager
 def batch_invariant_mode() -> Iterator[None]:
-    """Replace the CPU ops above for the duration (reentrant: the outermost exit restores
-    the stock kernels)."""
+    """Replace the CPU and CUDA ops above for the duration (reentrant: the outermost exit
+    restores the stock kernels)."""
     global _depth, _library
     with _lock:
         if _depth == 0:
@@ -260,6 +406,8 @@ def batch_invariant_mode() -> Iterator[None]:
                 warnings.simplefilter("ignore")
                 for name, fn in _OVERRIDES:
                     lib.impl(name, fn, "CPU")
+                for name, fn in _CUDA_OVERRIDES:
+                    lib.impl(name, fn, "CUDA")
             _library = lib
         _depth += 1
     try:

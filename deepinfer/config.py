@@ -530,7 +530,7 @@ class EngineConfig:
     # Run every forward eagerly: no CUDA graphs for decode steps (vLLM's name).
     enforce_eager: bool = False
     # Batch-invariant mode (batch_invariant.py); None takes DEEPINFER_BATCH_INVARIANT (env.py).
-    # Refused where it is not built (CUDA, models whose CPU forward is not covered).
+    # Refused where it is not built (batch_invariant.check_supported).
     batch_invariant: bool | None = None
     # Speculative decoding; None: off.
     speculative: SpeculativeConfig | None = None
@@ -542,7 +542,8 @@ class EngineConfig:
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.batch_invariant:
             from deepinfer.batch_invariant import check_supported
-            check_supported(self.device, self.model.architecture)
+            check_supported(self.device, self.model.architecture, self.parallel.world_size,
+                            self.speculative is not None)
         if self.scheduler.max_num_batched_tokens < self.cache.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens} must be >= "

@@ -41,7 +41,8 @@ DEEPINFER_GLUON_ATTENTION  1 | 0  (default 1)
 DEEPINFER_BATCH_INVARIANT  1 | 0  (default 0)
     Batch-invariant mode (``batch_invariant.py``): a request's tokens and logprobs are bitwise
     the same whatever shares its batch and however its prompt is chunked. The default of
-    ``EngineConfig.batch_invariant``; CPU only for now (CUDA refuses it at start-up).
+    ``EngineConfig.batch_invariant``; on the CPU and on one CUDA device (what is not covered
+    is refused at start-up: ``batch_invariant.check_supported``).
 
 DEEPINFER_USE_NEXTN_DECODE  int in [1, 16]  (default 5)
     Speculative decoding's longest draft: the default of

@@ -72,7 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="size of the matmul-rate probe, n^3 (default: 8192 on CUDA, 512 on the CPU)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="also measure the same model in batch-invariant mode, in the same run, and report "
-                        "its time against the normal mode's (the CPU only: CUDA refuses the mode)")
+                        "its time against the normal mode's (bench prefill, decode and curve)")
 
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:

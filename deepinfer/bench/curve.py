@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from deepinfer.bench.common import BenchModel, build_engine, free_memory, header, measure_floors, write_json
-from deepinfer.bench.decode import add_hf, check_decode_args, decode_budget, decode_point, decode_tokens, report
+from deepinfer.bench.decode import (add_hf, check_decode_args, decode_budget, decode_point, decode_tokens,
+                                    measure_decode, report)
 from deepinfer.bench.speculative import SpecSetup, engine_settings
 
 
@@ -61,6 +62,19 @@ def run_curve(args: argparse.Namespace) -> dict[str, Any]:
               + (f", {s['ms_per_step']:.3f} ms/step speculative" if s else ""), flush=True)
     del engine
     free_memory(model.device)
+    if args.batch_invariant:
+        # The same engine settings in batch-invariant mode, each point on the same prompts (same seed).
+        engine = build_engine(model, args, max_num_seqs=batches[-1], max_num_batched_tokens=budget,
+                              max_model_len=max_model_len, batch_invariant=True)
+        invariant_gen = torch.Generator().manual_seed(args.seed)
+        for p in points:
+            ms = measure_decode(engine, p["batch"], args.context_len, args.warmup, args.steps,
+                                invariant_gen)["ms_per_step"]
+            p["batch_invariant"] = {"ms_per_step": ms, "slowdown": ms / p["engine"]["ms_per_step"]}
+            print(f"B={p['batch']}: batch-invariant mode {ms:.3f} ms/step, {p['batch_invariant']['slowdown']:.3g}x "
+                  f"the normal mode's {p['engine']['ms_per_step']:.3f}", flush=True)
+        del engine
+        free_memory(model.device)
     if not args.no_hf:
         add_hf(points, model, args, gen)
     result["points"] = points

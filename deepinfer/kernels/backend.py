@@ -6,6 +6,11 @@ DEEPINFER_KERNEL_BACKEND (``env.kernel_backend``) and the device of its first
 tensor argument. Triton modules are imported only when a Triton kernel is
 chosen, so a CPU-only install never needs them; both implementations take the
 same arguments and return the same result.
+
+Batch-invariant mode (``batch_invariant.enabled()``): the Triton kernels take a config that
+does not depend on the batch (the one of a fixed M, no splits whose count follows T, the
+prefill attention kernel for decode too); the references take the CPU mode's invariant
+paths. See ``batch_invariant.py``.
 """
 
 from __future__ import annotations
@@ -101,7 +106,8 @@ def paged_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Ten
     """q: [T, Hq, D] over cache [NB, bs, 2, Hkv, D] -> [T, Hq, D] (see :func:`reference.paged_attention`)."""
     if use_triton(q):
         from deepinfer.kernels.paged_attention import paged_attention as kernel
-        return kernel(q, cache, block_table, query_start_loc, seq_lens, scale, sliding_window, sinks)
+        return kernel(q, cache, block_table, query_start_loc, seq_lens, scale, sliding_window, sinks,
+                      invariant=batch_invariant.enabled())
     if batch_invariant.enabled():
         return batch_invariant.paged_attention(q, cache, block_table, query_start_loc, seq_lens, scale,
                                                sliding_window, sinks)
@@ -116,8 +122,10 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     whose ``formats`` entry names a record format is a packed record cache (uint8 rows of
     ``record_bytes(fmt, D)``), read as its values (see :func:`reference.sparse_attention`)."""
     if use_triton(q):
+        from deepinfer.kernels.sparse_attention import invariant_config
         from deepinfer.kernels.sparse_attention import sparse_attention as kernel
-        return kernel(q, sources, sinks, scale, formats=formats)
+        config = invariant_config(q) if batch_invariant.enabled() else None
+        return kernel(q, sources, sinks, scale, config=config, formats=formats)
     return reference.sparse_attention(q, sources, sinks, scale, formats)
 
 
@@ -140,6 +148,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tens
     keys are packed records of that format)."""
     if use_triton(q):
         from deepinfer.kernels.indexer import indexer_scores as kernel
+        # Batch-invariant mode: the per-token kernel (token blocks tile the products by how
+        # many tokens a sequence brings).
+        groups = None if batch_invariant.enabled() else groups
         return kernel(q, weights, key_cache, slots, scale, groups=groups, key_format=key_format)
     return reference.indexer_scores(q, weights, key_cache, slots, scale, key_format)
 
@@ -148,7 +159,7 @@ def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Te
     """[T, min(topk, N)] slots of each row's ``topk`` best scores, -1 where the score is -inf
     (see :func:`reference.topk_slots`; the Triton path keeps the same set in candidate order,
     which attention does not depend on)."""
-    if use_triton(scores):
+    if use_triton(scores) and not batch_invariant.enabled():
         from deepinfer.kernels.topk import MAX_CANDIDATES
         from deepinfer.kernels.topk import topk_slots as kernel
         if slots.shape[1] <= topk:
@@ -157,7 +168,8 @@ def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Te
         if slots.shape[1] <= MAX_CANDIDATES:
             return kernel(scores, slots, topk)
     # Batch-invariant mode: a row's selection must not depend on how many candidates its step
-    # padded it to, so ties go to the earliest candidate.
+    # padded it to, so ties go to the earliest candidate, and the slots come by descending
+    # score whatever the width (the kernel and the all-kept shortcut keep candidate order).
     return reference.topk_slots(scores, slots, topk, earliest_ties=batch_invariant.enabled())
 
 
@@ -170,6 +182,10 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: to
     kernel never synchronises with the host (CUDA-graph safe); the reference reads the lengths
     back (see :func:`reference.paged_decode_attention`)."""
     if use_triton(q):
+        if batch_invariant.enabled():
+            # The prefill kernel's reduction order: a decode query sums its keys as a chunk's would.
+            from deepinfer.kernels.paged_attention import paged_decode_attention_invariant
+            return paged_decode_attention_invariant(q, cache, block_table, seq_lens, scale, sliding_window, sinks)
         from deepinfer.kernels.paged_attention import paged_decode_attention as kernel
         return kernel(q, cache, block_table, seq_lens, max_seq_len, scale, sliding_window, sinks)
     if batch_invariant.enabled():
@@ -194,8 +210,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """MoE router logits: x [T, H], weight [E, H] float32 -> [T, E] float32, x widened in
     registers by the Triton kernels (see :func:`reference.router_logits`)."""
     if use_triton(x):
+        from deepinfer.kernels.router import invariant_config
         from deepinfer.kernels.router import router_logits as kernel
-        return kernel(x, weight)
+        return kernel(x, weight, invariant_config(weight) if batch_invariant.enabled() else None)
     return reference.router_logits(x, weight)
 
 
@@ -248,7 +265,8 @@ def moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Te
     weights are tile-packed for the fused kernel (``fused_moe.pack_expert_weights``)."""
     if use_triton(x):
         from deepinfer.kernels.fused_moe import fused_moe as kernel
-        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, packed=packed)
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, packed=packed,
+                      invariant=batch_invariant.enabled())
     gate_up_proj, down_proj = _stacked(x, gate_up_proj, down_proj, packed)
     return reference.moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
 
@@ -260,7 +278,8 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
     ``packed`` as :func:`moe_experts` (see :func:`reference.clamped_moe_experts`)."""
     if use_triton(x):
         from deepinfer.kernels.fused_moe import fused_moe as kernel
-        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit, packed=packed)
+        return kernel(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit, packed=packed,
+                      invariant=batch_invariant.enabled())
     gate_up_proj, down_proj = _stacked(x, gate_up_proj, down_proj, packed)
     return reference.clamped_moe_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids, swiglu_limit)
 
@@ -272,7 +291,8 @@ def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.T
     32 inputs) -> [T, H] (see :func:`reference.fp4_moe_experts`)."""
     if use_triton(x):
         from deepinfer.kernels.fp4_moe import fp4_moe as kernel
-        return kernel(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids, swiglu_limit)
+        return kernel(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids, swiglu_limit,
+                      invariant=batch_invariant.enabled())
     return reference.fp4_moe_experts(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids,
                                      swiglu_limit)
 
@@ -283,7 +303,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     -> [..., N] (see :func:`reference.fp8_linear`)."""
     if use_triton(x):
         from deepinfer.kernels.fp8_gemm import fp8_linear as kernel
-        return kernel(x, weight, scale, block, group, pow2_scale)
+        return kernel(x, weight, scale, block, group, pow2_scale, invariant=batch_invariant.enabled())
     return reference.fp8_linear(x, weight, scale, block, group, pow2_scale)
 
 
@@ -319,8 +339,17 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm=norm)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, config=_hc_config(), norm=norm)
     return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
+
+
+def _hc_config():
+    """The hyper-connection kernels' config: the launcher's by T, or in batch-invariant mode
+    ``hyper_connection.INVARIANT_CONFIG`` for every T."""
+    if not batch_invariant.enabled():
+        return None
+    from deepinfer.kernels.hyper_connection import INVARIANT_CONFIG
+    return INVARIANT_CONFIG
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -337,7 +366,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """streams [T, n, D] -> [T, D] (see :func:`reference.hc_head`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_head as kernel
-        return kernel(streams, fn, base, scale, hc_eps, norm_eps)
+        return kernel(streams, fn, base, scale, hc_eps, norm_eps, config=_hc_config())
     return reference.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
 
 
@@ -403,8 +432,10 @@ def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     attention over the sources, inverse rope of the output -> [T, H, D] (see
     :func:`reference.rope_attention`)."""
     if use_triton(q):
+        from deepinfer.kernels.sparse_attention import invariant_config
         from deepinfer.kernels.sparse_attention import rope_attention as kernel
-        return kernel(q, positions, inv_freq, scaling, eps, sources, sinks, scale)
+        config = invariant_config(q) if batch_invariant.enabled() else None
+        return kernel(q, positions, inv_freq, scaling, eps, sources, sinks, scale, config)
     return reference.rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale)
 
 
@@ -438,7 +469,8 @@ def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     connection's own pre, post, comb) (see :func:`reference.hc_pre_lagged`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre_lagged as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm=norm)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, config=_hc_config(),
+                      norm=norm)
     return reference.hc_pre_lagged(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm)
 
 

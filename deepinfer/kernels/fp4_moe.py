@@ -188,14 +188,16 @@ def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: s
 
 def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, down_q: torch.Tensor,
             down_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            swiglu_limit: float = 0.0, config: MoEConfig | None = None) -> torch.Tensor:
+            swiglu_limit: float = 0.0, config: MoEConfig | None = None, invariant: bool = False) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t), with the
     experts' weights in FP4 (see :func:`reference.fp4_moe_experts`).
 
     x: [T, H] (bf16/fp16/float32); gate_up_q: [E, 2I, H/2] uint8 with gate_up_s [E, 2I, H/32];
     down_q: [E, H, I/2] with down_s [E, H, I/32] (scales float32 or UE8M0 bytes, both projections
     alike); topk_weights [T, K] float32; topk_ids [T, K] integer -> [T, H] in x's dtype. A slot whose
-    id is outside [0, E) contributes nothing. ``config`` overrides :func:`fp4_pick_config`.
+    id is outside [0, E) contributes nothing. ``config`` overrides :func:`fp4_pick_config`;
+    ``invariant`` (batch-invariant mode) takes its decode config for every T (as
+    :func:`fused_moe.fused_moe`).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"fp4_moe: x must be [T, H] with unit column stride, got shape {tuple(x.shape)}")
@@ -218,7 +220,7 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or fp4_pick_config(t, k, e, h, i, x.element_size())
+    cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

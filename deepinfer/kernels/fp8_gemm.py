@@ -153,11 +153,11 @@ def _check_weight(w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], k: 
 
 
 def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                   block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+                   block: tuple[int, int], out_dtype: torch.dtype, invariant: bool = False) -> torch.Tensor:
     """(xq [M, K] e4m3, xs [M, K/group] float32) x (w [N, K] e4m3, ws [N/bn, K/bk] float32 or
     UE8M0 bytes) -> [M, N] in ``out_dtype``; see :func:`reference.fp8_block_gemm`. ``group`` is
     K / xs.shape[1]; it and ``block``'s bk must be powers of two >= 32 dividing K (the FP8 MMA's
-    reduction is 32 wide)."""
+    reduction is 32 wide). ``invariant`` (batch-invariant mode): the tiles of M = 64 for every M."""
     m, k = xq.shape
     _check_weight(w, ws, block, k)
     if xs.dim() != 2 or xs.shape[0] != m or xs.shape[1] == 0 or k % xs.shape[1]:
@@ -171,7 +171,7 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
     out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    bm, bn, warps, stages = pick_tiles(m, n)
+    bm, bn, warps, stages = pick_tiles(64 if invariant else m, n)
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         xq, xs, w, ws, out, m, n, k,
         xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
@@ -181,7 +181,7 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
-               group: int = 128, pow2_scale: bool = False) -> torch.Tensor:
+               group: int = 128, pow2_scale: bool = False, invariant: bool = False) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
     in x's dtype; see :func:`reference.fp8_linear`."""
     k = x.shape[-1]
@@ -189,4 +189,4 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     xq, xs = fp8_act_quant(x2, group, pow2_scale)
-    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype).view(*x.shape[:-1], w.shape[0])
+    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype, invariant).view(*x.shape[:-1], w.shape[0])

@@ -579,7 +579,7 @@ def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Ten
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
-              config: MoEConfig | None = None, packed: bool = False) -> torch.Tensor:
+              config: MoEConfig | None = None, packed: bool = False, invariant: bool = False) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t),
     e = ids[t,k], L = swiglu_limit (0: no clamp).
 
@@ -589,7 +589,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     in ``GATE_UP_TILE`` tiles ([E, 2I*H/64, 64]) and down_proj in ``DOWN_TILE`` tiles
     ([E, H*I/64, 64]); the result is bitwise that of the stacked weights under the same config.
     A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
-    ``config`` overrides :func:`pick_config` (benchmarks sweep it).
+    ``config`` overrides :func:`pick_config` (benchmarks sweep it); ``invariant`` (batch-invariant
+    mode) takes the decode config for every T: a pair's row is computed independently of the
+    others in its M-block and the K slots are summed in slot order, so the config is the only
+    thing that could make a token's bits depend on its batch.
     """
     if x.dim() != 2:
         raise ValueError(f"fused_moe: x must be [T, H], got shape {tuple(x.shape)}")
@@ -628,7 +631,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or pick_config(t, k, e, h, i, x.element_size())
+    cfg = config or pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
     act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg, packed)

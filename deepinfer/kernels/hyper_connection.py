@@ -296,6 +296,13 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, bf16_split)
 
 
+# Batch-invariant mode's config for every T (kernels/backend.py): 16-token blocks on tensor-core
+# dots over 32 fixed K splits, summed in split order, and the collapse always in the second
+# launch. The launcher's choice changes the product's precision path (float32 FMAs, tf32x3,
+# bf16x3), the split count and where the collapse runs with T.
+INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

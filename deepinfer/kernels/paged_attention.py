@@ -22,6 +22,15 @@ Two kernels, both online-softmax (flash) over the sequence's keys in tiles of
   The sink logit seeds the running max and sum, so it takes probability mass
   and contributes no value, as in the reference.
 
+Batch-invariant mode (``batch_invariant.py``) runs every call through the prefill
+kernel, decode included (:func:`paged_decode_attention_invariant`, one token a tile,
+its tile table built on the device), with the window's first key tile aligned to a
+multiple of ``BLOCK_N``: a query's keys then go in tiles at absolute positions whatever
+tile or step it comes in, and the tiles before its window or past its position are
+fully masked, which leaves the running (max, sum, acc) exactly as they were. Its rows
+in a tile are computed independently by the MMA, so its bits do not depend on the
+tokens that share its tile, its chunk or its batch.
+
 Scores and softmax run in float32; P is rounded to the cache dtype before the
 P @ V product (the flash-attention convention; exact for float32 caches).
 """
@@ -152,7 +161,7 @@ def _prefill_kernel(
     head_dim,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, ALIGN_WINDOW: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     tile = tl.program_id(0)
@@ -182,6 +191,9 @@ def _prefill_kernel(
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(pos0 - window + 1, 0)
+        if ALIGN_WINDOW:
+            # Key tiles at absolute positions (batch-invariant mode; see the module docstring).
+            kv_lo = kv_lo // BLOCK_N * BLOCK_N
     kv_hi = pos0 + count
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
@@ -319,10 +331,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [Hq]
+    invariant: bool = False,
 ) -> torch.Tensor:                 # [T, Hq, D]
     """Attention of each sequence's new queries over its paged cache (their K/V already
     stored); sequence b's queries sit at positions ``seq_lens[b] - q_len .. seq_lens[b] - 1``.
-    An all-decode batch takes the split-KV decode kernel, any other the prefill kernel."""
+    An all-decode batch takes the split-KV decode kernel, any other the prefill kernel;
+    ``invariant`` (batch-invariant mode): every batch the prefill kernel, key tiles at
+    absolute positions (see the module docstring)."""
     g, bs = _check_inputs(q, cache, block_table, sinks)
     t, _, d = q.shape
     num_seqs = len(seq_lens)
@@ -333,7 +348,7 @@ def paged_attention(
     if any(n > L for n, L in zip(q_lens, seq_lens)):
         raise ValueError(f"paged attention: a sequence has more new tokens than context "
                          f"(q_lens={q_lens}, seq_lens={seq_lens})")
-    if num_seqs and all(n == 1 for n in q_lens):
+    if num_seqs and all(n == 1 for n in q_lens) and not invariant:
         if block_table.shape[0] != num_seqs:
             raise ValueError(f"paged attention: {num_seqs} sequences but block_table has "
                              f"{block_table.shape[0]} rows")
@@ -341,24 +356,64 @@ def paged_attention(
         return paged_decode_attention(q, cache, block_table, lens, max(seq_lens), scale,
                                       sliding_window, sinks)
     out = torch.empty_like(q)
-    # Tile config: 64 query rows (BLOCK_M // G tokens x G heads) by 64 key positions;
-    # at head dim 256 the key tile halves to stay within shared memory.
-    block_d = max(16, triton.next_power_of_2(d))
-    block_m = max(64, triton.next_power_of_2(g))
-    block_n = 64 if block_d <= 128 else 32
+    block_m, _, _ = _prefill_tiles(g, d)
     tokens_per_tile = block_m // g
     tiles = [(b, query_start_loc[b] + i, min(tokens_per_tile, n - i), seq_lens[b] - n + i)
              for b, n in enumerate(q_lens) for i in range(0, n, tokens_per_tile)]
     if not tiles:
         return out
     tile_table = to_device(tiles, torch.int32, q.device)                     # [num_tiles, 4]
-    _prefill_kernel[(len(tiles), cache.shape[3])](
+    _launch_prefill(q, cache, block_table, tile_table, out, scale, sliding_window, sinks, invariant)
+    return out
+
+
+def _prefill_tiles(g: int, d: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of the prefill kernel: 64 query rows (BLOCK_M // G tokens x
+    G heads) by 64 key positions; at head dim 256 the key tile halves to stay within shared
+    memory. From the head shape only, never from the batch."""
+    block_d = max(16, triton.next_power_of_2(d))
+    return max(64, triton.next_power_of_2(g)), (64 if block_d <= 128 else 32), block_d
+
+
+def _launch_prefill(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, tile_table: torch.Tensor,
+                    out: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None,
+                    align_window: bool) -> None:
+    g, bs = q.shape[1] // cache.shape[3], cache.shape[1]
+    block_m, block_n, block_d = _prefill_tiles(g, q.shape[2])
+    _prefill_kernel[(tile_table.shape[0], cache.shape[3])](
         q, cache, block_table, tile_table, sinks if sinks is not None else q, out,
         scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        d,
+        q.shape[2],
         G=g, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=bs,
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2, **pdl.flags(q.device))
+        DOT_PRECISION=_dot_precision(q.dtype), ALIGN_WINDOW=align_window, num_warps=4, num_stages=2,
+        **pdl.flags(q.device))
+
+
+def paged_decode_attention_invariant(
+    q: torch.Tensor,               # [B, Hq, D] one query per sequence, at position seq_lens[b] - 1
+    cache: torch.Tensor,           # [NB, bs, 2, Hkv, D]
+    block_table: torch.Tensor,     # [B, M]
+    seq_lens: torch.Tensor,        # [B] int32 on q's device, each >= 1
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
+) -> torch.Tensor:                 # [B, Hq, D]
+    """Decode attention in batch-invariant mode: the prefill kernel with one token a tile
+    and key tiles at absolute positions, so a decode query sums its keys exactly as it would
+    inside a prefill chunk. The tile table is built on the device from ``seq_lens``: no
+    host synchronisation, CUDA-graph safe."""
+    _check_inputs(q, cache, block_table, sinks)
+    b = q.shape[0]
+    if block_table.shape[0] != b or seq_lens.shape != (b,) or seq_lens.device != q.device:
+        raise ValueError(f"paged decode: q has {b} sequences; block_table has {block_table.shape[0]} rows "
+                         f"and seq_lens shape {tuple(seq_lens.shape)} on {seq_lens.device}")
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    rows = torch.arange(b, dtype=torch.int32, device=q.device)
+    tile_table = torch.stack([rows, rows, torch.ones_like(rows), seq_lens.to(torch.int32) - 1], dim=1)
+    _launch_prefill(q, cache, block_table, tile_table, out, scale, sliding_window, sinks, True)
     return out

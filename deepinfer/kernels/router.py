@@ -187,6 +187,14 @@ def pick_config(t: int, e: int, h: int, device: torch.device) -> RouterConfig:
     return RouterConfig(dot, block_t, block_e, block_k, split, num_warps, num_stages)
 
 
+def invariant_config(weight: torch.Tensor) -> RouterConfig:
+    """Batch-invariant mode's config for weight [E, H], the same for every T: the 64-token
+    tensor-core tiles without K splits (the launcher's choice switches between float32 FMAs
+    and tensor-core tiles, and splits H, by T)."""
+    e2, h2 = triton.next_power_of_2(weight.shape[0]), triton.next_power_of_2(weight.shape[1])
+    return RouterConfig(True, 64, max(16, min(32, e2)), max(16, min(64, h2)), 1, num_warps=4, num_stages=3)
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, config: RouterConfig | None = None) -> torch.Tensor:
     """``x @ weight.T`` in float32: x [T, H] (bf16, fp16 or float32), weight [E, H] float32
     -> [T, E] float32. ``config`` overrides :func:`pick_config` (tests, tuning)."""

@@ -304,6 +304,19 @@ def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> Spars
     return SparseAttentionConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
 
 
+def invariant_config(q: torch.Tensor) -> SparseAttentionConfig:
+    """Batch-invariant mode's config for q [T, H, D]: from the head shape and dtype only, never
+    from T or the key count (the decode tiles, the long-prefill key tiles and the Gluon
+    kernel change a token's reduction order by batch), and no split, so each token's keys go
+    in BLOCK_N tiles on its row's grid and one program sums them in order."""
+    _, h, d = q.shape
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = min(64 if q.element_size() <= 2 else 16, max(16, triton.next_power_of_2(h)))
+    block_n = max(16, min(64, 32 * 1024 // (block_d * q.element_size())))
+    num_warps = 8 if block_h * block_d * 4 > 64 * 1024 else 4
+    return SparseAttentionConfig(block_h, block_n, num_splits=1, num_warps=num_warps, num_stages=2)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 caches (tests, exactness) must not fall back to TF32 tensor cores.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -430,19 +443,20 @@ def sparse_attention(
 
 def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
                    sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, config: SparseAttentionConfig | None = None) -> torch.Tensor:
     """DeepSeek-V4's attention core from the raw query projection q [T, H, D] (see
     :func:`reference.rope_attention`): the q norm + rope, :func:`sparse_attention`, the inverse
     rope of the output. Where the Gluon kernel applies, it also does the first (two launches);
-    otherwise three."""
+    otherwise three. ``config`` (e.g. :func:`invariant_config`) overrides the choice, the Gluon
+    kernel's included."""
     from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_, q_norm_rope
     half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
     live = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
-    if (_QUERY_PROLOGUE and live and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2
+    if (config is None and _QUERY_PROLOGUE and live and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2
             and _takes_gluon(q, live)):
         from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
         _check_inputs(q, sources, sinks, [None] * len(sources))
         out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))
     else:
-        out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
+        out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale, config)
     return interleaved_rope_(out, positions, inv_freq, scaling, inverse=True)

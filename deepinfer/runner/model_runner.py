@@ -19,6 +19,7 @@ scheduling decisions (scheduler/), model math (models/, layers/), sampling math
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
+from deepinfer.batch_invariant import batch_invariant_mode
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.kv_spec import KVCacheSpec
@@ -307,8 +309,11 @@ class ModelRunner:
         replayed, without it the padded forward runs eagerly (tests check padding that way)."""
         if self.kv_buffer is None:
             raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
-        self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(),
-                                          self.config.model.max_model_len, self.device, capture)
+        # Batch-invariant mode: the graphs must hold the invariant kernels the eager steps run,
+        # so they are captured with the mode on (the steps replay them with it on too).
+        with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
+            self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(),
+                                              self.config.model.max_model_len, self.device, capture)
 
     def _graph_sizes(self) -> list[int]:
         """Decode buckets (``scheduler.graph_batch_sizes``) and, with a drafter whose steps the

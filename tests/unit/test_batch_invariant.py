@@ -182,11 +182,22 @@ def test_switch_from_env_arg_and_cli(monkeypatch):
     assert llama(batch_invariant=True).engine.config.batch_invariant is True
 
 
-def test_refused_where_not_built():
-    # CUDA: the device is taken as given (no CUDA needed to see the refusal).
-    with pytest.raises(NotImplementedError, match="batch-invariant kernels for cuda are not built yet"):
-        build_engine_config("x", hf_config=dict(LLAMA), load_format="dummy", device=torch.device("cuda"),
-                            batch_invariant=True)
+def test_refused_where_not_built(monkeypatch):
+    cuda = torch.device("cuda")          # the device is taken as given (no CUDA needed)
+    for arch in sorted(batch_invariant.CUDA_ARCHITECTURES):
+        batch_invariant.check_supported(cuda, arch)
+    with pytest.raises(NotImplementedError, match="cuda with DeepseekV3ForCausalLM: this model's CUDA forward"):
+        batch_invariant.check_supported(cuda, "DeepseekV3ForCausalLM")
+    with pytest.raises(NotImplementedError, match="cuda with 2 ranks"):
+        batch_invariant.check_supported(cuda, "LlamaForCausalLM", world_size=2)
+    with pytest.raises(NotImplementedError, match="cuda with speculative decoding"):
+        build_engine_config("x", hf_config=dict(LLAMA), load_format="dummy", device=cuda, batch_invariant=True,
+                            speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    with pytest.raises(NotImplementedError, match="DEEPINFER_KERNEL_BACKEND=torch"):
+        batch_invariant.check_supported(cuda, "LlamaForCausalLM")
+    with pytest.raises(NotImplementedError, match="built for cpu and cuda only"):
+        batch_invariant.check_supported(torch.device("mps"), "LlamaForCausalLM")
     # An architecture whose CPU forward is not covered.
     with pytest.raises(NotImplementedError, match="GPT2LMHeadModel.*not made batch-invariant"):
         batch_invariant.check_supported(torch.device("cpu"), "GPT2LMHeadModel")

@@ -294,3 +294,10 @@ def test_decode_and_prefill_batch_invariant_cost(tiny_config, tmp_path, capsys):
     positive(p["batch_invariant"], "ms", "slowdown")
     assert p["batch_invariant"]["slowdown"] == pytest.approx(p["batch_invariant"]["ms"] / p["engine"]["ms"])
     assert "batch-invariant mode:" in capsys.readouterr().out
+    c = run(["bench", "curve", "--config", tiny_config, *COMMON, "--batch-sizes", "1,2", "--context-len", "20",
+             "--steps", "2", "--no-hf", "--batch-invariant"], tmp_path / "c.json")
+    for point in c["points"]:
+        positive(point["batch_invariant"], "ms_per_step", "slowdown")
+        assert point["batch_invariant"]["slowdown"] == pytest.approx(
+            point["batch_invariant"]["ms_per_step"] / point["engine"]["ms_per_step"])
+    assert "B=2: batch-invariant mode" in capsys.readouterr().out

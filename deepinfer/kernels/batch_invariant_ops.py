@@ -1,0 +1,207 @@
+"""Batch-invariant Triton kernels for the aten ops the CUDA batch-invariant mode replaces
+(``batch_invariant.py``): a batched matmul and row reductions (softmax, log-softmax,
+logsumexp, sum, mean). References: torch's own ops.
+
+Contract: an output row's bits depend only on that row's inputs (and, for the matmul, the
+other operand), never on how many rows share the call. Each kernel has one tile config for
+every M (chosen from nothing but dtypes), no split-K, no atomics:
+
+* matmul: BLOCK_M x BLOCK_N output tiles, the K reduction in BLOCK_K steps from 0 in order,
+  float32 accumulation by ``tl.dot``. Rows of a tile are computed independently by the MMA,
+  so a row's result does not depend on its neighbours or its place in the tile. ``mm`` runs
+  as a batch of one, so a product that is an mm for one sequence and a bmm for several
+  gives the same bits.
+* row reductions: one program per row, which walks its row in BLOCK-wide chunks; each lane
+  keeps a running float32 partial (for the softmaxes a running max and a rescaled sum) and
+  the lanes meet in one ``tl.sum`` at the end. An element's lane is its column modulo BLOCK,
+  so a row padded at its end (exact zeros for sums, -inf for softmaxes) keeps every real
+  element's lane and the padding adds nothing: the bits do not depend on the padded width
+  either. Reductions over other dims run as rows after a permute (the stock CUDA reduction
+  splits a long reduction over several CTAs when there are few outputs, so its order
+  depends on the output count).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# One tile config for every M (never chosen by shape): 64 x 64 output tiles and 32-deep K
+# steps fill a Hopper warpgroup MMA for 16-bit inputs; float32 inputs take exact (non-TF32)
+# products on CUDA cores, as torch's default float32 matmul does.
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+MATMUL_WARPS, MATMUL_STAGES = 4, 3
+# Columns a row-reduction program reads per step (4 warps, 8 float32 a thread).
+ROW_BLOCK = 1024
+ROW_WARPS = 4
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["M", "stride_ab", "stride_am", "stride_cb", "stride_cm"])
+def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+                stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
+                stride_cb, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    batch = tl.program_id(1).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N)
+    rows = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BLOCK_M]
+    cols = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BLOCK_N]
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
+    b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + ks
+        a = tl.load(a_rows + k[None, :].to(tl.int64) * stride_ak,
+                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)      # [BLOCK_M, BLOCK_K]
+        b = tl.load(b_cols + k[:, None].to(tl.int64) * stride_bk,
+                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)      # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    c = c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N] in ``out_dtype`` (default: the inputs' dtype),
+    accumulated in float32 (any strides)."""
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"batch-invariant bmm: shapes {tuple(a.shape)} and {tuple(b.shape)} must be "
+                         "[B, M, K] and [B, K, N]")
+    if a.dtype != b.dtype or a.dtype not in _DTYPES:
+        raise ValueError(f"batch-invariant bmm: both operands must share a dtype of {_DTYPES}, got "
+                         f"{a.dtype} and {b.dtype}")
+    batch, m, k = a.shape
+    n = b.shape[2]
+    out = torch.empty((batch, m, n), dtype=out_dtype or a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), batch)
+    _bmm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), a.stride(2),
+                      b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                      DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                      num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+    return out
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N], as a batch of one (see the module docstring)."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"batch-invariant mm: shapes {tuple(a.shape)} and {tuple(b.shape)} must be 2-D")
+    return bmm(a[None], b[None], out_dtype)[0]
+
+
+# Row-reduction ops (constexpr OP of _row_reduce_kernel).
+SUM, MEAN, LOGSUMEXP, SOFTMAX, LOG_SOFTMAX = 0, 1, 2, 3, 4
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_out"])
+def _row_reduce_kernel(x_ptr, out_ptr, n, stride_x, stride_out,
+                       OP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    out_row = out_ptr + row * stride_out
+    if OP == 0 or OP == 1:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for n0 in range(0, n, BLOCK):
+            acc += tl.load(x_row + n0 + cols, mask=n0 + cols < n, other=0.0).to(tl.float32)
+        total = tl.sum(acc, axis=0)
+        if OP == 1:
+            total = total / n
+        tl.store(out_row, total.to(out_ptr.dtype.element_ty))
+    else:
+        # Per lane: the running max of its elements and their sum of exp(x - max).
+        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        for n0 in range(0, n, BLOCK):
+            x = tl.load(x_row + n0 + cols, mask=n0 + cols < n, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, x)
+            # A lane that has seen only -inf keeps max -inf: shift by 0, not by -inf (nan).
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.exp(x - shift)
+            m = m_new
+        row_max = tl.max(m, axis=0)
+        shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+        total = tl.sum(s * tl.exp(m - shift), axis=0)
+        if OP == 2:
+            tl.store(out_row, (row_max + tl.log(total)).to(out_ptr.dtype.element_ty))
+        else:
+            log_total = tl.log(total)
+            for n0 in range(0, n, BLOCK):
+                mask = n0 + cols < n
+                x = tl.load(x_row + n0 + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                if OP == 3:
+                    y = tl.exp(x - shift) / total
+                else:
+                    y = x - shift - log_total
+                tl.store(out_row + n0 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_of(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """x with ``dims`` moved last and flattened: [rows, prod(dims sizes)], last dim contiguous."""
+    keep = [d for d in range(x.dim()) if d not in dims]
+    width = 1
+    for d in dims:
+        width *= x.shape[d]
+    rows = x.permute(*keep, *dims).reshape(-1, width)
+    return rows if rows.stride(-1) == 1 or width <= 1 else rows.contiguous()
+
+
+def _launch_rows(rows: torch.Tensor, out: torch.Tensor, op: int) -> None:
+    if rows.shape[0] == 0:
+        return
+    _row_reduce_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), out.stride(0),
+                                         OP=op, BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+
+
+def _dims(x: torch.Tensor, dim: int | list[int] | tuple[int, ...] | None) -> list[int]:
+    """The reduced dims, normalised and sorted (None or empty: all of them)."""
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return list(range(x.dim()))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % x.dim() for d in dims})
+
+
+def reduce(x: torch.Tensor, dim: int | list[int] | None, keepdim: bool, op: int,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``op`` (SUM, MEAN or LOGSUMEXP) of floating x over ``dim`` (None: all dims), float32
+    accumulation, the result in ``dtype`` (default x's dtype)."""
+    if op not in (SUM, MEAN, LOGSUMEXP):
+        raise ValueError(f"batch-invariant reduce: op={op} must be SUM, MEAN or LOGSUMEXP")
+    if x.dtype not in _DTYPES or (dtype is not None and dtype not in _DTYPES):
+        raise ValueError(f"batch-invariant reduce: x is {x.dtype} (dtype={dtype}); takes {_DTYPES}")
+    dims = _dims(x, dim)
+    kept_shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    rows = _rows_of(x, dims)
+    out = torch.empty(rows.shape[0], dtype=dtype or x.dtype, device=x.device)
+    if rows.shape[1] == 0 and rows.shape[0] > 0:
+        # An empty reduction: the sum is 0, the mean nan, the logsumexp -inf (as torch).
+        return out.fill_({SUM: 0.0, MEAN: float("nan"), LOGSUMEXP: float("-inf")}[op]).reshape(
+            kept_shape if keepdim else [s for d, s in enumerate(x.shape) if d not in dims])
+    _launch_rows(rows, out, op)
+    out = out.reshape(kept_shape)
+    return out if keepdim else out.reshape([s for d, s in enumerate(x.shape) if d not in dims])
+
+
+def softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(log-)softmax of floating x over ``dim``, in float32, the result in ``out_dtype``
+    (default x's dtype), contiguous in x's shape."""
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"batch-invariant softmax: x is {x.dtype}; takes {_DTYPES}")
+    if x.dim() == 0:
+        x = x.reshape(1)
+        return softmax(x, 0, log, out_dtype).reshape(())
+    dim = dim % x.dim()
+    moved = x.movedim(dim, -1)
+    rows = _rows_of(moved, [moved.dim() - 1])
+    out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if rows.shape[1] > 0:
+        _launch_rows(rows, out, LOG_SOFTMAX if log else SOFTMAX)
+    return out.reshape(moved.shape).movedim(-1, dim).contiguous()

@@ -1,0 +1,219 @@
+"""The CUDA batch-invariant mode's kernels (kernels/batch_invariant_ops.py, the CUDA overrides of
+batch_invariant.py, and the fixed configs our own kernels take in the mode) on random data:
+against torch, and a row's bits the same whatever the number of rows around it (M = 1, 3, 17,
+64, the row at a random place among random others). On a CUDA machine they run on the device,
+elsewhere in Triton's interpreter (tests/kernels/conftest.py)."""
+
+import pytest
+import torch
+
+from deepinfer import batch_invariant
+from deepinfer.kernels import batch_invariant_ops as ops
+from deepinfer.kernels import reference
+from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention_invariant
+from deepinfer.kernels.sparse_attention import invariant_config, sparse_attention
+from tests.kernels.test_paged_attention import build_cache
+
+MS = (1, 3, 17, 64)
+
+
+def _embedded(row: torch.Tensor, m: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """``row`` [1, ...] at a random place among m - 1 random rows."""
+    others = torch.randn(m, *row.shape[1:], generator=gen).to(row.dtype).to(row.device)
+    at = int(torch.randint(m, (1,), generator=gen))
+    others[at] = row[0]
+    return others, at
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matmul_matches_torch_and_rows_do_not_depend_on_m(dtype, device):
+    gen = torch.Generator().manual_seed(0)
+    k, n = 100, 90
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    b = w.t()                                           # [K, N], a transposed view (F.linear's)
+    row = torch.randn(1, k, generator=gen).to(device, dtype)
+    want = ops.mm(row, b)
+    torch.testing.assert_close(want.float(), row.float() @ b.float(), rtol=1e-3, atol=1e-3)
+    for m in MS:
+        a, at = _embedded(row, m, gen)
+        got = ops.mm(a, b)
+        torch.testing.assert_close(got.float(), a.float() @ b.float(), rtol=1e-3, atol=2e-3)
+        assert torch.equal(got[at], want[0]), m
+    # A bmm entry equals the same product as an mm, and does not depend on the batch count.
+    x = torch.randn(3, 5, k, generator=gen).to(device, dtype)
+    y = torch.randn(3, k, n, generator=gen).to(device, dtype)
+    batched = ops.bmm(x, y)
+    torch.testing.assert_close(batched.float(), torch.bmm(x.float(), y.float()), rtol=1e-3, atol=2e-3)
+    assert torch.equal(ops.bmm(x[1:2], y[1:2])[0], batched[1])
+    assert torch.equal(ops.mm(x[2], y[2]), batched[2])
+
+
+@pytest.mark.parametrize("op", ["softmax", "log_softmax", "sum", "mean", "logsumexp"])
+def test_row_reductions_match_torch_and_rows_do_not_depend_on_m_or_padding(op, device):
+    gen = torch.Generator().manual_seed(1)
+    width = 1500                                        # two column steps of ROW_BLOCK
+    run = {"softmax": lambda t: ops.softmax(t, -1, False), "log_softmax": lambda t: ops.softmax(t, -1, True),
+           "sum": lambda t: ops.reduce(t, -1, False, ops.SUM), "mean": lambda t: ops.reduce(t, -1, False, ops.MEAN),
+           "logsumexp": lambda t: ops.reduce(t, -1, False, ops.LOGSUMEXP)}[op]
+    stock = {"softmax": lambda t: t.softmax(-1), "log_softmax": lambda t: t.log_softmax(-1),
+             "sum": lambda t: t.sum(-1), "mean": lambda t: t.mean(-1), "logsumexp": lambda t: t.logsumexp(-1)}[op]
+    row = (torch.randn(1, width, generator=gen) * 4).to(device)
+    want = run(row)
+    torch.testing.assert_close(want, stock(row), rtol=1e-5, atol=1e-5)
+    for m in MS:
+        x, at = _embedded(row, m, gen)
+        assert torch.equal(run(x)[at], want[0]), m
+    # A row padded at its end (zeros for the sums, -inf for the softmaxes) keeps its bits.
+    fill = 0.0 if op in ("sum", "mean") else float("-inf")
+    padded = run(torch.cat([row, torch.full((1, 77), fill, device=device)], dim=1))
+    if op in ("softmax", "log_softmax"):
+        assert torch.equal(padded[:, :width], want)
+    elif op != "mean":                                  # the mean divides by the padded width
+        assert torch.equal(padded, want)
+
+
+def test_reductions_over_other_dims_and_dtypes(device):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 6, 50, generator=gen).to(device)
+    torch.testing.assert_close(ops.reduce(x, [0, 2], True, ops.SUM), x.sum((0, 2), keepdim=True), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(ops.reduce(x, 1, False, ops.MEAN), x.mean(1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ops.reduce(x, None, False, ops.SUM), x.sum(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.softmax(x, 1, True), x.log_softmax(1), rtol=1e-5, atol=1e-5)
+    h = x.half()
+    got = ops.softmax(h, -1, False, torch.float32)      # _softmax's half_to_float
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, h.float().softmax(-1), rtol=1e-5, atol=1e-6)
+    assert ops.reduce(h, -1, False, ops.SUM, torch.float32).dtype == torch.float32
+    # A reduction over a middle dim: token t's result does not depend on how many tokens.
+    full = ops.reduce(x, 1, False, ops.SUM)
+    assert torch.equal(ops.reduce(x[2:3], 1, False, ops.SUM)[0], full[2])
+    with pytest.raises(ValueError, match="must share a dtype"):
+        ops.mm(torch.randn(2, 3, device=device), torch.randn(3, 2, device=device).half())
+
+
+def test_cuda_overrides_match_the_stock_ops(device):
+    """The functions the mode registers on the CUDA key (called directly, so off CUDA too)."""
+    gen = torch.Generator().manual_seed(3)
+    a, w, bias = (torch.randn(5, 40, generator=gen).to(device), torch.randn(30, 40, generator=gen).to(device),
+                  torch.randn(30, generator=gen).to(device))
+    close = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batch_invariant._cuda_addmm(bias, a, w.t()), torch.addmm(bias, a, w.t()), **close)
+    torch.testing.assert_close(batch_invariant._cuda_addmm(bias, a, w.t(), beta=0.5, alpha=2.0),
+                               torch.addmm(bias, a, w.t(), beta=0.5, alpha=2.0), **close)
+    x3, y3 = torch.randn(2, 5, 40, generator=gen).to(device), torch.randn(2, 40, 7, generator=gen).to(device)
+    base = torch.randn(2, 5, 7, generator=gen).to(device)
+    torch.testing.assert_close(batch_invariant._cuda_baddbmm(base, x3, y3), torch.baddbmm(base, x3, y3), **close)
+    torch.testing.assert_close(batch_invariant._cuda_mm(a, w.t()), a @ w.t(), **close)
+    x = torch.randn(3, 4, 20, generator=gen).to(device)
+    torch.testing.assert_close(batch_invariant._cuda_reduce("sum")(x, [1], True), x.sum(1, keepdim=True))
+    torch.testing.assert_close(batch_invariant._cuda_reduce("mean")(x, [-1]), x.mean(-1))
+    torch.testing.assert_close(batch_invariant._cuda_logsumexp(x, [2]), x.logsumexp(2))
+    torch.testing.assert_close(batch_invariant._cuda_softmax(True)(x, 1, False), x.log_softmax(1))
+    # Integer sums (exact in any order) go to the stock kernel, with its int64 result.
+    ints = torch.randint(0, 5, (3, 7), generator=gen).to(device)
+    assert torch.equal(batch_invariant._cuda_reduce("sum")(ints, [-1]), ints.sum(-1))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_invariant_paged_attention_decode_equals_prefill_and_chunks(window, with_sinks, device):
+    """The mode's attention: a query's output is the same bits whether it is decoded, the last
+    token of a whole prompt, or in a chunk of another size, and whatever shares the call."""
+    gen = torch.Generator().manual_seed(4)
+    bs, hq, hkv, d = 4, 6, 2, 16
+    lens = [70, 9, 33]
+    cache, table = build_cache(lens, bs, hkv, d, gen)
+    cache, table = cache.to(device), table.to(device)
+    sinks = torch.randn(hq, generator=gen).to(device) if with_sinks else None
+    scale = 0.25
+    # The prefill of sequence 0 whole, alone: its last token's output.
+    q0 = torch.randn(lens[0], hq, d, generator=gen).to(device)
+    whole = paged_attention(q0, cache, table[:1], [0, lens[0]], lens[:1], scale, window, sinks, invariant=True)
+    want = reference.paged_attention(q0, cache, table[:1], [0, lens[0]], lens[:1], scale, window, sinks)
+    torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-4)
+    last = whole[-1]
+    # As a decode in a batch of three (the device-built tile table), and as the last token of
+    # a 7-token chunk next to other sequences' chunks.
+    qd = torch.randn(3, hq, d, generator=gen).to(device)
+    qd[0] = q0[-1]
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    decoded = paged_decode_attention_invariant(qd, cache, table, lens_t, scale, window, sinks)
+    assert torch.equal(decoded[0], last)
+    chunk = torch.cat([q0[-7:], torch.randn(9 + 2, hq, d, generator=gen).to(device)])
+    got = paged_attention(chunk, cache, table, [0, 7, 16, 18], lens, scale, window, sinks, invariant=True)
+    assert torch.equal(got[6], last)
+    alone = paged_decode_attention_invariant(q0[-1:], cache, table[:1], lens_t[:1], scale, window, sinks)
+    assert torch.equal(alone[0], last)
+
+
+def test_invariant_sparse_attention_config_does_not_depend_on_the_batch(device):
+    """One token's sparse attention with the mode's config: the same bits alone and among more
+    tokens whose slot rows are wider (its row padded with -1 at the end)."""
+    gen = torch.Generator().manual_seed(5)
+    h, d, bs = 4, 32, 8
+    cache = torch.randn(12, bs, 1, 1, d, generator=gen).to(device)
+    sinks = torch.randn(h, generator=gen).to(device)
+    q = torch.randn(1, h, d, generator=gen).to(device)
+    row = torch.randperm(12 * bs, generator=gen)[:37].to(device)
+    alone = sparse_attention(q, [(cache, row[None])], sinks, 0.2, config=invariant_config(q))
+    torch.testing.assert_close(alone, reference.sparse_attention(q, [(cache, row[None])], sinks, 0.2),
+                               rtol=1e-4, atol=1e-4)
+    for m in (3, 17):
+        qs = torch.randn(m, h, d, generator=gen).to(device)
+        qs[1] = q[0]
+        slots = torch.randint(0, 12 * bs, (m, 90), generator=gen).to(device)
+        slots[1] = -1
+        slots[1, :37] = row
+        got = sparse_attention(qs, [(cache, slots)], sinks, 0.2, config=invariant_config(qs))
+        assert torch.equal(got[1], alone[0]), m
+    assert invariant_config(torch.empty(1, h, d)) == invariant_config(torch.empty(4096, h, d))
+
+
+def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
+    """The router, fused-MoE and hyper-connection kernels with the mode's configs (the ones
+    backend.py passes): a token's outputs are the same bits alone and among 2, 16 or 63 others."""
+    from deepinfer.kernels import hyper_connection as hc
+    from deepinfer.kernels.fused_moe import fused_moe
+    from deepinfer.kernels.router import invariant_config as router_config
+    from deepinfer.kernels.router import router_logits
+    from tests.kernels.test_hyper_connection import weights
+
+    gen = torch.Generator().manual_seed(6)
+    h, e, k, i, n = 64, 8, 2, 32, 4
+    router_w = torch.randn(e, h, generator=gen).to(device)
+    gate_up = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).to(device)
+    down = (torch.randn(e, h, i, generator=gen) * 0.1).to(device)
+    fn, base, scale = weights(n, h // n, (2 + n) * n, gen, device)
+    x = torch.randn(1, h, generator=gen).to(device)
+    ids = torch.tensor([[3, 5]], device=device)
+    tw = torch.rand(1, k, generator=gen).to(device)
+
+    def run(xs, ids_, tw_):
+        streams = xs.view(-1, n, h // n)
+        return (router_logits(xs, router_w, router_config(router_w)),
+                fused_moe(xs, gate_up, down, tw_, ids_, invariant=True),
+                *hc.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6, config=hc.INVARIANT_CONFIG))
+
+    want = run(x, ids, tw)
+    torch.testing.assert_close(want[0], reference.router_logits(x, router_w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(want[1], reference.moe_experts(x, gate_up, down, tw, ids), rtol=1e-4, atol=1e-4)
+    for m in MS[1:]:
+        xs, at = _embedded(x, m, gen)
+        ids_m = torch.randint(0, e, (m, k), generator=gen).to(device)
+        ids_m[at] = ids[0]
+        tw_m = torch.rand(m, k, generator=gen).to(device)
+        tw_m[at] = tw[0]
+        for got, ref in zip(run(xs, ids_m, tw_m), want):
+            assert torch.equal(got[at], ref[0]), m
+
+
+def test_cuda_overrides_leave_other_dtypes_to_the_stock_kernels():
+    # CPU tensors on any machine: the fallbacks never reach a Triton kernel.
+    a, b = torch.randn(4, 6, dtype=torch.float64), torch.randn(6, 3, dtype=torch.float64)
+    assert torch.equal(batch_invariant._cuda_mm(a, b), torch.ops.aten.mm.out(a, b, out=torch.empty(4, 3,
+                                                                                           dtype=torch.float64)))
+    bias = torch.randn(3, dtype=torch.float64)
+    torch.testing.assert_close(batch_invariant._cuda_addmm(bias, a, b, beta=2.0), torch.addmm(bias, a, b, beta=2.0))
+    ints = torch.randint(0, 4, (2, 4, 6)), torch.randint(0, 4, (2, 6, 3))
+    assert torch.equal(batch_invariant._cuda_bmm(*ints), torch.bmm(*ints))
