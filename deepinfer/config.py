@@ -325,9 +325,11 @@ class ParallelConfig:
     """Tensor (``tp``), expert (``ep``), data (``dp``), context (``cp``) and pipeline (``pp``)
     parallel sizes.
 
-    Tensor and expert parallelism run now; data, context and pipeline parallelism are refused
-    as not yet supported. The world is ``max(tp, ep)`` ranks, one process (and on CUDA one
-    device) each; both sizes must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
+    Tensor, expert and context parallelism run now; data and pipeline parallelism are refused
+    as not yet supported. The world is ``max(ep, tp * dp, tp * cp)`` ranks, one process (and on
+    CUDA one device) each; every size must divide it. Context parallelism (``cp``, ranks
+    ``[k*cp, (k+1)*cp)``) splits each prefill's tokens over its ranks (parallel/context.py);
+    it is not combined with ``dp`` (refused) nor yet with ``tp`` > 1. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
     group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; every rank runs every step,
     so tensor-parallel groups beyond the first repeat the first one's work (``tp=2, ep=4``:
     attention on two ranks, twice; experts over all four).
@@ -361,13 +363,14 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} ({long_name}) must be an int >= 1")
-            if value > 1 and name in ("dp", "cp", "pp"):
+            if value > 1 and name in ("dp", "pp"):
                 raise NotImplementedError(
                     f"{name}={value} ({long_name}): {long_name.split('_size')[0].replace('_', ' ')} is not "
-                    f"yet supported; run with {name}=1 (tensor and expert parallelism are: tp, ep)")
+                    f"yet supported; run with {name}=1 (tensor, expert and context parallelism are: tp, ep, cp)")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              f"supported; choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
+        self._check_context_parallel()
         if self.world_size % self.tp or self.world_size % self.ep:
             raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
                              f"must divide each other: the world is max(tp, ep)={self.world_size} ranks")
@@ -392,10 +395,37 @@ class ParallelConfig:
             raise NotImplementedError(f"enable_eplb=True with distributed_executor_backend="
                                       f"{self.distributed_executor_backend!r} is not yet supported; use 'mp'")
 
+    def _check_context_parallel(self) -> None:
+        if self.cp == 1:
+            return
+        if self.dp > 1:
+            raise ValueError(f"dp={self.dp} (data_parallel_size) and cp={self.cp} (context_parallel_size) "
+                             "cannot be combined: attention ranks either serve their own requests or share "
+                             "one prefill; set one of them to 1")
+        if self.tp > 1:
+            raise NotImplementedError(f"cp={self.cp} (context_parallel_size) with tp={self.tp} "
+                                      "(tensor_parallel_size) is not yet supported; run context parallelism "
+                                      "with tp=1")
+        if self.world_size % self.cp:
+            raise ValueError(f"cp={self.cp} (context_parallel_size) must divide the world of "
+                             f"{self.world_size} ranks (max(ep, tp * dp, tp * cp))")
+
     @property
     def world_size(self) -> int:
-        """Ranks (processes, devices) the engine runs its model on."""
-        return max(self.tp, self.ep)
+        """Ranks (processes, devices) the engine runs its model on: ``max(ep, tp * dp, tp * cp)``."""
+        return max(self.ep, self.tp * self.dp, self.tp * self.cp)
+
+    def describe(self) -> str:
+        """The resolved rank layout in one line (what ``--tp/--ep/--dp/--cp`` resolve to)."""
+        parts = [f"world={self.world_size}"]
+        for name, what in (("tp", "tensor"), ("dp", "attention data"), ("cp", "context"), ("ep", "expert")):
+            size = getattr(self, name)
+            if size > 1:
+                parts.append(f"{name}={size} ({what}-parallel groups of ranks "
+                             + ", ".join(f"[{s}..{s + size - 1}]" for s in range(0, self.world_size, size)) + ")")
+        if len(parts) == 1:
+            parts.append("one rank, no parallelism")
+        return "; ".join(parts)
 
 
 SPECULATIVE_METHODS = ("ngram", "dspark", "mtp")

@@ -54,6 +54,7 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.models.loader import load_model
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.balancer import EPLBConfig, EPLBStats, ExpertLoadBalancer
+from deepinfer.parallel.context import check_context_parallel
 from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
 from deepinfer.runner.model_runner import ModelRunner
@@ -82,6 +83,8 @@ def check_parallel(config: EngineConfig) -> None:
     par = config.parallel
     cls = get_model_class(config.model.architecture)
     cls.check_parallel(config.model.hf_config, par.tp)
+    if par.cp > 1:
+        check_context_parallel(cls, config)
     if par.ep > 1:
         counts = [config.model.hf_config[k] for k in _EXPERT_COUNT_KEYS if config.model.hf_config.get(k)]
         if not counts:
@@ -110,7 +113,7 @@ def check_parallel(config: EngineConfig) -> None:
 
 def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
     """This rank's groups: tensor-parallel blocks of ``tp`` consecutive ranks, expert-parallel
-    blocks of ``ep``. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    blocks of ``ep``, context-parallel blocks of ``cp``. Every rank creates every group, in the same order (torch.distributed's rule)."""
     def blocks(size: int) -> Group:
         if size == 1:
             return Group()
@@ -121,13 +124,13 @@ def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
                 mine = Group(size=size, rank=rank - start, group=group)
         return mine
 
-    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep))
+    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep), cp=blocks(parallel.cp))
 
 
 def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
     """One collective per group: NCCL sets a communicator up on its first collective, which
     must not happen inside a CUDA-graph capture (the decode graphs)."""
-    for group in (groups.tp, groups.ep):
+    for group in (groups.tp, groups.ep, groups.cp):
         if not group.is_single:
             dist.all_reduce(torch.zeros(1, device=device), group=group.group)
 
