@@ -115,8 +115,13 @@ class ContextShard:
     """One rank's share of a split step: its token rows and the all-gathers that restore the
     step's token order. Attention layers find it in ``ForwardContext.cp``."""
 
-    def __init__(self, group: Group, pieces: list[list[Piece]], num_tokens: int, device: torch.device) -> None:
+    def __init__(self, group: Group, pieces: list[list[Piece]], step: ForwardContext,
+                 device: torch.device) -> None:
+        num_tokens = int(step.positions.shape[0])
         self.group = group
+        # The whole step's context (every rank's tokens): what a layer that writes the step's
+        # cache entries (DeepSeek-V4's compressors) pools them by.
+        self.step = step
         self.pieces = pieces[group.rank]
         self.owner, self.local = token_layout(pieces, num_tokens)
         self.width = int(np.bincount(self.owner, minlength=group.size).max())
@@ -170,7 +175,7 @@ def shard_step(input_ids: torch.Tensor, ctx: ForwardContext, group: Group
     if pieces is None:
         return None
     device = input_ids.device
-    shard = ContextShard(group, pieces, int(input_ids.shape[0]), device)
+    shard = ContextShard(group, pieces, ctx, device)
     mine = shard.pieces
     starts = [0]
     seq_lens = []
