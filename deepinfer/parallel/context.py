@@ -196,9 +196,14 @@ def shard_step(input_ids: torch.Tensor, ctx: ForwardContext, group: Group
 
 def check_context_parallel(model_cls: type, config: EngineConfig) -> None:
     """Refuse ``context_parallel_size`` > 1 for a model whose attention layers do not gather
-    the K/V of a split step (``CausalLM.supports_context_parallel``)."""
+    the K/V of a split step (``CausalLM.supports_context_parallel``), and with bounded replay
+    (its late layers compute a sub-context of the step, which is not split)."""
     cp = config.parallel.cp
     if not getattr(model_cls, "supports_context_parallel", False):
         raise NotImplementedError(f"context_parallel_size={cp}: {config.model.architecture} does not support "
                                   "context parallelism yet (supported: Llama, Mistral, Qwen3, Qwen3-MoE, "
-                                  "DeepSeek-V3); run it with context_parallel_size=1")
+                                  "DeepSeek-V3, DeepSeek-V4, DeepSeek-V4.1); run it with context_parallel_size=1")
+    mode = config.scheduler.prefill_truncation_mode
+    if mode != "full":
+        raise NotImplementedError(f"context_parallel_size={cp} with prefill_truncation_mode={mode!r}: bounded "
+                                  "replay is not yet supported under context parallelism; use 'full'")

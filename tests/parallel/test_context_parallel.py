@@ -21,6 +21,9 @@ from deepinfer.parallel.context import Piece, split_tokens, token_layout, zigzag
 from tests.engine.conftest import make_checkpoint
 
 TINY_V4 = Path(__file__).resolve().parents[1] / "data" / "tiny-v4-model"
+# V4.1's default FP8/FP4 KV records round: a last-bit difference in a rounded entry can move a
+# logprob past the tolerance, so it is compared with unrounded float32 caches.
+ENGINE_OPTIONS = {"DeepseekV41ForCausalLM": dict(kv_cache_dtype="float32")}
 HANG_TIMEOUT_S = 240
 LOGPROB_TOL = 1e-5
 NEW_TOKENS = 6
@@ -119,10 +122,23 @@ def test_parallel_config_layout_and_refusals():
         ParallelConfig(cp=2, ep=3)
 
 
-def test_models_without_context_parallelism_are_refused_before_loading():
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2: DeepseekV41ForCausalLM does not "
-                                                  "support context parallelism yet"):
-        LLM(model=DEFAULT_MODEL, device="cpu", context_parallel_size=2)
+def test_unsupported_models_and_modes_are_refused_before_loading(tmp_path):
+    mtp = make_checkpoint(tmp_path, "DeepseekV3ForCausalLM", **V3)
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2 with prefill_truncation_mode='exact'"):
+        LLM(model=DEFAULT_MODEL, device="cpu", context_parallel_size=2, yoco_prefill_truncation_mode="exact")
+    with pytest.raises(NotImplementedError, match="model drafters are not yet supported under parallelism"):
+        LLM(model=str(mtp), device="cpu", context_parallel_size=2, speculative_config={"method": "mtp"})
+    assert not mp.active_children()
+
+
+def test_context_parallelism_is_refused_for_a_model_without_it(checkpoints, monkeypatch):
+    # Every registered family gathers its K/V now; a model that does not says so by name.
+    from deepinfer.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "supports_context_parallel", False)
+    with pytest.raises(NotImplementedError, match="context_parallel_size=2: LlamaForCausalLM does not support "
+                                                  "context parallelism yet"):
+        LLM(model=str(checkpoints["LlamaForCausalLM"]), device="cpu", context_parallel_size=2)
     assert not mp.active_children()
 
 
@@ -134,7 +150,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             "Qwen3ForCausalLM": make_checkpoint(root, "Qwen3ForCausalLM", head_dim=16),
             "Qwen3MoeForCausalLM": make_checkpoint(root, "Qwen3MoeForCausalLM", **MOE),
             "DeepseekV3ForCausalLM": make_checkpoint(root, "DeepseekV3ForCausalLM", **V3),
-            "DeepseekV4ForCausalLM": TINY_V4}
+            "DeepseekV4ForCausalLM": TINY_V4, "DeepseekV41ForCausalLM": Path(DEFAULT_MODEL)}
 
 
 def _prompts() -> list[list[int]]:
@@ -163,8 +179,9 @@ _reference: dict[tuple[str, int], tuple] = {}
 
 
 def _check(checkpoints: dict[str, Path], arch: str, budget: int, **options) -> None:
+    options.update(ENGINE_OPTIONS.get(arch, {}))
     if (arch, budget) not in _reference:
-        _reference[arch, budget] = _run(checkpoints[arch], budget)
+        _reference[arch, budget] = _run(checkpoints[arch], budget, **ENGINE_OPTIONS.get(arch, {}))
     ref_tokens, ref_logprobs, ref_split = _reference[arch, budget]
     tokens, logprobs, split = _run(checkpoints[arch], budget, **options)
     assert ref_split == 0 and split > 0
@@ -188,6 +205,7 @@ def test_context_parallel_llama_equals_single_process(checkpoints):
     ("LlamaForCausalLM", 128, 1), ("Qwen3ForCausalLM", 16, 1), ("Qwen3MoeForCausalLM", 16, 1),
     ("Qwen3MoeForCausalLM", 16, 2), ("Qwen3MoeForCausalLM", 128, 2), ("DeepseekV3ForCausalLM", 16, 1),
     ("DeepseekV3ForCausalLM", 16, 2), ("DeepseekV3ForCausalLM", 128, 2), ("DeepseekV4ForCausalLM", 16, 1),
-    ("DeepseekV4ForCausalLM", 16, 2), ("DeepseekV4ForCausalLM", 128, 2)])
+    ("DeepseekV4ForCausalLM", 16, 2), ("DeepseekV4ForCausalLM", 128, 2), ("DeepseekV41ForCausalLM", 16, 1),
+    ("DeepseekV41ForCausalLM", 16, 2), ("DeepseekV41ForCausalLM", 128, 2)])
 def test_context_parallel_engine_equals_single_process(checkpoints, arch, budget, ep):
     _check(checkpoints, arch, budget, context_parallel_size=2, expert_parallel_size=ep)
