@@ -3,14 +3,16 @@
     python examples/offline_inference.py                       # embedded tiny model
     python examples/offline_inference.py --model /path/to/ckpt --ep 8 --dp 8
 
-The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp and --ep
-start one worker process per rank (CUDA devices, or the CPU with --device cpu); --dp and --cp
-above 1 raise a clear error until they land.
+The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp, --ep and
+--cp start one worker process per rank (CUDA devices, or the CPU with --device cpu); the
+resolved rank layout is printed first. --cp splits each prefill over its ranks (every rank
+keeps the whole KV cache); --dp above 1 raises a clear error until it lands.
 """
 
 import argparse
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import ParallelConfig
 
 
 def main() -> None:
@@ -25,6 +27,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
 
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, cp=args.cp)
+    print(f"rank layout: {parallel.describe()}")
     llm = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
               data_parallel_size=args.dp, context_parallel_size=args.cp)
     prompts = [
