@@ -39,6 +39,7 @@ import torch.distributed as dist
 from deepinfer.config import EngineConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.parallel.groups import Group
+from deepinfer.transfer import to_device
 
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -125,9 +126,9 @@ class ContextShard:
         self.pieces = pieces[group.rank]
         self.owner, self.local = token_layout(pieces, num_tokens)
         self.width = int(np.bincount(self.owner, minlength=group.size).max())
-        self.rows = torch.from_numpy(np.concatenate([np.arange(p.start, p.end) for p in self.pieces])).to(device)
+        self.rows = to_device(np.concatenate([np.arange(p.start, p.end) for p in self.pieces]), torch.long, device)
         # Row t of the step in the gathered [size * width] buffer of every rank's padded rows.
-        self.order = torch.from_numpy(self.owner * self.width + self.local).to(device)
+        self.order = to_device(self.owner * self.width + self.local, torch.long, device)
 
     @property
     def num_local(self) -> int:
@@ -150,8 +151,8 @@ class ContextShard:
         rank_of = np.argsort(owner, kind="stable")
         within = np.empty(len(idx), dtype=np.int64)
         within[rank_of] = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
-        mine = torch.from_numpy(local[owner == self.group.rank]).to(x.device)
-        order = torch.from_numpy(owner * width + within).to(x.device)
+        mine = to_device(local[owner == self.group.rank], torch.long, x.device)
+        order = to_device(owner * width + within, torch.long, x.device)
         return _all_gather_padded(x.index_select(0, mine), width, self.group).index_select(0, order)
 
 
@@ -183,13 +184,15 @@ def shard_step(input_ids: torch.Tensor, ctx: ForwardContext, group: Group
         starts.append(starts[-1] + p.end - p.start)
         # The piece's run ends where its sequence's new tokens end minus what follows it.
         seq_lens.append(ctx.seq_lens[p.seq] - (ctx.query_start_loc[p.seq + 1] - p.end))
-    seqs = torch.tensor([p.seq for p in mine], dtype=torch.long, device=device)
+    seqs = to_device([p.seq for p in mine], torch.long, device)
     groups = [GroupMetadata(block_size=g.block_size, block_table=g.block_table.index_select(0, seqs),
                             slot_mapping=g.slot_mapping) for g in ctx.groups]
     local = ForwardContext(positions=ctx.positions.index_select(0, shard.rows), query_start_loc=starts,
                            seq_lens=seq_lens, groups=groups,
-                           window_floor=None if ctx.window_floor is None
-                           else ctx.window_floor.index_select(0, shard.rows),
+                           query_start_loc_t=to_device(starts, torch.int32, device),
+                           seq_lens_t=to_device(seq_lens, torch.int32, device),
+                           token_seq=to_device(np.repeat(np.arange(len(mine), dtype=np.int32), np.diff(starts)),
+                                               torch.int32, device),
                            cp=shard)
     return input_ids.index_select(0, shard.rows), local, shard
 
