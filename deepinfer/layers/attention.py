@@ -6,8 +6,9 @@ tensor and group id are bound by the runner after the KV cache is allocated;
 until then (or when the context has no groups) the layer attends only within
 the batch, which is how models are compared against reference implementations.
 Under context parallelism (``ctx.cp``) the layer gathers the step's K/V from
-every rank before storing it (parallel/context.py). In a ``decode_only`` context the cached path is CUDA-graph safe with the Triton
-backend: it reads only device tensors of the context and ``max_seq_len``.
+every rank before storing it (parallel/context.py). In a ``decode_only`` context
+the cached path is CUDA-graph safe with the Triton backend: it reads only device
+tensors of the context and ``max_seq_len``.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class ContextShard:
         num_tokens = int(step.positions.shape[0])
         self.group = group
         # The whole step's context (every rank's tokens): what a layer that writes the step's
-        # cache entries (DeepSeek-V4's compressors) pools them by.
+        # cache entries (DeepSeek-V4/V4.1's compressors) pools them by.
         self.step = step
         self.pieces = pieces[group.rank]
         self.owner, self.local = token_layout(pieces, num_tokens)
@@ -129,10 +129,6 @@ class ContextShard:
         self.rows = to_device(np.concatenate([np.arange(p.start, p.end) for p in self.pieces]), torch.long, device)
         # Row t of the step in the gathered [size * width] buffer of every rank's padded rows.
         self.order = to_device(self.owner * self.width + self.local, torch.long, device)
-
-    @property
-    def num_local(self) -> int:
-        return int(self.rows.shape[0])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows ``x`` [n_local, ...] -> the step's rows [T, ...] in token order."""
@@ -147,10 +143,10 @@ class ContextShard:
         owner, local = self.owner[idx], self.local[idx]
         counts = np.bincount(owner, minlength=self.group.size)
         width = int(counts.max())
-        # j-th asked row of its owner: its place in that owner's padded block.
-        rank_of = np.argsort(owner, kind="stable")
+        # The j-th asked row of its owner sits at row j of that owner's padded block.
+        by_owner = np.argsort(owner, kind="stable")
         within = np.empty(len(idx), dtype=np.int64)
-        within[rank_of] = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
+        within[by_owner] = np.arange(len(idx)) - np.repeat(np.cumsum(counts) - counts, counts)
         mine = to_device(local[owner == self.group.rank], torch.long, x.device)
         order = to_device(owner * width + within, torch.long, x.device)
         return _all_gather_padded(x.index_select(0, mine), width, self.group).index_select(0, order)

@@ -100,8 +100,9 @@ def check_parallel(config: EngineConfig) -> None:
     if config.device.type == "cuda":
         available = torch.cuda.device_count()
         if par.world_size > available:
-            raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep} need "
-                             f"{par.world_size} CUDA devices; {available} are visible")
+            raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep}, "
+                             f"context_parallel_size={par.cp} need {par.world_size} CUDA devices; "
+                             f"{available} are visible")
     if config.cache.has_lower_tiers:
         raise NotImplementedError(f"kv_offload_gib / kv_disk_dir with {par.world_size} ranks: the KV cache's host "
                                   "and disk tiers are not yet supported under parallelism")
@@ -325,8 +326,8 @@ class MultiprocExecutor:
             self.procs.append(proc)
             self.conns.append(mine)
         self._stopper = weakref.finalize(self, _stop_workers, self.procs, self.conns, True)
-        logger.info("started %d worker processes (tp=%d, ep=%d): pids %s", self.world_size,
-                    config.parallel.tp, config.parallel.ep, [p.pid for p in self.procs])
+        logger.info("started %d worker processes (%s): pids %s", self.world_size,
+                    config.parallel.describe(), [p.pid for p in self.procs])
         info = self._collect()[0]
         self.replay_keep: int | None = info["replay_keep"]
         self._kv_cache_specs: list[KVCacheSpec] = info["kv_cache_specs"]
