@@ -314,6 +314,11 @@ class MultiprocExecutor:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._launched = 0
+        # Step replies read so far, and those read before (or without) their finish(): the
+        # engine never finishes a plan of runner bookkeeping only (Engine._schedule_and_launch),
+        # whose replies must not be taken for a later step's or call's.
+        self._read = 0
+        self._replies: dict[int, Any] = {}
         self._idle = False    # the engine went idle since the last launch
         # EPLB's stats after the last finished step (rank 0's); None without EPLB.
         self.eplb_stats: EPLBStats | None = EPLBStats() if config.parallel.enable_eplb else None
@@ -365,15 +370,27 @@ class MultiprocExecutor:
         return self._launched
 
     def finish(self, handle: int) -> StepResult:
-        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order);
-        the EPLB stats that come with it are kept in :attr:`eplb_stats`."""
-        result, stats = self._collect()[0]
+        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order;
+        the replies of earlier steps never finished are dropped); the EPLB stats that come
+        with it are kept in :attr:`eplb_stats`."""
+        while self._read < handle:
+            self._read_step()
+        result, stats = self._replies.pop(handle)
+        for stale in [h for h in self._replies if h < handle]:
+            del self._replies[stale]
         if stats is not None:
             self.eplb_stats = stats
         return result
 
     # -- plumbing -----------------------------------------------------------------------
+    def _read_step(self) -> None:
+        self._read += 1
+        self._replies[self._read] = self._collect()[0]
+
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        # Replies come in order: the steps' sent before this call are read first.
+        while self._read < self._launched:
+            self._read_step()
         self._send_all(method, *args)
         return self._collect()
 

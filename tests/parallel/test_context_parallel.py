@@ -161,11 +161,17 @@ def _prompts() -> list[list[int]]:
 
 def _run(path: Path, budget: int, **options) -> tuple[list[list[int]], list[list[dict]], int]:
     """Greedy tokens with prompt and sample logprobs under a token budget of ``budget`` per
-    step, and how many steps rank 0 ran as a context-parallel share (0 on one process)."""
+    step (then the same prompts twice more, whose prefixes hit the cache: their greedy tokens
+    must not change), and how many steps rank 0 ran as a context-parallel share (0 on one
+    process)."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=3,
                             logprobs=3)
     with LLM(model=str(path), device="cpu", max_num_batched_tokens=budget, dtype="float32", **options) as llm:
         outs = llm.generate(_prompts(), params, use_tqdm=False)
+        for _ in range(2):
+            again = llm.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                            ignore_eos=True), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
         runner = llm.engine.runner
         split = runner.cp_split_steps if not hasattr(runner, "_call_all") else \
             runner._call_all("__getattribute__", "cp_split_steps")[0]
