@@ -215,3 +215,9 @@ def test_context_parallel_llama_equals_single_process(checkpoints):
     ("DeepseekV41ForCausalLM", 16, 2), ("DeepseekV41ForCausalLM", 128, 2)])
 def test_context_parallel_engine_equals_single_process(checkpoints, arch, budget, ep):
     _check(checkpoints, arch, budget, context_parallel_size=2, expert_parallel_size=ep)
+
+
+@pytest.mark.slow
+def test_four_context_parallel_ranks_equal_single_process(checkpoints):
+    # 8 chunks a split sequence; the 5-token prompt and the decode rows go whole to one rank.
+    _check(checkpoints, "Qwen3MoeForCausalLM", 64, context_parallel_size=4, expert_parallel_size=2)
