@@ -329,8 +329,9 @@ class ParallelConfig:
     as not yet supported. The world is ``max(ep, tp * dp, tp * cp)`` ranks, one process (and on
     CUDA one device) each; every size must divide it. Context parallelism (``cp``, ranks
     ``[k*cp, (k+1)*cp)``) splits each prefill's tokens over its ranks (parallel/context.py);
-    it is not combined with ``dp`` (refused) nor yet with ``tp`` > 1. Ranks ``[k*tp, (k+1)*tp)`` form a tensor-parallel
-    group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; every rank runs every step,
+    it is not combined with ``dp`` (refused) nor yet with ``tp`` > 1. Ranks ``[k*tp, (k+1)*tp)``
+    form a tensor-parallel group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group; outside
+    context-parallel prefill steps every rank runs every step,
     so tensor-parallel groups beyond the first repeat the first one's work (``tp=2, ep=4``:
     attention on two ranks, twice; experts over all four).
 
