@@ -325,8 +325,8 @@ class ParallelConfig:
     """Tensor (``tp``), expert (``ep``), data (``dp``), context (``cp``) and pipeline (``pp``)
     parallel sizes.
 
-    Tensor, expert and attention data parallelism run now; context and pipeline parallelism
-    are refused as not yet supported. The world is ``max(ep, tp*dp, tp*cp)`` ranks, one process
+    Tensor, expert, attention data and context parallelism run now; pipeline parallelism is
+    refused as not yet supported. The world is ``max(ep, tp*dp, tp*cp)`` ranks, one process
     (and on CUDA one device) each; every size must divide it. Ranks ``[k*tp, (k+1)*tp)`` form a
     tensor-parallel group and ranks ``[k*ep, (k+1)*ep)`` an expert-parallel group. Without data
     parallelism every rank runs every request, so tensor-parallel groups beyond the first
@@ -334,6 +334,9 @@ class ParallelConfig:
     all four). With ``dp`` > 1 tensor-parallel group k serves data-parallel rank k mod dp: its
     own requests, KV cache and prefix cache (:meth:`dp_rank_of`; parallel/data.py); the MoE
     layers stay expert-parallel over the ``ep`` group, each rank dispatching its own tokens.
+    Context parallelism (``cp``, ranks ``[k*cp, (k+1)*cp)``) splits each long prefill's tokens
+    over its ranks (parallel/context.py); it is not combined with ``dp`` (refused) nor yet with
+    ``tp`` > 1.
 
     ``distributed_executor_backend`` (vLLM's name): ``"mp"`` — the engine starts one worker
     process per rank itself (parallel/executor.py); ``"external_launcher"`` — every rank is a
@@ -364,16 +367,14 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} ({long_name}) must be an int >= 1")
-            if value > 1 and name in ("cp", "pp"):
+            if value > 1 and name == "pp":
                 raise NotImplementedError(
-                    f"{name}={value} ({long_name}): {long_name.split('_size')[0].replace('_', ' ')} is not "
-                    f"yet supported; run with {name}=1 (tensor, expert and data parallelism are: tp, ep, dp)")
+                    f"{name}={value} ({long_name}): pipeline parallelism is not yet supported; run with "
+                    f"{name}=1 (tensor, expert, data and context parallelism are: tp, ep, dp, cp)")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is not "
                              f"supported; choose one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}")
-        if self.dp > 1 and self.cp > 1:
-            raise ValueError(f"dp={self.dp} (data_parallel_size) and cp={self.cp} (context_parallel_size) "
-                             "cannot both be above 1: attention ranks split either requests or contexts")
+        self._check_context_parallel()
         self._check_data_parallel()
         if self.world_size % self.tp or self.world_size % self.ep:
             raise ValueError(f"tp={self.tp} (tensor_parallel_size) and ep={self.ep} (expert_parallel_size) "
@@ -418,9 +419,24 @@ class ParallelConfig:
             raise NotImplementedError(f"enable_eplb=True with distributed_executor_backend="
                                       f"{self.distributed_executor_backend!r} is not yet supported; use 'mp'")
 
+    def _check_context_parallel(self) -> None:
+        if self.cp == 1:
+            return
+        if self.dp > 1:
+            raise ValueError(f"dp={self.dp} (data_parallel_size) and cp={self.cp} (context_parallel_size) "
+                             "cannot be combined: attention ranks either serve their own requests or share "
+                             "one prefill; set one of them to 1")
+        if self.tp > 1:
+            raise NotImplementedError(f"cp={self.cp} (context_parallel_size) with tp={self.tp} "
+                                      "(tensor_parallel_size) is not yet supported; run context parallelism "
+                                      "with tp=1")
+        if self.world_size % self.cp:
+            raise ValueError(f"cp={self.cp} (context_parallel_size) must divide the world of "
+                             f"{self.world_size} ranks (max(ep, tp * dp, tp * cp))")
+
     @property
     def world_size(self) -> int:
-        """Ranks (processes, devices) the engine runs its model on."""
+        """Ranks (processes, devices) the engine runs its model on: ``max(ep, tp * dp, tp * cp)``."""
         return max(self.ep, self.tp * self.dp, self.tp * self.cp)
 
     def dp_rank_of(self, rank: int) -> int:
@@ -430,9 +446,16 @@ class ParallelConfig:
         return (rank // self.tp) % self.dp
 
     def describe(self) -> str:
-        """The rank layout on one line."""
-        return (f"world {self.world_size} ranks: tp={self.tp} (attention shards), dp={self.dp} (request shards), "
-                f"cp={self.cp} (context shards), ep={self.ep} (expert shards)")
+        """The resolved rank layout in one line (what ``--tp/--ep/--dp/--cp`` resolve to)."""
+        parts = [f"world={self.world_size}"]
+        for name, what in (("tp", "tensor"), ("dp", "attention data"), ("cp", "context"), ("ep", "expert")):
+            size = getattr(self, name)
+            if size > 1:
+                parts.append(f"{name}={size} ({what}-parallel groups of ranks "
+                             + ", ".join(f"[{s}..{s + size - 1}]" for s in range(0, self.world_size, size)) + ")")
+        if len(parts) == 1:
+            parts.append("one rank, no parallelism")
+        return "; ".join(parts)
 
 
 SPECULATIVE_METHODS = ("ngram", "dspark", "mtp")

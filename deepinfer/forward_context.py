@@ -21,8 +21,12 @@ synchronise with the host (no ``.item()``, ``.tolist()``, ``nonzero``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from deepinfer.parallel.context import ContextShard
 
 
 @dataclass
@@ -60,6 +64,11 @@ class ForwardContext:
     # [T] int64, or None: window rows at positions below a token's floor are invisible to it
     # (bounded replay: the late layers' windows start empty at the sequence's replay start).
     window_floor: torch.Tensor | None = None
+    # Context parallelism (parallel/context.py): this rank's share of a step split over the
+    # ``cp`` ranks. The context then describes this rank's tokens only (one row per piece of a
+    # sequence), except ``groups[g].slot_mapping``, which stays the whole step's [T_all]:
+    # attention layers gather the step's K/V with ``cp.gather`` and store all of it.
+    cp: ContextShard | None = None
     # Results that several layers of one forward share (e.g. a KV-cache group's slot tables),
     # keyed by their maker. A context serves one forward: build a new one for the next (or
     # clear this), else the next forward (or a CUDA-graph capture) reuses stale results.

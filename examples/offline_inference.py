@@ -4,14 +4,16 @@
     python examples/offline_inference.py --model /path/to/ckpt --ep 8 --dp 8
 
 The parallelism flags follow DeepSeek's release (--ep, --dp, --cp) plus --tp. --tp, --ep and
---dp start one worker process per rank (CUDA devices, or the CPU with --device cpu): with --dp
-each data-parallel rank runs its own requests' attention, the experts are split over --ep
-ranks. --cp above 1 raises a clear error until it lands.
+--dp/--cp start one worker process per rank (CUDA devices, or the CPU with --device cpu); the
+resolved rank layout is printed first. With --dp each data-parallel rank runs its own requests'
+attention, the experts are split over --ep ranks; --cp splits each long prefill over its ranks
+(every rank keeps the whole KV cache).
 """
 
 import argparse
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import ParallelConfig
 
 
 def main() -> None:
@@ -26,6 +28,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
 
+    parallel = ParallelConfig(tp=args.tp, ep=args.ep, dp=args.dp, cp=args.cp)
+    print(f"rank layout: {parallel.describe()}")
     llm = LLM(model=args.model, device=args.device, tensor_parallel_size=args.tp, expert_parallel_size=args.ep,
               data_parallel_size=args.dp, context_parallel_size=args.cp)
     print(llm.engine.config.parallel.describe())

@@ -84,6 +84,9 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="after the timed rounds, profile one round (torch.profiler) and write the kernels "
                         "by device time to this text file")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallel size: each prompt split over this many ranks (devices); per-GPU "
+                        "figures are divided by it")
 
 
 def _add_decode_common(p: argparse.ArgumentParser, kind: str, steps: int) -> None:

@@ -44,7 +44,8 @@ from deepinfer.outputs import RequestOutput
 # commits at most one token per request a step. ``--speculative N`` is reported apart
 # (bench/speculative.py), with nextn = N.
 NEXTN = 0
-# Context-parallel ranks: the benchmarks run on one device.
+# Context-parallel ranks of the decode benchmarks: they run on one device (``bench prefill
+# --cp N`` runs N ranks and divides its per-GPU figures by N).
 CP = 1
 
 
@@ -164,7 +165,9 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, **{"cpu_kv_cache_bytes": CPU_KV_CACHE_BYTES, **settings})
     engine = Engine(config)
-    check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
+    if engine.model is not None:
+        # (Several ranks: the model lives in the worker processes, unchecked here.)
+        check_finite(engine.model, model.device, int(model.hf_config["vocab_size"]), args.seed)
     freeze_heap()   # no full-collection pauses inside timed windows; free_memory unfreezes
     return engine
 
@@ -259,9 +262,11 @@ def timestamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def header(kind: str, model: BenchModel, floors: dict[str, float], argv: list[str]) -> dict[str, Any]:
+def header(kind: str, model: BenchModel, floors: dict[str, float], argv: list[str], cp: int = CP
+           ) -> dict[str, Any]:
+    """The result's common fields; ``cp``: context-parallel ranks, one device each."""
     return {"bench": kind, "date": timestamp(), "command": "deepinfer " + " ".join(argv),
-            **model.describe(), "measured": floors, "nextn": NEXTN, "cp": CP, "num_gpus": 1}
+            **model.describe(), "measured": floors, "nextn": NEXTN, "cp": cp, "num_gpus": cp}
 
 
 def write_json(path: str | None, result: dict[str, Any]) -> None:

@@ -15,6 +15,10 @@ request ends when its prefill samples a token):
   end as late as its start: ``measure_steady``), so overlapped scheduling hides the host
   work as it would in a serving engine, as far as the host keeps ahead of the device.
 
+With ``--cp N`` each prompt is split over N context-parallel ranks (one device each): the
+per-GPU figures (tokens/s per GPU, the engine's time against one device's floor, matmul
+shares) count the time on all N devices.
+
 Floor: the prefill's useful FLOPs / measured matmul rate (or its bytes / measured bandwidth,
 whichever is larger; bench/floors.py). Beside it, for DeepSeek-V4, a per-part floor: the
 routed experts (memory bound at a few dozen rows per expert) and the rest (compute bound),
@@ -41,6 +45,7 @@ from deepinfer.sampling_params import SamplingParams
 
 def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, iters: int,
                     gen: torch.Generator) -> dict[str, Any]:
+    gpus = engine.config.parallel.cp
     vocab = engine.config.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     timer = Timer(engine.config.device)
@@ -68,7 +73,7 @@ def measure_prefill(engine: Engine, batch: int, prompt_len: int, warmup: int, it
     gpu = statistics.fmean(gpu_ms) if engine.config.device.type == "cuda" else None
     return {"round_ms": [t * 1e3 for t in rounds], "ms": mean_s * 1e3, "steps_per_round": steps,
             "gpu_ms": gpu,
-            "input_tok_s": batch * prompt_len / mean_s, "input_tok_s_per_gpu": batch * prompt_len / mean_s}
+            "input_tok_s": batch * prompt_len / mean_s, "input_tok_s_per_gpu": batch * prompt_len / mean_s / gpus}
 
 
 def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, iters: int,
@@ -109,7 +114,7 @@ def measure_steady(engine: Engine, batch: int, prompt_len: int, warmup: int, ite
     tokens = iters * batch * prompt_len
     cuda = engine.config.device.type == "cuda"
     # ms: per batch of prompts (one engine step unless the budget chunks the prompts).
-    return {"ms": elapsed * 1e3 / iters, "input_tok_s_per_gpu": tokens / elapsed,
+    return {"ms": elapsed * 1e3 / iters, "input_tok_s_per_gpu": tokens / elapsed / engine.config.parallel.cp,
             "steps": stats.steps, "overlapped_steps": stats.overlapped_steps,
             "gpu_busy_ms_per_step": stats.gpu_busy_ms_per_step if cuda else None,
             "gpu_idle_ms_per_step": stats.gpu_idle_ms_per_step if cuda else None}
@@ -119,9 +124,12 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     model = BenchModel.from_args(args)
     if min(args.prompt_len, args.batch_size, args.iters) < 1 or args.warmup < 0:
         raise ValueError("--prompt-len, --batch-size and --iters must be >= 1 and --warmup >= 0")
+    cp = getattr(args, "cp", 1)
+    if cp < 1:
+        raise ValueError(f"--cp {cp} must be >= 1")
     # Twice the batch may be in the engine at once (below).
     fit = model.check_fits(2 * args.batch_size * (args.prompt_len + 1))
-    result = header("prefill", model, measure_floors(model, args), args.argv)
+    result = header("prefill", model, measure_floors(model, args), args.argv, cp=cp)
     result["memory"] = fit
     # Whole prompts per step, up to 4096 tokens: the engine sizes its KV cache after a profiling
     # forward of this many tokens as one sequence, whose attention scores grow with its square.
@@ -131,8 +139,8 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
 
     # Twice the batch: under steady load the next batch is admitted while the last is in flight.
     engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
-                          max_model_len=args.prompt_len + 1)
-    result["weights_in_memory"] = engine.model.weight_bytes
+                          max_model_len=args.prompt_len + 1, context_parallel_size=cp)
+    result["weights_in_memory"] = None if engine.model is None else engine.model.weight_bytes
     gen = torch.Generator().manual_seed(args.seed)
     result["engine"] = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters, gen)
     result["engine"]["steady"] = measure_steady(engine, args.batch_size, args.prompt_len, args.warmup,
@@ -149,7 +157,7 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_invariant:
         # The same engine settings in batch-invariant mode, on the same prompts (same seed).
         engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
-                              max_model_len=args.prompt_len + 1, batch_invariant=True)
+                              max_model_len=args.prompt_len + 1, batch_invariant=True, context_parallel_size=cp)
         invariant = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters,
                                     torch.Generator().manual_seed(args.seed))
         del engine
@@ -159,15 +167,16 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
     work = model.cost.prefill(args.batch_size, args.prompt_len)
     floor = {**work, **floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])}
     result["floor"] = floor
-    result["engine_over_floor"] = result["engine"]["ms"] / floor["floor_ms"]
+    # Against one device's floor, the engine's time counts on each of its cp devices.
+    result["engine_over_floor"] = result["engine"]["ms"] * cp / floor["floor_ms"]
     if "expert_bytes" in work:
         parts = parts_floor_ms(work, result["measured"]["hbm_gb_s"], result["measured"]["matmul_tflop_s"])
         result["parts_floor"] = parts
-        result["steady_over_parts_floor"] = result["engine"]["steady"]["ms"] / parts["floor_ms"]
+        result["steady_over_parts_floor"] = result["engine"]["steady"]["ms"] * cp / parts["floor_ms"]
     peak = result["measured"]["matmul_tflop_s"] * 1e12
-    result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3) / peak
-    result["steady_matmul_peak_share"] = work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3) / peak
-    result["steady_matmul_after_share"] = (work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3)
+    result["matmul_peak_share"] = work["flops"] / (result["engine"]["ms"] * 1e-3 * cp) / peak
+    result["steady_matmul_peak_share"] = work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3 * cp) / peak
+    result["steady_matmul_after_share"] = (work["flops"] / (result["engine"]["steady"]["ms"] * 1e-3 * cp)
                                            / (result["measured"]["matmul_tflop_s_after"] * 1e12))
 
     result["hf"] = None
@@ -207,7 +216,7 @@ def report(result: dict[str, Any]) -> None:
     st = e["steady"]
     rows = [["engine, round", result["prompt_len"], e["ms"], e["input_tok_s_per_gpu"], result["engine_over_floor"]],
             ["engine, steady", result["prompt_len"], st["ms"], st["input_tok_s_per_gpu"],
-             st["ms"] / f["floor_ms"]],
+             st["ms"] * result["cp"] / f["floor_ms"]],
             ["floor", result["prompt_len"], f["floor_ms"],
              result["batch"] * result["prompt_len"] / (f["floor_ms"] * 1e-3), 1.0]]
     if hf and "ms" in hf:

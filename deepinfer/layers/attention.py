@@ -5,8 +5,10 @@ this layer's paged cache and attends over each sequence's context. The cache
 tensor and group id are bound by the runner after the KV cache is allocated;
 until then (or when the context has no groups) the layer attends only within
 the batch, which is how models are compared against reference implementations.
-In a ``decode_only`` context the cached path is CUDA-graph safe with the Triton
-backend: it reads only device tensors of the context and ``max_seq_len``.
+Under context parallelism (``ctx.cp``) the layer gathers the step's K/V from
+every rank before storing it (parallel/context.py). In a ``decode_only`` context
+the cached path is CUDA-graph safe with the Triton backend: it reads only device
+tensors of the context and ``max_seq_len``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,14 @@ class Attention(nn.Module):
                                                       self.scale, self.sliding_window)
             return out.view(t, -1)
         meta = ctx.groups[self.group_id]
-        backend.store_kv(self.kv_cache, meta.slot_mapping, k, v)
+        if ctx.cp is None:
+            backend.store_kv(self.kv_cache, meta.slot_mapping, k, v)
+        else:
+            # A context-parallel share: store the whole step's K/V (every rank's, in token
+            # order), then attend for this rank's queries only.
+            # One all-gather for both.
+            k_all, v_all = ctx.cp.gather(torch.cat((k, v), dim=-1)).split(self.head_dim, dim=-1)
+            backend.store_kv(self.kv_cache, meta.slot_mapping, k_all, v_all)
         if ctx.decode_only:
             # Token b is sequence b's only query: the CUDA-graph-safe path, which reads the
             # lengths on the device and sizes its work from B and ctx.max_seq_len.

@@ -40,6 +40,11 @@ full cache (one entry per token); key owners add ``key_cache`` (MXFP4 records wh
 beside the entries, in the same group, so a key's slot is its entry's slot. The state
 cache is always values of the cache dtype.
 
+Under context parallelism (``ctx.cp``, parallel/context.py) a rank's context holds its own
+tokens: it gathers the step's window rows, latents (ratio 1) or pooling states (ratio 2)
+from every rank and stores every entry and key of the step, so every rank keeps the whole
+sequence's caches; its queries read them through its own context's slot tables.
+
 Shapes: T tokens, Hd hidden, H heads, D head_dim, R rope dims, W window, N entry slots
 per token (``ceil(max_seq_len / ratio)``), K selected entries, Hi/Di index heads/dim.
 """
@@ -167,19 +172,32 @@ class V41Compressor(nn.Module):
         group's first token [M]) of the groups this step completes. Ratio 1: every token.
         Ratio 2: stores every token's (kv, gate) in the state cache first, then pools the
         rows completing a pair (a ``decode_only`` context pools every row: M = T, and the
-        caller stores those that complete nothing at slot -1)."""
+        caller stores those that complete nothing at slot -1). Under context parallelism the
+        groups are the whole step's and the rows are those of ``ctx.cp.step``."""
         if self.ratio == 1:
-            return self.kv_norm(self.kv_proj(x)), ctx.token_seq, ctx.positions
+            latent = self.kv_norm(self.kv_proj(x))
+            if ctx.cp is not None:
+                # A context-parallel share: the whole step's latents (every rank's rows, in
+                # token order), each rank storing every entry (parallel/context.py).
+                return ctx.cp.gather(latent), ctx.cp.step.token_seq, ctx.cp.step.positions
+            return latent, ctx.token_seq, ctx.positions
         # Pooled in float32 (the projections accumulate in float32 in x's dtype's GEMM).
         kv, gate = self.kv_proj(x).float(), self.gate_proj(x).float()             # [T, D]
         state = caches.bind(self.state_cache)
+        table = state.meta.block_table
+        if ctx.cp is not None:
+            # A context-parallel share stores the whole step's states and pools every pair the
+            # step completes, over the step's context.
+            kv, gate = ctx.cp.gather(torch.cat((kv, gate), dim=-1)).split(kv.shape[1], dim=-1)
+            ctx = ctx.cp.step
+            table = self.state_cache.meta(ctx).block_table
         backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None].to(state.cache.dtype),
                          gate[:, None].to(state.cache.dtype))
         seq, pos = ctx.token_seq, ctx.positions
         completing = completing_tokens(ctx, self.ratio)
         if completing is not None:
             seq, pos = completing
-        pooled = backend.pool_window(state.cache, state.meta.block_table, seq, pos, self.ratio)
+        pooled = backend.pool_window(state.cache, table, seq, pos, self.ratio)
         return self.kv_norm(pooled.to(x.dtype)), seq, pos + 1 - self.ratio
 
     def entry_index(self, pos: torch.Tensor) -> torch.Tensor:
@@ -284,8 +302,9 @@ class DeepseekV41Attention(nn.Module):
         latent, seq, first = self.compressor.latents(x, ctx, caches)
         entries = caches.bind(self.entry_cache)
         index = self.compressor.entry_index(first + self.compressor.ratio - 1)
-        slot = reference.table_slots(entries.meta.block_table, entries.cache.shape[1], seq.long(),
-                                      index[:, None])[:, 0]                       # [M]
+        # Under context parallelism the latents are the whole step's: their rows index its table.
+        table = entries.meta.block_table if ctx.cp is None else self.entry_cache.meta(ctx.cp.step).block_table
+        slot = reference.table_slots(table, entries.cache.shape[1], seq.long(), index[:, None])[:, 0]  # [M]
         entry = backend.interleaved_rope(latent[:, None].clone(), first, rope.inv_freq, rope.scaling)[:, 0]
         store_rows(entries, slot, entry, "nvfp4", self.round)
         shared.entries[self.layer_idx] = entries
@@ -305,7 +324,9 @@ class DeepseekV41Attention(nn.Module):
         window = caches.bind(self.window_cache)
         kv = backend.kv_norm_rope(self.kv_proj(x), self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
                                   self.kv_norm.eps)                               # [T, D]
-        store_rows(window, window.meta.slot_mapping, kv, "mxfp8", self.round)
+        # A context-parallel share stores the whole step's window rows (parallel/context.py).
+        store_rows(window, window.meta.slot_mapping, kv if ctx.cp is None else ctx.cp.gather(kv), "mxfp8",
+                   self.round)
         window_slots = window.slots(ctx, self.sliding_window, 1, sliding=True)     # [T, W]
         if ctx.window_floor is not None:
             # Column i holds position p - W + 1 + i; rows before the floor were never computed.

@@ -54,6 +54,12 @@ complete no window at slot -1, which the store skips; all shapes come from T
 and ``max_seq_len``. Other contexts size step 2 from the host lists, still
 without a host sync.
 
+Under context parallelism (``ctx.cp``, parallel/context.py) a rank's context holds its own
+tokens: it gathers the step's raw kv and pooling inputs from every rank, stores the whole
+step's window rows and states and pools every entry the step completes (over the step's
+context, ``ctx.cp.step``), so every rank keeps the whole sequence's caches; its queries then
+read them through its own context's slot tables.
+
 Without a cache (``ctx.groups`` empty) each sequence of the batch attends to
 its own tokens, which must start at position 0; the same code runs over
 scratch caches of one row per token.
@@ -260,11 +266,20 @@ class GatedPool(nn.Module):
         """
         r = self.ratio
         state, entries = caches.bind(self.state_cache), caches.bind(self.entry_cache)
-        backend.store_kv(state.cache, state.meta.slot_mapping, kv[:, None], gate[:, None])
+        state_meta, entry_meta = state.meta, entries.meta
+        if ctx.cp is not None:
+            # A context-parallel share: every rank stores the whole step's states (every rank's
+            # rows, in token order) and pools every entry the step completes, so each keeps
+            # the whole sequence's entries (parallel/context.py).
+            kv, gate = ctx.cp.gather(torch.cat((kv, gate), dim=-1)).split(kv.shape[1], dim=-1)
+            ctx = ctx.cp.step
+            completing = completing_tokens(ctx, r)
+            state_meta, entry_meta = self.state_cache.meta(ctx), self.entry_cache.meta(ctx)
+        backend.store_kv(state.cache, state_meta.slot_mapping, kv[:, None], gate[:, None])
         seq, pos = ctx.token_seq, ctx.positions                                    # [T]
         if completing is not None:
             seq, pos = completing                                                   # [M]
-        backend.compress_entries_(state.cache, state.meta.block_table, entries.cache, entries.meta.block_table,
+        backend.compress_entries_(state.cache, state_meta.block_table, entries.cache, entry_meta.block_table,
                                   seq, pos, self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
                                   rope.inv_freq, rope.scaling, r, self.overlap)
 
@@ -421,7 +436,8 @@ class DeepseekV4Attention(nn.Module):
         q_residual = self.q_a_norm(q_a)                                           # [T, q_lora]
         # The compressor and indexer (a chain of small launches at decode sizes) write only
         # their own caches: on a side stream they run beside the query projection.
-        side = side_stream.fork(x) if self.compressor is not None else None
+        # (Not under context parallelism: the compressor's all-gathers stay on the main stream.)
+        side = side_stream.fork(x) if self.compressor is not None and ctx.cp is None else None
         with side_stream.on(side):
             entries = (self.compressor.attended_entries(tuple(projected), q_residual, ctx, caches,
                                                         ropes["compress"])
@@ -429,8 +445,14 @@ class DeepseekV4Attention(nn.Module):
         q = self.q_b_proj(q_residual).view(t, h, d)                               # [T, H, D], raw
         window = caches.bind(self.window_cache)
         # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
-        backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
-                             self.kv_norm.eps, window.cache, window.meta.slot_mapping)
+        if ctx.cp is None:
+            backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
+                                 self.kv_norm.eps, window.cache, window.meta.slot_mapping)
+        else:
+            # A context-parallel share stores the whole step's window rows: every rank's raw
+            # kv, normed and roped at its own position.
+            backend.kv_norm_rope(ctx.cp.gather(kv), self.kv_norm.weight, ctx.cp.step.positions, rope.inv_freq,
+                                 rope.scaling, self.kv_norm.eps, window.cache, window.meta.slot_mapping)
         sources = [(window.cache, window.slots(ctx, self.sliding_window, 1, sliding=True))]  # [T, W]
         side_stream.join(side)
         if entries is not None:

@@ -252,7 +252,10 @@ class MLAttention(nn.Module):
             out = self._decode_absorbed(q_nope, q_pe, ctx, meta)
         else:
             meta = ctx.groups[self.group_id]
-            backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
+            # A context-parallel share stores the whole step's latents (every rank's, in token
+            # order; parallel/context.py) and attends for this rank's queries only.
+            step_entries = entries if ctx.cp is None else ctx.cp.gather(entries)
+            backend.store_kv(self.kv_cache, meta.slot_mapping, step_entries[:, None, :])
             for b in range(ctx.num_seqs):
                 s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
                 if e == s:

@@ -69,6 +69,11 @@ class CausalLM(nn.Module):
     # host and sizes its work from T, B and ctx.max_seq_len only (forward_context.py).
     supports_cuda_graphs: bool = False
 
+    # Whether the model runs under context parallelism (parallel/context.py): its attention
+    # layers gather a split step's K/V (``ForwardContext.cp``) before storing it, and nothing
+    # else in its forward looks across tokens.
+    supports_context_parallel: bool = False
+
     # The ``kv_cache_dtype`` values the model's constructor takes (keyword ``kv_cache_dtype``);
     # empty: the model takes none and only "auto" (the compute dtype) is served.
     kv_cache_dtypes: tuple[str, ...] = ()

@@ -165,6 +165,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     # Decode is graph-safe: absorbed MLA over device-side lengths (layers/mla.py), Triton routing
     # and experts sized from T alone.
     supports_cuda_graphs = True
+    supports_context_parallel = True
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:

@@ -358,6 +358,7 @@ class DeepseekV4ForCausalLM(CausalLM):
     optional_modules = ("mtp",)
     # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
     supports_cuda_graphs = True
+    supports_context_parallel = True
 
     fp8_linears = FP8_LINEARS
 

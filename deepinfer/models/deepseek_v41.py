@@ -289,7 +289,10 @@ class DeepseekV41Model(nn.Module):
         cids = self.engram_token_map[input_ids]                                  # [T]
         history = caches.bind(self.engram_history)
         packed = torch.stack([cids >> 16, (cids >> 8) & 255, cids & 255], dim=-1).to(history.cache.dtype)
-        backend.store_kv(history.cache, history.meta.slot_mapping, packed[:, None])
+        # A context-parallel share stores the whole step's ids (parallel/context.py): a hash
+        # reads the ids before its token, which another rank may hold.
+        backend.store_kv(history.cache, history.meta.slot_mapping,
+                         (packed if ctx.cp is None else ctx.cp.gather(packed))[:, None])
         g = layout.max_ngram
         slots = history.slots(ctx, g, 1, sliding=True).flip(1)                   # [T, g] positions p, p-1, ..
         cache = history.cache
@@ -475,6 +478,7 @@ class DeepseekV41ForCausalLM(CausalLM):
     # (storing at slot -1 where no pair completes), selections and candidate blocks are
     # fixed-shape tensor ops over ceil(max_seq_len / ratio) entry slots.
     supports_cuda_graphs = True
+    supports_context_parallel = True
 
     fp8_linears = FP8_LINEARS
 

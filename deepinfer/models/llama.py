@@ -146,6 +146,7 @@ class LlamaForCausalLM(CausalLM):
     :meth:`sliding_window_for`, :meth:`make_attention` and :meth:`make_mlp`."""
 
     supports_cuda_graphs = True
+    supports_context_parallel = True
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:

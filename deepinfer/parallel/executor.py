@@ -38,7 +38,6 @@ any fault is fatal: the executor stops every worker and raises :class:`ExecutorD
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import multiprocessing as mp
@@ -64,6 +63,7 @@ from deepinfer.models.loader import load_model
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.balancer import EPLBConfig, EPLBStats, ExpertLoadBalancer
 from deepinfer.parallel.data import DataParallelPlan, DataParallelResult
+from deepinfer.parallel.context import check_context_parallel
 from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from deepinfer.parallel.groups import Group, ParallelGroups, use_groups
 from deepinfer.runner.model_runner import ModelRunner
@@ -92,6 +92,8 @@ def check_parallel(config: EngineConfig) -> None:
     par = config.parallel
     cls = get_model_class(config.model.architecture)
     cls.check_parallel(config.model.hf_config, par.tp)
+    if par.cp > 1:
+        check_context_parallel(cls, config)
     if par.ep > 1:
         counts = [config.model.hf_config[k] for k in _EXPERT_COUNT_KEYS if config.model.hf_config.get(k)]
         if not counts:
@@ -108,7 +110,8 @@ def check_parallel(config: EngineConfig) -> None:
         available = torch.cuda.device_count()
         if par.world_size > available:
             raise ValueError(f"tensor_parallel_size={par.tp}, expert_parallel_size={par.ep}, data_parallel_size="
-                             f"{par.dp} need {par.world_size} CUDA devices; {available} are visible")
+                             f"{par.dp}, context_parallel_size={par.cp} need {par.world_size} CUDA devices; "
+                             f"{available} are visible")
     if config.cache.has_lower_tiers:
         raise NotImplementedError(f"kv_offload_gib / kv_disk_dir with {par.world_size} ranks: the KV cache's host "
                                   "and disk tiers are not yet supported under parallelism")
@@ -120,7 +123,7 @@ def check_parallel(config: EngineConfig) -> None:
 
 def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
     """This rank's groups: tensor-parallel blocks of ``tp`` consecutive ranks, expert-parallel
-    blocks of ``ep``. Every rank creates every group, in the same order (torch.distributed's rule)."""
+    blocks of ``ep``, context-parallel blocks of ``cp``. Every rank creates every group, in the same order (torch.distributed's rule)."""
     def blocks(size: int) -> Group:
         if size == 1:
             return Group()
@@ -131,7 +134,8 @@ def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
                 mine = Group(size=size, rank=rank - start, group=group)
         return mine
 
-    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep), dp=data_parallel_group(parallel, rank))
+    return ParallelGroups(tp=blocks(parallel.tp), ep=blocks(parallel.ep), dp=data_parallel_group(parallel, rank),
+                          cp=blocks(parallel.cp))
 
 
 def data_parallel_group(parallel: ParallelConfig, rank: int) -> Group:
@@ -153,7 +157,7 @@ def data_parallel_group(parallel: ParallelConfig, rank: int) -> Group:
 def _first_collectives(groups: ParallelGroups, device: torch.device) -> None:
     """One collective per group: NCCL sets a communicator up on its first collective, which
     must not happen inside a CUDA-graph capture (the decode graphs)."""
-    for group in (groups.tp, groups.ep, groups.dp):
+    for group in (groups.tp, groups.ep, groups.dp, groups.cp):
         if not group.is_single:
             dist.all_reduce(torch.zeros(1, device=device), group=group.group)
 
@@ -361,7 +365,11 @@ class MultiprocExecutor:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._launched = 0
-        self._unfinished: collections.deque[int] = collections.deque()   # launched, replies not read
+        # Step replies read so far, and those read before (or without) their finish(): the
+        # engine never finishes a plan of runner bookkeeping only (Engine._schedule_and_launch),
+        # whose replies must not be taken for a later step's or call's.
+        self._read = 0
+        self._replies: dict[int, list[Any]] = {}
         self._idle = False    # the engine went idle since the last launch
         # EPLB's stats after the last finished step (rank 0's); None without EPLB.
         self.eplb_stats: EPLBStats | None = EPLBStats() if config.parallel.enable_eplb else None
@@ -417,19 +425,17 @@ class MultiprocExecutor:
             self._send_all("execute", plan, self._idle)
         self._idle = False
         self._launched += 1
-        self._unfinished.append(self._launched)
         return self._launched
 
     def finish(self, handle: int) -> StepResult | DataParallelResult:
-        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order), or
-        under data parallelism each DP rank's; the EPLB stats that come with rank 0's are kept
-        in :attr:`eplb_stats`."""
-        # The engine never finishes a launch of bookkeeping only (no sequence on any rank):
-        # its replies come first and are skipped.
-        while True:
-            replies = self._collect()
-            if self._unfinished.popleft() == handle:
-                break
+        """Rank 0's result of the step launched as ``handle`` (steps finish in launch order;
+        the replies of earlier steps never finished are dropped), or under data parallelism
+        each DP rank's; the EPLB stats that come with rank 0's are kept in :attr:`eplb_stats`."""
+        while self._read < handle:
+            self._read_step()
+        replies = self._replies.pop(handle)
+        for stale in [h for h in self._replies if h < handle]:
+            del self._replies[stale]
         result, stats = replies[0]
         if stats is not None:
             self.eplb_stats = stats
@@ -438,7 +444,14 @@ class MultiprocExecutor:
         return DataParallelResult([replies[d * self.parallel.tp][0] for d in range(self.parallel.dp)])
 
     # -- plumbing -----------------------------------------------------------------------
+    def _read_step(self) -> None:
+        self._read += 1
+        self._replies[self._read] = self._collect()
+
     def _call_all(self, method: str, *args: Any) -> list[Any]:
+        # Replies come in order: the steps' sent before this call are read first.
+        while self._read < self._launched:
+            self._read_step()
         self._send_all(method, *args)
         return self._collect()
 

@@ -36,6 +36,8 @@ from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.kernels import backend
 from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.base import CausalLM
+from deepinfer.parallel.context import shard_step
+from deepinfer.parallel.groups import current_groups
 from deepinfer.runner.cuda_graph import DecodeGraphs
 from deepinfer.runner.inputs import StepInputs
 from deepinfer.runner.kv_offload import KVTierStore, config_fingerprint
@@ -130,6 +132,10 @@ class ModelRunner:
         self.config = config
         self.model = model
         self.bounded_replay = bounded_replay
+        # The context-parallel group the model was built under: its ranks share prefill steps
+        # (parallel/context.py).
+        self.cp_group = current_groups().cp
+        self.cp_split_steps = 0         # steps this rank ran its context-parallel share of
         self.device = config.device
         self.dtype = config.model.dtype
         self.sampler = Sampler(vocab_size=config.model.vocab_size, eos_token_ids=eos_token_ids,
@@ -733,4 +739,11 @@ class ModelRunner:
         layers on those rows only: :meth:`CausalLM.forward_rows`)."""
         if self.decode_graphs is not None and self.decode_graphs.holds(input_ids):
             return self._select(self.decode_graphs.run(input_ids, ctx), rows)
+        # Context parallelism: this rank runs its share of a prefill step; the rows asked for
+        # come back from the ranks that computed them.
+        split = shard_step(input_ids, ctx, self.cp_group)
+        if split is not None:
+            local_ids, local_ctx, shard = split
+            self.cp_split_steps += 1
+            return shard.gather_rows(self.model(local_ids, local_ctx), rows)
         return self.model.forward_rows(input_ids, ctx, lambda t: self._select(t, rows))

@@ -1,5 +1,5 @@
-"""examples/offline_inference.py runs, in one process and on two CPU ranks, and its unsupported
-parallelism flags fail clearly."""
+"""examples/offline_inference.py runs, in one process and on two CPU ranks (tensor and context
+parallel), prints its rank layout, and its unsupported parallelism flags fail clearly."""
 
 import os
 import subprocess
@@ -27,17 +27,21 @@ def test_example_generates():
 
 def test_example_unsupported_parallel_flags_fail_clearly():
     for flag, value, message in (("--dp", "2", "attention data parallelism is not yet supported on its own"),
-                                 ("--cp", "2", "context parallel is not yet supported"),
+                                 ("--cp", "3", "cp=3 (context_parallel_size) must divide the world of 4"),
                                  ("--tp", "3", "tensor_parallel_size=3 must divide config.json num_attention_heads=4")):
-        res = run("--device", "cpu", flag, value)
+        res = run("--device", "cpu", flag, value, *(("--ep", "4") if flag == "--cp" else ()))
         assert res.returncode != 0
         assert message in res.stderr
 
 
 @pytest.mark.slow
-def test_example_runs_on_two_cpu_ranks():
-    res = run("--device", "cpu", "--tp", "2", "--max-tokens", "4")
+@pytest.mark.parametrize("flag, layout", [
+    ("--tp", "rank layout: world=2; tp=2 (tensor-parallel groups of ranks [0..1])"),
+    ("--cp", "rank layout: world=2; cp=2 (context-parallel groups of ranks [0..1])")])
+def test_example_runs_on_two_cpu_ranks(flag, layout):
+    res = run("--device", "cpu", flag, "2", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[0] == layout
     assert res.stdout.count(" -> ") == 4
 
 

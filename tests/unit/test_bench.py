@@ -301,3 +301,16 @@ def test_decode_and_prefill_batch_invariant_cost(tiny_config, tmp_path, capsys):
         assert point["batch_invariant"]["slowdown"] == pytest.approx(
             point["batch_invariant"]["ms_per_step"] / point["engine"]["ms_per_step"])
     assert "B=2: batch-invariant mode" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_prefill_context_parallel_counts_every_rank(tiny_config, tmp_path):
+    # Two gloo ranks each computing half of every prompt: per-GPU figures count both devices.
+    r = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "48", "--iters", "1",
+             "--no-hf", "--cp", "2"], tmp_path / "cp.json")
+    assert r["cp"] == r["num_gpus"] == 2
+    e, f = r["engine"], r["floor"]
+    assert e["input_tok_s_per_gpu"] == pytest.approx(e["input_tok_s"] / 2)
+    assert e["steady"]["input_tok_s_per_gpu"] == pytest.approx(48 / (e["steady"]["ms"] * 1e-3) / 2)
+    assert r["engine_over_floor"] == pytest.approx(e["ms"] * 2 / f["floor_ms"])
+    assert r["weights_in_memory"] is None
