@@ -450,7 +450,10 @@ class ParallelConfig:
         parts = [f"world={self.world_size}"]
         for name, what in (("tp", "tensor"), ("dp", "attention data"), ("cp", "context"), ("ep", "expert")):
             size = getattr(self, name)
-            if size > 1:
+            if size > 1 and name == "dp":
+                ranks = ", ".join(str(self.dp_rank_of(r)) for r in range(self.world_size))
+                parts.append(f"dp={size} (attention data-parallel rank of ranks 0..{self.world_size - 1}: {ranks})")
+            elif size > 1:
                 parts.append(f"{name}={size} ({what}-parallel groups of ranks "
                              + ", ".join(f"[{s}..{s + size - 1}]" for s in range(0, self.world_size, size)) + ")")
         if len(parts) == 1:

@@ -226,8 +226,10 @@ def test_rank_layout():
     assert par.world_size == 8
     # Tensor-parallel groups [0, 1], [2, 3], [4, 5], [6, 7] serve DP ranks 0, 1, 0, 1.
     assert [par.dp_rank_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
-    assert ParallelConfig(ep=2, dp=2).describe() == ("world 2 ranks: tp=1 (attention shards), dp=2 (request "
-                                                     "shards), cp=1 (context shards), ep=2 (expert shards)")
+    assert ParallelConfig(ep=2, dp=2).describe() == (
+        "world=2; dp=2 (attention data-parallel rank of ranks 0..1: 0, 1); "
+        "ep=2 (expert-parallel groups of ranks [0..1])")
+    assert "dp=2 (attention data-parallel rank of ranks 0..7: 0, 0, 1, 1, 0, 0, 1, 1)" in par.describe()
     assert ParallelConfig(tp=2, dp=4, ep=4).world_size == 8
 
 
