@@ -38,15 +38,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.models.dspark import DraftSampling
 from deepinfer.runner.inputs import StepInputs
 from deepinfer.scheduler.kv_cache import KVCacheGroup
+from deepinfer.spec.drafter import DraftGraphRunner, DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +135,18 @@ class _Bucket:
 
 class DecodeGraphs:
     """Static decode inputs for batch-size buckets ``sizes`` and, with ``capture``,
-    one CUDA graph per bucket (the KV caches must already be bound to the model's layers)."""
+    one CUDA graph per bucket (the KV caches must already be bound to the model's layers).
+    ``forward(input_ids, ctx)`` is what a graph holds: the model's forward by default, or a
+    model drafter's (the target's forward and what the drafter keeps of it, a tuple)."""
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, groups: Sequence[KVCacheGroup], sizes: Sequence[int],
-                 max_model_len: int, device: torch.device, capture: bool) -> None:
+                 max_model_len: int, device: torch.device, capture: bool,
+                 forward: Callable[[torch.Tensor, ForwardContext], Any] | None = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"decode graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
         self.model = model
+        self.forward = forward if forward is not None else model
         self.groups = list(groups)
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
@@ -147,7 +154,7 @@ class DecodeGraphs:
         widths = [max_blocks_per_seq(g, max_model_len) for g in self.groups]
         self.buckets = {n: _Bucket(n, widths, device) for n in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
         if capture:
             self._capture()
 
@@ -203,13 +210,14 @@ class DecodeGraphs:
         bucket.upload()
         return bucket.views["input_ids"], self._context(n, inputs.seq_lens + [1] * (n - b))
 
-    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [n, H] of a step from :meth:`prepare`: the captured graph's replay,
-        or without capture the eager forward over the same padded views."""
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Any:
+        """The forward's output (hidden states [n, H], or a drafter's tuple) of a step from
+        :meth:`prepare`: the captured graph's replay, or without capture the eager forward
+        over the same padded views."""
         n = input_ids.shape[0]
         graph = self.graphs.get(n)
         if graph is None:
-            return self.model(input_ids, ctx)
+            return self.forward(input_ids, ctx)
         graph.replay()
         return self.outputs[n]
 
@@ -236,7 +244,7 @@ class DecodeGraphs:
             self.buckets[n].fill_padding()
             ids = self.buckets[n].views["input_ids"]
             for _ in range(_WARMUP_RUNS):
-                self.model(ids, self._context(n, [1] * n))
+                self.forward(ids, self._context(n, [1] * n))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # A fresh context: one that a warm-up forward used holds results of that forward
@@ -244,7 +252,7 @@ class DecodeGraphs:
             ctx = self._context(n, [1] * n)
             try:
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[n] = self.model(ids, ctx)
+                    self.outputs[n] = self.forward(ids, ctx)
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"capturing the decode forward of {type(self.model).__name__} at batch size {n} "
@@ -254,4 +262,128 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)
+
+
+class DraftGraphs(DraftGraphRunner):
+    """A model drafter's proposal (:meth:`ModelDrafter.draft`) per batch bucket: static
+    :class:`DraftRows` buffers (prefix views of one set sized for the largest bucket) and,
+    with ``capture``, two CUDA graphs per bucket: every row greedy, and sampled (temperature
+    and the exponential-race noise, drawn outside the graph by spec/draft_sampling.py).
+
+    B committed sequences take the smallest bucket n >= B; rows B..n-1 are padding: anchor 0
+    at position 0 with a null-block table row, so they read only the null block, write
+    nothing (a chained drafter's slots there are -1) and their outputs are never read. Steps
+    the graphs do not take return None from :meth:`draft` and run eagerly: B above the
+    largest bucket, or sampled rows with min-p / top-k / top-p filters (their filter
+    kernels are not part of the captured proposal).
+
+    Outputs live in the graphs' pool until the next replay of the same graph: the tokens and
+    confidences are copied to the host at once; the draft distributions, which verification
+    reads a step (or more, when a sequence waits) later, are cloned.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, drafter: ModelDrafter, sizes: Sequence[int], table_width: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device, capture: bool) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"draft graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
+        self.drafter = drafter
+        self.sizes = sorted(set(sizes))
+        self.max_seq_len = max_seq_len
+        self.device = device
+        n = self.sizes[-1]
+        self.anchors = torch.zeros(n, dtype=torch.long, device=device)
+        self.last_positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, table_width, dtype=torch.int32, device=device)
+        self.hidden = (torch.zeros(n, drafter.row_state_size, dtype=dtype, device=device)
+                       if drafter.row_state_size else None)
+        self.greedy = torch.ones(n, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(n, dtype=torch.float32, device=device)
+        self.noise = torch.ones(n, drafter.num_slots, drafter.vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], DraftOutput] = {}
+        self.steps = 0          # proposals that went through the static buffers (replays, with capture)
+        if capture:
+            self._capture()
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((n for n in self.sizes if n >= num_seqs), None)
+
+    def rows(self, n: int, sampled: bool) -> DraftRows:
+        """Bucket n's static rows (views)."""
+        sampling = (DraftSampling(greedy=self.greedy[:n], temperature=self.temperature[:n], noise=self.noise[:n])
+                    if sampled else None)
+        return DraftRows(anchors=self.anchors[:n], last_positions=self.last_positions[:n], tables=self.tables[:n],
+                         max_seq_len=self.max_seq_len, hidden=None if self.hidden is None else self.hidden[:n],
+                         sampling=sampling)
+
+    def _pad(self, b: int, n: int) -> None:
+        """Rows b..n-1 padding."""
+        self.anchors[b:n].zero_()
+        self.last_positions[b:n].zero_()
+        self.tables[b:n].zero_()
+        self.greedy[b:n].fill_(True)
+        self.temperature[b:n].fill_(1.0)
+
+    @torch.inference_mode()
+    def draft(self, rows: DraftRows) -> DraftOutput | None:
+        b = rows.anchors.shape[0]
+        n = self.bucket_for(b)
+        sampling = rows.sampling
+        if n is None or (sampling is not None and sampling.top_k is not None):
+            return None
+        width = rows.tables.shape[1]
+        if width > self.tables.shape[1]:
+            raise ValueError(f"a drafter block table of {width} blocks exceeds the {self.tables.shape[1]} "
+                             "the draft graphs hold")
+        self.anchors[:b].copy_(rows.anchors)
+        self.last_positions[:b].copy_(rows.last_positions)
+        self.tables[:b, :width].copy_(rows.tables)
+        self.tables[:b, width:].zero_()
+        if self.hidden is not None:
+            self.hidden[:b].copy_(rows.hidden)
+        sampled = sampling is not None
+        if sampled:
+            self.greedy[:b].copy_(sampling.greedy)
+            self.temperature[:b].copy_(sampling.temperature)
+            self.noise[:b].copy_(sampling.noise)
+        self._pad(b, n)
+        graph = self.graphs.get((n, sampled))
+        if graph is None:
+            out = self.drafter.draft(self.rows(n, sampled))
+        else:
+            graph.replay()
+            out = self.outputs[(n, sampled)]
+        self.steps += 1
+        return DraftOutput(tokens=out.tokens[:b],
+                           confidences=None if out.confidences is None else out.confidences[:b],
+                           probs=None if out.probs is None else out.probs[:b].clone())
+
+    def _capture(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):
+            for sampled in (False, True):
+                # Every row padding while capturing: the warm-ups read only the null block.
+                self._pad(0, n)
+                for _ in range(_WARMUP_RUNS):
+                    self.drafter.draft(self.rows(n, sampled))
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[(n, sampled)] = self.drafter.draft(self.rows(n, sampled))
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"capturing the proposal of {type(self.drafter).__name__} at batch size {n} failed "
+                        f"({exc}); ModelDrafter.draft must not synchronise with the host. Run with "
+                        "speculative_config cuda_graphs=False meanwhile") from exc
+                self.graphs[(n, sampled)] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy and sampled) in %.1f s, %.0f MiB",
                     len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)

@@ -1,0 +1,226 @@
+"""Model drafters (DSpark, MTP) through the decode graphs' static buffers, without a GPU: the
+padded path run eagerly (``enable_decode_graphs(capture=False)``) against the eager engine.
+
+With a graph-safe model drafter a decode or verification step that a bucket holds runs the
+drafter's forward (the target's, keeping what the drafter reads) on the bucket's padded,
+one-row-per-token inputs, and its proposal on :class:`DraftGraphs`' padded static rows. The
+tokens, their logprobs, every proposal's drafts (and confidences) and the acceptance
+counters must equal the eager engine's, through batch sizes between buckets, sequences
+finishing mid-run, varlen verification and sampled requests. A padding row that wrote into
+a real block, a wrong table row of a per-token step or a stale static row changes drafts
+there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.entrypoints.llm import DEFAULT_MODEL
+from deepinfer.runner.cuda_graph import DraftGraphs
+from deepinfer.spec.drafter import DraftRows, ModelDrafter
+
+from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
+
+BLOCK = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["text_config"]["dspark_block_size"]
+SIZES = [1, 2, 4, 8]
+# Different lengths: the batch shrinks 5 -> 4 -> ... as sequences finish mid-run, through
+# sizes that are not buckets (5 and 3 pad to 8 and 4).
+MAX_TOKENS = [24, 8, 32, 14, 28]
+TEXT = [
+    "The list type is",
+    "<|im_start|>user\nWhat does json.dumps do?<|im_end|>\n<|im_start|>assistant\n",
+    "Run command with arguments and return a CompletedProcess instance.\n\nThe returned instance will have",
+    "Open a bzip2-compressed file in binary or text mode.\n\nThe",
+    # Past the 32-token window: the drafter's context rows come from a full window.
+    "This module provides access to some objects used or maintained by the interpreter and to "
+    "functions that interact strongly with the interpreter. " * 2,
+]
+
+
+def greedy() -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in MAX_TOKENS]
+
+
+def mixed() -> list[SamplingParams]:
+    """Greedy, seeded sampled (exact-match verification: deterministic), and one with top-k
+    that ends early (while it runs, proposals take the eager path: the draft graphs hold no
+    filters)."""
+    params = greedy()
+    params[1] = SamplingParams(temperature=0.7, seed=5, top_k=20, max_tokens=MAX_TOKENS[1], ignore_eos=True,
+                               logprobs=0)
+    params[2] = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS[2], ignore_eos=True, logprobs=0)
+    params[4] = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS[4], ignore_eos=True, logprobs=0)
+    return params
+
+
+class Recorded:
+    """Every proposal of a run: (request id, drafts, confidences or None)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.proposals: list[tuple[str, list[int], list[float] | None]] = []
+        drafter = llm.engine.runner.drafter
+        propose = drafter.propose
+
+        def recording(state, commit, ctx, generator, **kwargs):
+            drafts = propose(state, commit, ctx, generator, **kwargs)
+            conf = drafter.confidences()
+            confs = [None] * len(commit.req_ids) if conf is None else conf.tolist()
+            self.proposals.extend(zip(commit.req_ids, drafts.tolist(), confs))
+            return drafts
+
+        drafter.propose = recording
+
+
+def generate(llm: LLM, prompts, params) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids),
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+
+
+def counters(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.scheduler.spec_stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = frozenset({8, 4}), **kwargs) -> LLM:
+    """Run eagerly, then on the padded static path; assert equal outputs, drafts and counters,
+    and that proposals of sizes between ``buckets`` ran padded to them. Returns the padded
+    engine."""
+    kwargs = dict(device="cpu", max_num_seqs=8, cuda_graph_sizes=SIZES, max_num_batched_tokens=160,
+                  block_size=4, num_kv_blocks=300, **kwargs)
+    eager = LLM(**kwargs)
+    assert eager.engine.runner.decode_graphs is None             # CPU: no graphs by default
+    rec_eager = Recorded(eager)
+    expected = generate(eager, prompts, params)
+    want_counters = counters(eager)
+    del eager
+
+    padded = LLM(**kwargs)
+    runner = padded.engine.runner
+    runner.enable_decode_graphs(capture=False)
+    assert isinstance(runner.draft_graphs, DraftGraphs) and runner.draft_graphs.sizes == SIZES
+    forward_sizes: list[int] = []
+    run = runner.decode_graphs.run
+
+    def counting_run(input_ids, ctx):
+        forward_sizes.append(input_ids.shape[0])
+        return run(input_ids, ctx)
+
+    runner.decode_graphs.run = counting_run
+    draft_sizes: list[int] = []
+    real_draft = runner.drafter.draft
+
+    def counting_draft(rows: DraftRows):
+        # Proposals on the static rows (the others: prompt steps, and top-k rows, run eagerly).
+        if rows.anchors.data_ptr() == runner.draft_graphs.anchors.data_ptr():
+            draft_sizes.append(rows.anchors.shape[0])
+        return real_draft(rows)
+
+    runner.drafter.draft = counting_draft
+    rec = Recorded(padded)
+    got = generate(padded, prompts, params)
+
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    for (_, lp), (_, ref) in zip(got, expected):
+        assert lp == pytest.approx(ref, abs=1e-4)
+    assert [(r, d) for r, d, _ in rec.proposals] == [(r, d) for r, d, _ in rec_eager.proposals]
+    for (_, _, c), (_, _, ref) in zip(rec.proposals, rec_eager.proposals):
+        assert (c is None) == (ref is None) and (c is None or c == pytest.approx(ref, abs=1e-4))
+    assert counters(padded) == want_counters
+    assert want_counters[2] >= min_accepted, want_counters       # drafts were accepted, and rejected
+    assert want_counters[2] < want_counters[1]
+    # Decode and verification steps ran the drafter's forward on the buckets and its proposal
+    # on the padded static rows, through sizes between buckets.
+    assert runner.drafter_graph_steps == len(forward_sizes) > 0
+    assert runner.draft_graphs.steps == len(draft_sizes) > 0
+    assert set(draft_sizes) <= set(SIZES) and buckets.issubset(draft_sizes), draft_sizes
+    kv = padded.engine.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks - 1
+    return padded
+
+
+def test_dspark_through_the_static_buffers_matches_eager():
+    llm = graph_vs_eager(TEXT, greedy(), min_accepted=10, model=DEFAULT_MODEL,
+                         speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK})
+    # Full-width verification steps: the buckets hold B x (1 + drafts) rows.
+    assert {n * (1 + BLOCK) for n in SIZES} <= set(llm.engine.runner.decode_graphs.sizes)
+
+
+def test_dspark_sampled_requests_through_the_static_buffers_match_eager():
+    graph_vs_eager(TEXT, mixed(), min_accepted=5, buckets={4}, model=DEFAULT_MODEL,
+                   speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK})
+
+
+def test_dspark_varlen_verification_through_the_static_buffers_matches_eager(monkeypatch):
+    """Varlen (DEEPINFER_ENABLE_MTP_VARLEN): each sequence verifies its own draft prefix,
+    so token counts fall between the verification buckets and pad to the next."""
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    spec = {"method": "dspark", "num_speculative_tokens": BLOCK,
+            "sps_table": ((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0))}
+    llm = graph_vs_eager(TEXT, greedy(), min_accepted=5, model=DEFAULT_MODEL, speculative_config=spec)
+    assert llm.engine.config.speculative.varlen
+
+
+def _mtp_prompts() -> list[list[int]]:
+    vocab = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["text_config"]["vocab_size"]
+    return [[(7 * i + 13 * j + 3) % vocab for j in range(n)] for i, n in enumerate([11, 29, 5, 40, 17])]
+
+
+def test_mtp_through_the_static_buffers_matches_eager(v3_repeat_dir):
+    """The chained MTP drafter (its context pass over the bucket's rows, its chain on the
+    static rows, lookahead slots of padding rows -1) on a module whose drafts are often right."""
+    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], greedy(), min_accepted=1,
+                   model=str(v3_repeat_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+
+
+def test_mtp_sampled_requests_through_the_static_buffers_match_eager(v3_repeat_dir):
+    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], mixed(), min_accepted=1, buckets={4},
+                   model=str(v3_repeat_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+
+
+@pytest.mark.parametrize("how", ["config", "drafter"])
+def test_a_drafter_that_is_not_graph_safe_runs_eagerly(how, monkeypatch):
+    """The runner asks the drafter (``graph_safe``), and ``cuda_graphs=False`` turns the
+    drafter's graphs off: its steps then run eagerly, verification buckets are not added."""
+    from deepinfer.spec.dspark import DSparkEngineDrafter
+
+    spec = {"method": "dspark", "num_speculative_tokens": BLOCK}
+    if how == "config":
+        spec["cuda_graphs"] = False
+    else:
+        monkeypatch.setattr(DSparkEngineDrafter, "graph_safe", False)
+    llm = LLM(model=DEFAULT_MODEL, device="cpu", max_num_seqs=8, cuda_graph_sizes=SIZES, speculative_config=spec)
+    runner = llm.engine.runner
+    assert isinstance(runner.drafter, ModelDrafter) and not runner.graphs_serve_drafter
+    runner.enable_decode_graphs(capture=False)
+    assert runner.draft_graphs is None and runner.decode_graphs.sizes == SIZES
+    llm.generate(TEXT[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert runner.drafter_graph_steps == 0 and runner.verify_graph_steps == 0
+
+
+def test_speculative_config_cuda_graphs_is_validated():
+    from deepinfer.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="cuda_graphs=1 must be True or False"):
+        SpeculativeConfig(method="dspark", num_speculative_tokens=2, cuda_graphs=1)
+
+
+def test_padding_rows_of_the_dspark_cache_write_nothing():
+    """A slot of -1 (a bucket's padding row) leaves the cache as it was, the null block too."""
+    from deepinfer.spec.dspark import DSparkContextCache
+
+    cache = DSparkContextCache(num_stages=2, head_dim=4, window=8, dtype=torch.float32)
+    cache.kv_cache = torch.zeros(3, 4, 1, 2, 4)
+    cache.kv_cache[1:] = torch.randn(2, 4, 1, 2, 4)
+    before = cache.kv_cache.clone()
+    rows = torch.randn(3, 2, 4)
+    cache.write(torch.tensor([-1, 5, -1]), rows)                    # block 1, offset 1
+    assert torch.equal(cache.kv_cache[1, 1, 0], rows[1])
+    after = cache.kv_cache.clone()
+    after[1, 1, 0] = before[1, 1, 0]
+    assert torch.equal(after, before)
