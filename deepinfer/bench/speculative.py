@@ -92,7 +92,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     method = "dspark" if args.spec_method == "dspark" else "ngram"
     return {"speculative_config": {"method": method, "num_speculative_tokens": args.speculative,
-                                   "varlen": False}}
+                                   "varlen": False, "cuda_graphs": args.drafter_graphs}}
 
 
 @contextmanager
@@ -153,6 +153,15 @@ def spec_figures(run: dict[str, Any], plain: dict[str, Any], batch: int, steps: 
     }
 
 
+def _drafter_graphs(spec: dict[str, Any]) -> str:
+    """A model drafter's graph counters for the report line ('' for a host drafter)."""
+    c = spec["spec_counters"]
+    if spec["method"] != "dspark":
+        return ""
+    return (f"; drafter: {c['drafter_graph_steps']} of {spec['timed_steps']} forwards and "
+            f"{c['draft_graph_proposals']} proposals through CUDA graphs")
+
+
 def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
     """The speculative table under ``bench decode | curve``'s (``setup``: ``SpecSetup.describe()``)."""
     n, a, p = setup["num_speculative_tokens"], setup["assumed_nextn"], setup["assumed_acceptance"]
@@ -175,7 +184,7 @@ def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
                            "overlapped" if s["plain_async_scheduling"] else "synchronous"])
         print(f"B={pt['batch']}: {step} takes {fmt(s['step_over_plain_step'])}x a plain decode step (plain: {plain}; "
               f"speculative steps: synchronous, {s['spec_counters']['graph_verifications']} of {s['timed_steps']} "
-              f"through CUDA graphs); "
+              f"through CUDA graphs{_drafter_graphs(s)}); "
               f"tau {fmt(s['tau'])} measured ({s['spec_counters']['drafts']} verifications of "
               f"{s['spec_counters']['draft_tokens']} drafts, {s['spec_counters']['accepted_tokens']} accepted)")
         if s["assumed"]["unavailable"]:

@@ -137,12 +137,15 @@ class DecodeGraphs:
     """Static decode inputs for batch-size buckets ``sizes`` and, with ``capture``,
     one CUDA graph per bucket (the KV caches must already be bound to the model's layers).
     ``forward(input_ids, ctx)`` is what a graph holds: the model's forward by default, or a
-    model drafter's (the target's forward and what the drafter keeps of it, a tuple)."""
+    model drafter's (the target's forward and what the drafter keeps of it, a tuple whose
+    second item is the drafter's state). ``after(state, next_ids, ctx)``: a model drafter's
+    context pass, captured per bucket after the forward (:meth:`run_after`)."""
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, groups: Sequence[KVCacheGroup], sizes: Sequence[int],
                  max_model_len: int, device: torch.device, capture: bool,
-                 forward: Callable[[torch.Tensor, ForwardContext], Any] | None = None) -> None:
+                 forward: Callable[[torch.Tensor, ForwardContext], Any] | None = None,
+                 after: Callable[[Any, torch.Tensor, ForwardContext], torch.Tensor] | None = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"decode graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
         self.model = model
@@ -155,6 +158,12 @@ class DecodeGraphs:
         self.buckets = {n: _Bucket(n, widths, device) for n in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Any] = {}
+        self.after = after
+        # Per bucket: the rows' next tokens the context pass reads (written from the device each step).
+        self.next_ids = ({n: torch.zeros(n, dtype=torch.long, device=device) for n in self.sizes}
+                         if after is not None else {})
+        self.after_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.after_outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
 
@@ -221,6 +230,18 @@ class DecodeGraphs:
         graph.replay()
         return self.outputs[n]
 
+    def run_after(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The context pass of a step from :meth:`prepare` whose forward :meth:`run` just ran:
+        ``next_ids`` [n] copied into the bucket's buffer, then the captured graph's replay (its
+        output valid until the next), or without capture the pass run eagerly on the views."""
+        n = next_ids.shape[0]
+        self.next_ids[n].copy_(next_ids)
+        graph = self.after_graphs.get(n)
+        if graph is None:
+            return self.after(state, self.next_ids[n], ctx)
+        graph.replay()
+        return self.after_outputs[n]
+
     def _context(self, n: int, seq_lens: list[int]) -> ForwardContext:
         bucket = self.buckets[n]
         views = bucket.views
@@ -259,10 +280,31 @@ class DecodeGraphs:
                     f"failed ({exc}); its forward must not synchronise with the host in a decode_only "
                     "context (forward_context.py). Run with enforce_eager=True meanwhile") from exc
             self.graphs[n] = graph
+            if self.after is not None:
+                self._capture_after(n, pool)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
                     len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)
+
+
+    def _capture_after(self, n: int, pool: Any) -> None:
+        """Bucket n's context pass, reading the state its forward graph leaves (padding rows
+        only while capturing: the pass stores nothing)."""
+        state = self.outputs[n][1]
+        for _ in range(_WARMUP_RUNS):
+            self.after(state, self.next_ids[n], self._context(n, [1] * n))
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        ctx = self._context(n, [1] * n)
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                self.after_outputs[n] = self.after(state, self.next_ids[n], ctx)
+        except RuntimeError as exc:
+            raise RuntimeError(f"capturing the drafter's context pass at batch size {n} failed ({exc}); it must "
+                               "not synchronise with the host. Run with speculative_config cuda_graphs=False "
+                               "meanwhile") from exc
+        self.after_graphs[n] = graph
 
 
 class DraftGraphs(DraftGraphRunner):
@@ -284,11 +326,12 @@ class DraftGraphs(DraftGraphRunner):
     """
 
     @torch.inference_mode()
-    def __init__(self, drafter: ModelDrafter, sizes: Sequence[int], table_width: int, max_seq_len: int,
-                 dtype: torch.dtype, device: torch.device, capture: bool) -> None:
+    def __init__(self, drafter: ModelDrafter, decode: DecodeGraphs, sizes: Sequence[int], table_width: int,
+                 max_seq_len: int, dtype: torch.dtype, device: torch.device, capture: bool) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"draft graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
         self.drafter = drafter
+        self.decode = decode          # whose buckets hold the drafter's forward and context pass
         self.sizes = sorted(set(sizes))
         self.max_seq_len = max_seq_len
         self.device = device
@@ -309,6 +352,11 @@ class DraftGraphs(DraftGraphRunner):
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((n for n in self.sizes if n >= num_seqs), None)
+
+    def context_pass(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        if self.decode.after is None:
+            return None
+        return self.decode.run_after(state, next_ids, ctx)
 
     def rows(self, n: int, sampled: bool) -> DraftRows:
         """Bucket n's static rows (views)."""

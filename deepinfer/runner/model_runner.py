@@ -316,17 +316,18 @@ class ModelRunner:
         keeps) and its proposal gets :class:`DraftGraphs` of the decode buckets."""
         if self.kv_buffer is None:
             raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
-        forward = None
+        forward = after = None
         drafter = self.drafter if isinstance(self.drafter, ModelDrafter) and self.graphs_serve_drafter else None
         if drafter is not None:
             def forward(input_ids: torch.Tensor, ctx: ForwardContext) -> tuple:
                 return drafter.forward(self.model, input_ids, ctx, lambda t: t)
+            after = drafter.context_pass if drafter.has_context_pass else None
         max_len = self.config.model.max_model_len
         self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(), max_len, self.device,
-                                          capture, forward=forward)
+                                          capture, forward=forward, after=after)
         if drafter is not None:
             group = self.groups[drafter.kv_cache_layers()[0].group_id]
-            self.draft_graphs = DraftGraphs(drafter, self.config.scheduler.graph_batch_sizes,
+            self.draft_graphs = DraftGraphs(drafter, self.decode_graphs, self.config.scheduler.graph_batch_sizes,
                                             max_blocks_per_seq(group, max_len), max_len + drafter.max_draft,
                                             self.dtype, self.device, capture)
 
@@ -756,5 +757,8 @@ class ModelRunner:
         static buffers, the eager forward otherwise (where the model may run its last per-token
         layers on those rows only: :meth:`CausalLM.forward_rows`)."""
         if self.decode_graphs is not None and self.decode_graphs.holds(input_ids):
-            return self._select(self.decode_graphs.run(input_ids, ctx), rows)
+            out = self.decode_graphs.run(input_ids, ctx)
+            # Graphs that hold a model drafter's forward (the drafter switched off meanwhile,
+            # as benchmarks do): its hidden states, the drafter's rows written as every step.
+            return self._select(out[0] if isinstance(out, tuple) else out, rows)
         return self.model.forward_rows(input_ids, ctx, lambda t: self._select(t, rows))

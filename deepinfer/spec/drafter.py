@@ -111,14 +111,16 @@ class ModelDrafter(ABC):
     A proposal is three parts: :meth:`context_pass` (work over the step's rows that needs the
     committed tokens), the host's :meth:`draft_rows` (B rows of device tensors) and
     :meth:`draft` (static shapes, no host sync). With ``graph_safe`` the runner's decode CUDA
-    graphs capture :meth:`forward` (in a ``decode_only`` context, ``select`` the identity) and
-    :meth:`draft` per batch bucket (runner/cuda_graph.py, :class:`DraftGraphs`)."""
+    graphs capture :meth:`forward` (in a ``decode_only`` context, ``select`` the identity), the
+    context pass (with ``has_context_pass``) per bucket of rows and :meth:`draft` per bucket of
+    committed sequences (runner/cuda_graph.py)."""
 
     max_draft: int
     has_confidences: bool = False    # :meth:`confidences` gives values
     # forward() and draft() may be captured in CUDA graphs: neither synchronises with the host
     # nor depends on host values beyond the shapes and DraftRows.max_seq_len.
     graph_safe: bool = False
+    has_context_pass: bool = False   # :meth:`context_pass` does work (else it returns None)
     # Positions past the step's last fed token whose cache slots the drafter writes while
     # proposing (a chained drafter's later steps): the scheduler holds blocks for them when
     # the pool has room (best effort; without them those writes are skipped, see spec/mtp.py).
@@ -145,9 +147,10 @@ class ModelDrafter(ABC):
         (hidden states of the selected rows), keeping what the drafter reads of it; returns
         them and a state handed to :meth:`propose`. May write the drafter's cache rows."""
 
-    def context_pass(self, state: Any, commit: StepCommit, ctx: ForwardContext) -> torch.Tensor | None:
+    def context_pass(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
         """Work over every row of the step once its tokens are committed (MTP: its layer over
-        the rows and their next tokens); returns what :meth:`row_state` reads, or None."""
+        the rows and ``next_ids`` [T], each row's next token, ``StepCommit.next_ids``); returns
+        what :meth:`row_state` reads, or None. No host sync."""
         return None
 
     def row_state(self, carry: torch.Tensor | None, last_rows: torch.Tensor) -> torch.Tensor | None:
@@ -164,7 +167,9 @@ class ModelDrafter(ABC):
         order ([0, max_draft] when B = 0); no host sync (but for seeded sampled requests'
         noise, spec/draft_sampling.py). Keeps sampled drafts' distributions for
         :meth:`draft_probs`. ``graphs``: run :meth:`draft` through them when they take the rows."""
-        carry = self.context_pass(state, commit, ctx)
+        carry = graphs.context_pass(state, commit.next_ids, ctx) if graphs is not None else None
+        if carry is None:
+            carry = self.context_pass(state, commit.next_ids, ctx)
         dev = commit.anchors.device
         if not commit.req_ids:                                                            # nothing committed
             self._confidence = None
@@ -214,7 +219,13 @@ class ModelDrafter(ABC):
 
 
 class DraftGraphRunner(ABC):
-    """Runs :meth:`ModelDrafter.draft` through captured graphs (runner/cuda_graph.py)."""
+    """Runs a :class:`ModelDrafter`'s context pass and :meth:`ModelDrafter.draft` through
+    captured graphs (runner/cuda_graph.py)."""
+
+    @abstractmethod
+    def context_pass(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        """:meth:`ModelDrafter.context_pass` of a step on a decode graph's buffers from its
+        bucket's graph, or None when the drafter has none."""
 
     @abstractmethod
     def draft(self, rows: DraftRows) -> DraftOutput | None:

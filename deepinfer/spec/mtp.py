@@ -72,7 +72,7 @@ from torch import nn
 from deepinfer.config import SpeculativeConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.models.dspark import pick_draft
-from deepinfer.spec.drafter import DraftOutput, DraftRows, ModelDrafter, StepCommit
+from deepinfer.spec.drafter import DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,7 @@ class MTPEngineDrafter(ModelDrafter):
 
     MODULE = 0      # the MTP module every draft step runs
     graph_safe = True
+    has_context_pass = True
 
     def __init__(self, config: SpeculativeConfig, mtp: nn.Module) -> None:
         from deepinfer.models.deepseek_v3 import DeepseekV3MTP
@@ -145,9 +146,9 @@ class MTPEngineDrafter(ModelDrafter):
         hidden = model(input_ids, ctx)                                                    # [T, H]
         return select(hidden), hidden
 
-    def context_pass(self, state: torch.Tensor, commit: StepCommit, ctx: ForwardContext) -> torch.Tensor:
+    def context_pass(self, state: torch.Tensor, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The MTP KV of every row of the step, at the step's slots; its output [T, H]."""
-        return self.mtp(commit.next_ids, ctx, previous_hidden=state, step=self.MODULE)
+        return self.mtp(next_ids, ctx, previous_hidden=state, step=self.MODULE)
 
     def row_state(self, carry: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
         return carry.index_select(0, last_rows)                                           # [B, H] at s

@@ -112,6 +112,14 @@ def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = froze
         return run(input_ids, ctx)
 
     runner.decode_graphs.run = counting_run
+    after_sizes: list[int] = []
+    run_after = runner.decode_graphs.run_after
+
+    def counting_after(state, next_ids, ctx):
+        after_sizes.append(next_ids.shape[0])
+        return run_after(state, next_ids, ctx)
+
+    runner.decode_graphs.run_after = counting_after
     draft_sizes: list[int] = []
     real_draft = runner.drafter.draft
 
@@ -139,6 +147,9 @@ def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = froze
     assert runner.drafter_graph_steps == len(forward_sizes) > 0
     assert runner.draft_graphs.steps == len(draft_sizes) > 0
     assert set(draft_sizes) <= set(SIZES) and buckets.issubset(draft_sizes), draft_sizes
+    # A drafter with a context pass (MTP) runs it on every graphed step's bucket rows.
+    has_pass = runner.drafter.has_context_pass
+    assert after_sizes == (forward_sizes if has_pass else []) and (runner.decode_graphs.after is not None) == has_pass
     kv = padded.engine.kv
     assert kv.num_free_blocks == kv.pool.num_blocks - 1
     return padded
