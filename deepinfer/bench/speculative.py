@@ -10,7 +10,10 @@ drafter is ``--spec-method``:
 - ``ngram``: the engine's own prompt lookup (spec/drafter.py); steps verify 1 + 0..N tokens;
 - ``dspark``: a DeepSeek-V4.1 config with the release's DSpark drafter (random weights,
   ``model_shapes.with_dspark``): every step runs the drafter and verifies 1 + N tokens, so the
-  step time is that of DSpark decoding at full acceptance.
+  step time is that of DSpark decoding at full acceptance. Its steps replay CUDA graphs (the
+  drafter's forward and proposal; ``spec_counters`` counts them) unless ``--no-drafter-graphs``;
+  with them, the decode graphs hold the drafter's forward, so the run without speculation
+  on the same engine also writes the drafter's context rows (a few small GEMMs a step).
 
 Reported for the speculative run, never mixed: full-acceptance throughput
 ``SPS x B x (1 + N) / cp``; effective throughput (tokens committed / time); measured tau
@@ -62,6 +65,7 @@ class SpecSetup:
     drafter: Drafter
     assumed_nextn: int
     assumed_acceptance: float
+    drafter_graphs: bool = True      # a model drafter's steps may replay CUDA graphs (--drafter-graphs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, engine: Engine) -> SpecSetup | None:
@@ -70,12 +74,13 @@ class SpecSetup:
             return None
         drafter = FixedDrafter(args.speculative) if args.spec_method == "fixed" else engine.runner.drafter
         assert drafter is not None and drafter.max_draft == args.speculative
-        return cls(args.spec_method, args.speculative, drafter, args.assumed_nextn, args.assumed_acceptance)
+        return cls(args.spec_method, args.speculative, drafter, args.assumed_nextn, args.assumed_acceptance,
+                   args.drafter_graphs)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_tokens,
                 "assumed_nextn": self.assumed_nextn, "assumed_acceptance": self.assumed_acceptance,
-                "note": RANDOM_WEIGHTS_NOTE}
+                "drafter_graphs": self.drafter_graphs, "note": RANDOM_WEIGHTS_NOTE}
 
 
 def check_spec_args(args: argparse.Namespace) -> None:

@@ -31,6 +31,11 @@ pool and stays valid until the next replay.
 Without capture (``capture=False``) :meth:`DecodeGraphs.run` runs the model
 eagerly on the same padded static views: the CPU tests use that mode to check
 padding, slots and slicing without a GPU.
+
+Model drafters (spec/drafter.py, ``graph_safe``): a bucket's graph then holds the
+drafter's forward (the target's with what the drafter keeps), a second graph per
+bucket its context pass (:meth:`DecodeGraphs.run_after`), and :class:`DraftGraphs`
+the proposal per bucket of committed sequences, on static :class:`DraftRows`.
 """
 
 from __future__ import annotations
