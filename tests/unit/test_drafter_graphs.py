@@ -47,14 +47,17 @@ def greedy() -> list[SamplingParams]:
 
 
 def mixed() -> list[SamplingParams]:
-    """Greedy, seeded sampled (exact-match verification: deterministic), and one with top-k
-    that ends early (while it runs, proposals take the eager path: the draft graphs hold no
-    filters)."""
+    """Greedy, seeded sampled (exact-match verification), unseeded sampled (rejection
+    sampling), and one with top-k that ends early (while it runs, proposals take the eager
+    path: the draft graphs hold no filters)."""
     params = greedy()
     params[1] = SamplingParams(temperature=0.7, seed=5, top_k=20, max_tokens=MAX_TOKENS[1], ignore_eos=True,
                                logprobs=0)
     params[2] = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS[2], ignore_eos=True, logprobs=0)
     params[4] = SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS[4], ignore_eos=True, logprobs=0)
+    # Unseeded: rejection sampling against the draft distributions the graphs kept, drawing
+    # from the runner's generator in the same order as the eager path.
+    params[3] = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS[3], ignore_eos=True, logprobs=0)
     return params
 
 
