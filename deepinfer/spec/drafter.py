@@ -15,7 +15,8 @@ decides how many tokens a step commits. Two kinds:
   rejected draft's rows are simply overwritten later and prefix hits, forks and
   preemption treat them as any other layer's), and drafts from the step's sampled tokens
   before the step ends; it also keeps the distribution each draft was drawn from, which
-  verification needs.
+  verification needs. One that declares ``graph_safe`` runs inside the decode CUDA graphs
+  (runner/cuda_graph.py): its proposal is split so that the host's part stays outside.
 
 ``make_drafter`` builds the one ``SpeculativeConfig.method`` names.
 """
@@ -72,7 +73,8 @@ class StepCommit:
     params: list[SamplingParams]
     stream_indices: list[int]
     prompt_lens: list[int]        # position p holds output token p - prompt_len
-    table_rows: list[int]         # each one's row in the step's block tables (a fork sibling: its parent's)
+    table_rows: list[int]         # each one's row in the step's block tables (a fork sibling: its parent's;
+                                  # a step with a row per token: its first token's)
     last_rows: torch.Tensor       # [B] int64 the row of its last committed position s
     anchors: torch.Tensor         # [B] int64 the token it committed last (position s + 1, not fed yet)
     next_ids: torch.Tensor        # [T] int64 each row's next token (at position + 1) where known:
@@ -133,6 +135,10 @@ class ModelDrafter(ABC):
     # Draft slots a proposal samples (noise [B, num_slots, V]); >= max_draft.
     num_slots: int
     vocab_size: int
+    # Set by subclasses: req_id -> [max_draft, V] of its last sampled drafts; the last proposal's
+    # confidences [B, max_draft] (None without a confidence head).
+    _probs: dict[str, torch.Tensor]
+    _confidence: torch.Tensor | None
 
     @abstractmethod
     def kv_cache_layers(self) -> list[nn.Module]:
