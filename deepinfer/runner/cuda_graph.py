@@ -312,18 +312,24 @@ class DecodeGraphs:
         self.after_graphs[n] = graph
 
 
+# A proposal's sampling, each a graph per bucket: every row greedy; sampled (temperature and
+# noise); sampled with the min-p / top-k / top-p filters (every row's, off where unset).
+DRAFT_MODES = ("greedy", "sampled", "filtered")
+
+
 class DraftGraphs(DraftGraphRunner):
     """A model drafter's proposal (:meth:`ModelDrafter.draft`) per batch bucket: static
     :class:`DraftRows` buffers (prefix views of one set sized for the largest bucket) and,
-    with ``capture``, two CUDA graphs per bucket: every row greedy, and sampled (temperature
-    and the exponential-race noise, drawn outside the graph by spec/draft_sampling.py).
+    with ``capture``, one CUDA graph per bucket and mode (``DRAFT_MODES``): every row greedy;
+    sampled (temperature and the exponential-race noise, drawn outside the graph by
+    spec/draft_sampling.py); sampled with filters. A step takes the mode the eager path's
+    :class:`DraftSampling` has (filters on every row once one row has any), so the graph
+    computes what the eager proposal computes.
 
     B committed sequences take the smallest bucket n >= B; rows B..n-1 are padding: anchor 0
     at position 0 with a null-block table row, so they read only the null block, write
-    nothing (a chained drafter's slots there are -1) and their outputs are never read. Steps
-    the graphs do not take return None from :meth:`draft` and run eagerly: B above the
-    largest bucket, or sampled rows with min-p / top-k / top-p filters (their filter
-    kernels are not part of the captured proposal).
+    nothing (a chained drafter's slots there are -1) and their outputs are never read. A step
+    of B above the largest bucket gets None from :meth:`draft` and runs eagerly.
 
     Outputs live in the graphs' pool until the next replay of the same graph: the tokens and
     confidences are copied to the host at once; the draft distributions, which verification
@@ -349,8 +355,11 @@ class DraftGraphs(DraftGraphRunner):
         self.greedy = torch.ones(n, dtype=torch.bool, device=device)
         self.temperature = torch.ones(n, dtype=torch.float32, device=device)
         self.noise = torch.ones(n, drafter.num_slots, drafter.vocab_size, dtype=torch.float32, device=device)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], DraftOutput] = {}
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.full((n,), drafter.vocab_size, dtype=torch.long, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], DraftOutput] = {}
         self.steps = 0          # proposals that went through the static buffers (replays, with capture)
         if capture:
             self._capture()
@@ -363,28 +372,35 @@ class DraftGraphs(DraftGraphRunner):
             return None
         return self.decode.run_after(state, next_ids, ctx)
 
-    def rows(self, n: int, sampled: bool) -> DraftRows:
-        """Bucket n's static rows (views)."""
-        sampling = (DraftSampling(greedy=self.greedy[:n], temperature=self.temperature[:n], noise=self.noise[:n])
-                    if sampled else None)
+    def rows(self, n: int, mode: str) -> DraftRows:
+        """Bucket n's static rows (views) for a ``DRAFT_MODES`` mode."""
+        sampling = None
+        if mode != "greedy":
+            filters = mode == "filtered"
+            sampling = DraftSampling(greedy=self.greedy[:n], temperature=self.temperature[:n],
+                                     min_p=self.min_p[:n] if filters else None,
+                                     top_k=self.top_k[:n] if filters else None,
+                                     top_p=self.top_p[:n] if filters else None, noise=self.noise[:n])
         return DraftRows(anchors=self.anchors[:n], last_positions=self.last_positions[:n], tables=self.tables[:n],
                          max_seq_len=self.max_seq_len, hidden=None if self.hidden is None else self.hidden[:n],
                          sampling=sampling)
 
     def _pad(self, b: int, n: int) -> None:
-        """Rows b..n-1 padding."""
+        """Rows b..n-1 padding (greedy, filters off)."""
         self.anchors[b:n].zero_()
         self.last_positions[b:n].zero_()
         self.tables[b:n].zero_()
         self.greedy[b:n].fill_(True)
         self.temperature[b:n].fill_(1.0)
+        self.min_p[b:n].zero_()
+        self.top_k[b:n].fill_(self.drafter.vocab_size)
+        self.top_p[b:n].fill_(1.0)
 
     @torch.inference_mode()
     def draft(self, rows: DraftRows) -> DraftOutput | None:
         b = rows.anchors.shape[0]
         n = self.bucket_for(b)
-        sampling = rows.sampling
-        if n is None or (sampling is not None and sampling.top_k is not None):
+        if n is None:
             return None
         width = rows.tables.shape[1]
         if width > self.tables.shape[1]:
@@ -396,18 +412,23 @@ class DraftGraphs(DraftGraphRunner):
         self.tables[:b, width:].zero_()
         if self.hidden is not None:
             self.hidden[:b].copy_(rows.hidden)
-        sampled = sampling is not None
-        if sampled:
+        sampling = rows.sampling
+        mode = "greedy" if sampling is None else "sampled" if sampling.top_k is None else "filtered"
+        if sampling is not None:
             self.greedy[:b].copy_(sampling.greedy)
             self.temperature[:b].copy_(sampling.temperature)
             self.noise[:b].copy_(sampling.noise)
+        if mode == "filtered":
+            self.min_p[:b].copy_(sampling.min_p)
+            self.top_k[:b].copy_(sampling.top_k)
+            self.top_p[:b].copy_(sampling.top_p)
         self._pad(b, n)
-        graph = self.graphs.get((n, sampled))
+        graph = self.graphs.get((n, mode))
         if graph is None:
-            out = self.drafter.draft(self.rows(n, sampled))
+            out = self.drafter.draft(self.rows(n, mode))
         else:
             graph.replay()
-            out = self.outputs[(n, sampled)]
+            out = self.outputs[(n, mode)]
         self.steps += 1
         return DraftOutput(tokens=out.tokens[:b],
                            confidences=None if out.confidences is None else out.confidences[:b],
@@ -420,23 +441,23 @@ class DraftGraphs(DraftGraphRunner):
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
-            for sampled in (False, True):
+            for mode in DRAFT_MODES:
                 # Every row padding while capturing: the warm-ups read only the null block.
                 self._pad(0, n)
                 for _ in range(_WARMUP_RUNS):
-                    self.drafter.draft(self.rows(n, sampled))
+                    self.drafter.draft(self.rows(n, mode))
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[(n, sampled)] = self.drafter.draft(self.rows(n, sampled))
+                        self.outputs[(n, mode)] = self.drafter.draft(self.rows(n, mode))
                 except RuntimeError as exc:
                     raise RuntimeError(
-                        f"capturing the proposal of {type(self.drafter).__name__} at batch size {n} failed "
+                        f"capturing the {mode} proposal of {type(self.drafter).__name__} at batch size {n} failed "
                         f"({exc}); ModelDrafter.draft must not synchronise with the host. Run with "
                         "speculative_config cuda_graphs=False meanwhile") from exc
-                self.graphs[(n, sampled)] = graph
+                self.graphs[(n, mode)] = graph
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy and sampled) in %.1f s, %.0f MiB",
+        logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy, sampled, filtered) in %.1f s, %.0f MiB",
                     len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)

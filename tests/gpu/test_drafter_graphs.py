@@ -20,6 +20,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
+from deepinfer.runner.cuda_graph import DRAFT_MODES
 
 from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
 
@@ -43,10 +44,12 @@ def greedy() -> list[SamplingParams]:
 
 
 def seeded() -> list[SamplingParams]:
-    """Greedy and seeded sampled requests (exact-match verification: deterministic)."""
+    """Greedy and seeded sampled requests (exact-match verification: deterministic), one with
+    top-k (the filtered proposal graphs)."""
     params = greedy()
     for i, seed in ((1, 7), (2, 3), (4, 5)):
-        params[i] = SamplingParams(temperature=0.8, seed=seed, max_tokens=MAX_TOKENS[i], ignore_eos=True)
+        params[i] = SamplingParams(temperature=0.8, seed=seed, max_tokens=MAX_TOKENS[i], ignore_eos=True,
+                                   top_k=20 if i == 1 else 0)
     return params
 
 
@@ -82,7 +85,7 @@ def check_graphs_match_eager(model: str, spec: dict, prompts, params, replays: l
     llm = make_llm(model, spec, cuda_graph_sizes=SIZES)
     runner = llm.engine.runner
     assert runner.decode_graphs is not None and runner.draft_graphs is not None, "graphs were captured"
-    assert sorted(runner.draft_graphs.graphs) == [(n, s) for n in SIZES for s in (False, True)]
+    assert sorted(runner.draft_graphs.graphs) == sorted((n, m) for n in SIZES for m in DRAFT_MODES)
     replays.clear()
     got = tokens(llm, prompts, params)
     assert got == expected

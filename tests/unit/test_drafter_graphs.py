@@ -48,8 +48,8 @@ def greedy() -> list[SamplingParams]:
 
 def mixed() -> list[SamplingParams]:
     """Greedy, seeded sampled (exact-match verification), unseeded sampled (rejection
-    sampling), and one with top-k that ends early (while it runs, proposals take the eager
-    path: the draft graphs hold no filters)."""
+    sampling), and one with top-k that ends early (while it runs, proposals take the filtered
+    graphs, every row's filters on; then the sampled ones)."""
     params = greedy()
     params[1] = SamplingParams(temperature=0.7, seed=5, top_k=20, max_tokens=MAX_TOKENS[1], ignore_eos=True,
                                logprobs=0)
@@ -90,10 +90,11 @@ def counters(llm: LLM) -> tuple[int, int, int]:
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
-def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = frozenset({8, 4}), **kwargs) -> LLM:
+def graph_vs_eager(prompts, params, min_accepted: int, modes: set[str] = frozenset({"greedy"}), **kwargs) -> LLM:
     """Run eagerly, then on the padded static path; assert equal outputs, drafts and counters,
-    and that proposals of sizes between ``buckets`` ran padded to them. Returns the padded
-    engine."""
+    that proposals of 5 and 3 sequences ran padded to buckets 8 and 4, and that proposals of
+    each of ``modes`` (DraftGraphs' sampling modes) went through the static rows. Returns the
+    padded engine."""
     kwargs = dict(device="cpu", max_num_seqs=8, cuda_graph_sizes=SIZES, max_num_batched_tokens=160,
                   block_size=4, num_kv_blocks=300, **kwargs)
     eager = LLM(**kwargs)
@@ -124,12 +125,15 @@ def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = froze
 
     runner.decode_graphs.run_after = counting_after
     draft_sizes: list[int] = []
+    draft_modes: set[str] = set()
     real_draft = runner.drafter.draft
 
     def counting_draft(rows: DraftRows):
-        # Proposals on the static rows (the others: prompt steps, and top-k rows, run eagerly).
+        # Proposals on the static rows (the others, those of prompt steps, run eagerly).
         if rows.anchors.data_ptr() == runner.draft_graphs.anchors.data_ptr():
             draft_sizes.append(rows.anchors.shape[0])
+            sampling = rows.sampling
+            draft_modes.add("greedy" if sampling is None else "sampled" if sampling.top_k is None else "filtered")
         return real_draft(rows)
 
     runner.drafter.draft = counting_draft
@@ -149,7 +153,8 @@ def graph_vs_eager(prompts, params, min_accepted: int, buckets: set[int] = froze
     # on the padded static rows, through sizes between buckets.
     assert runner.drafter_graph_steps == len(forward_sizes) > 0
     assert runner.draft_graphs.steps == len(draft_sizes) > 0
-    assert set(draft_sizes) <= set(SIZES) and buckets.issubset(draft_sizes), draft_sizes
+    assert set(draft_sizes) <= set(SIZES) and {8, 4}.issubset(draft_sizes), draft_sizes
+    assert set(modes) <= draft_modes, draft_modes
     # A drafter with a context pass (MTP) runs it on every graphed step's bucket rows.
     has_pass = runner.drafter.has_context_pass
     assert after_sizes == (forward_sizes if has_pass else []) and (runner.decode_graphs.after is not None) == has_pass
@@ -166,7 +171,7 @@ def test_dspark_through_the_static_buffers_matches_eager():
 
 
 def test_dspark_sampled_requests_through_the_static_buffers_match_eager():
-    graph_vs_eager(TEXT, mixed(), min_accepted=5, buckets={4}, model=DEFAULT_MODEL,
+    graph_vs_eager(TEXT, mixed(), min_accepted=5, modes={"filtered", "sampled"}, model=DEFAULT_MODEL,
                    speculative_config={"method": "dspark", "num_speculative_tokens": BLOCK})
 
 
@@ -193,7 +198,7 @@ def test_mtp_through_the_static_buffers_matches_eager(v3_repeat_dir):
 
 
 def test_mtp_sampled_requests_through_the_static_buffers_match_eager(v3_repeat_dir):
-    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], mixed(), min_accepted=1, buckets={4},
+    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], mixed(), min_accepted=1, modes={"filtered", "sampled"},
                    model=str(v3_repeat_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 3})
 
 
