@@ -316,12 +316,13 @@ class ModelRunner:
         keeps) and its proposal gets :class:`DraftGraphs` of the decode buckets."""
         if self.kv_buffer is None:
             raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
-        forward = after = None
         drafter = self.drafter if isinstance(self.drafter, ModelDrafter) and self.graphs_serve_drafter else None
-        if drafter is not None:
-            def forward(input_ids: torch.Tensor, ctx: ForwardContext) -> tuple:
-                return drafter.forward(self.model, input_ids, ctx, lambda t: t)
-            after = drafter.context_pass if drafter.has_context_pass else None
+
+        def drafter_forward(input_ids: torch.Tensor, ctx: ForwardContext) -> tuple:
+            return drafter.forward(self.model, input_ids, ctx, lambda t: t)
+
+        forward = drafter_forward if drafter is not None else None
+        after = drafter.context_pass if drafter is not None and drafter.has_context_pass else None
         max_len = self.config.model.max_model_len
         self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(), max_len, self.device,
                                           capture, forward=forward, after=after)

@@ -198,7 +198,8 @@ def test_mtp_through_the_static_buffers_matches_eager(v3_repeat_dir):
 
 
 def test_mtp_sampled_requests_through_the_static_buffers_match_eager(v3_repeat_dir):
-    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], mixed(), min_accepted=1, modes={"filtered", "sampled"},
+    graph_vs_eager([{"prompt_token_ids": p} for p in _mtp_prompts()], mixed(), min_accepted=1,
+                   modes={"filtered", "sampled"},
                    model=str(v3_repeat_dir), speculative_config={"method": "mtp", "num_speculative_tokens": 3})
 
 
