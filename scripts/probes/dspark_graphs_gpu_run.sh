@@ -25,7 +25,10 @@ COMMON="--config deepseek-v4.1-flash --num-layers 1 --speculative 3 --spec-metho
 for mode in drafter-graphs no-drafter-graphs; do
     timeout 100 $BENCH curve $COMMON --batch-sizes 1,16,64 --context-len 1024 --$mode \
         --output-json "$OUT/curve_$mode.json" > "$OUT/curve_$mode.log" 2>&1
-    echo "curve $mode exit $?"; grep -E "^B=|speculative steps|drafter:" "$OUT/curve_$mode.log" | tail -12
+    rc=$?
+    echo "curve $mode exit $rc"
+    if [ $rc -eq 0 ]; then grep -E "^B=[0-9]+: [0-9.]+ ms/step|drafter:" "$OUT/curve_$mode.log" | tail -12
+    else tail -25 "$OUT/curve_$mode.log"; fi
 done
 python3 - "$OUT" <<'PY'
 import json, sys
