@@ -326,9 +326,9 @@ class DraftGraphs(DraftGraphRunner):
     :class:`DraftSampling` has (filters on every row once one row has any), so the graph
     computes what the eager proposal computes.
 
-    B committed sequences take the smallest bucket n >= B; rows B..n-1 are padding: anchor 0
-    at position 0 with a null-block table row, so they read only the null block, write
-    nothing (a chained drafter's slots there are -1) and their outputs are never read. A step
+    B committed sequences take the smallest bucket n >= B; rows B..n-1 are padding: a
+    null-block table row, so they read only the null block and write nothing (a chained
+    drafter's slots there are -1), and their outputs are never read. A step
     of B above the largest bucket gets None from :meth:`draft` and runs eagerly.
 
     Outputs live in the graphs' pool until the next replay of the same graph: the tokens and
@@ -386,7 +386,7 @@ class DraftGraphs(DraftGraphRunner):
                          sampling=sampling)
 
     def _pad(self, b: int, n: int) -> None:
-        """Rows b..n-1 padding (greedy, filters off)."""
+        """Rows b..n-1 padding (greedy, filters off), for capture."""
         self.anchors[b:n].zero_()
         self.last_positions[b:n].zero_()
         self.tables[b:n].zero_()
@@ -409,7 +409,8 @@ class DraftGraphs(DraftGraphRunner):
         self.anchors[:b].copy_(rows.anchors)
         self.last_positions[:b].copy_(rows.last_positions)
         self.tables[:b, :width].copy_(rows.tables)
-        self.tables[:b, width:].zero_()
+        if width < self.tables.shape[1]:
+            self.tables[:b, width:].zero_()
         if self.hidden is not None:
             self.hidden[:b].copy_(rows.hidden)
         sampling = rows.sampling
@@ -422,7 +423,11 @@ class DraftGraphs(DraftGraphRunner):
             self.min_p[:b].copy_(sampling.min_p)
             self.top_k[:b].copy_(sampling.top_k)
             self.top_p[:b].copy_(sampling.top_p)
-        self._pad(b, n)
+        if b < n:
+            # Only the padding rows' tables need clearing (a stale row would write a chained
+            # drafter's KV into blocks it no longer owns); their other fields hold an earlier
+            # step's valid values, and their outputs are never read.
+            self.tables[b:n].zero_()
         graph = self.graphs.get((n, mode))
         if graph is None:
             out = self.drafter.draft(self.rows(n, mode))
