@@ -244,3 +244,69 @@ def test_padding_rows_of_the_dspark_cache_write_nothing():
     after = cache.kv_cache.clone()
     after[1, 1, 0] = before[1, 1, 0]
     assert torch.equal(after, before)
+
+
+class _EchoDrafter(ModelDrafter):
+    """Stands in for a drafter: drafts echo its rows (anchor, position, first table entry),
+    so row order, padding and the static buffers show."""
+
+    max_draft, num_slots, vocab_size, row_state_size = 2, 3, 5, 0
+
+    def __init__(self) -> None:
+        self._probs, self._confidence = {}, None
+        self.seen: list[DraftRows] = []
+
+    def kv_cache_layers(self):
+        return []
+
+    def forward(self, model, input_ids, ctx, select):
+        raise AssertionError("not used")
+
+    def draft(self, rows: DraftRows):
+        from deepinfer.spec.drafter import DraftOutput
+
+        self.seen.append(rows)
+        tokens = torch.stack([rows.anchors, rows.last_positions + rows.tables[:, 0].long()], 1)
+        probs = None if rows.sampling is None else rows.sampling.noise[:, :2] * rows.sampling.temperature[:, None, None]
+        return DraftOutput(tokens=tokens, confidences=rows.last_positions[:, None].float().expand(-1, 2), probs=probs)
+
+
+def _rows(anchors, positions, tables, sampling=None) -> DraftRows:
+    return DraftRows(anchors=torch.tensor(anchors), last_positions=torch.tensor(positions),
+                     tables=torch.tensor(tables, dtype=torch.int32), max_seq_len=64, sampling=sampling)
+
+
+def test_draft_graphs_pad_to_the_bucket_and_pick_the_mode():
+    from deepinfer.models.dspark import DraftSampling
+
+    drafter = _EchoDrafter()
+    graphs = DraftGraphs(drafter, decode=None, sizes=[1, 2, 4], table_width=3, max_seq_len=64, dtype=torch.float32,
+                         device=torch.device("cpu"), capture=False)
+    # A wide step first, so that the next one's padding rows must lose its tables.
+    out = graphs.draft(_rows([1, 2, 3, 4], [10, 20, 30, 40], [[4, 5, 6], [7, 0, 0], [8, 9, 0], [3, 3, 3]]))
+    assert out.tokens.tolist() == [[1, 14], [2, 27], [3, 38], [4, 43]] and out.probs is None
+    assert drafter.seen[-1].anchors.shape == (4,) and drafter.seen[-1].sampling is None      # bucket 4
+    noise = torch.rand(2, 3, 5) + 0.5
+    sampling = DraftSampling(greedy=torch.tensor([True, False]), temperature=torch.tensor([1.0, 0.5]), noise=noise)
+    out = graphs.draft(_rows([6, 7], [11, 12], [[2, 3], [5, 1]], sampling))
+    rows = drafter.seen[-1]
+    assert rows.anchors.shape == (2,) and rows.sampling.top_k is None                     # bucket 2, sampled
+    assert rows.tables.tolist() == [[2, 3, 0], [5, 1, 0]]                                # columns past: null
+    assert out.tokens.tolist() == [[6, 13], [7, 17]]
+    assert torch.equal(out.probs, noise[:, :2] * torch.tensor([1.0, 0.5])[:, None, None])
+    kept = out.probs
+    # Three rows with filters: bucket 4, the filtered mode; row 3 pads with a null table.
+    filtered = DraftSampling(greedy=torch.tensor([False, True, False]), temperature=torch.ones(3),
+                             min_p=torch.tensor([0.1, 0.0, 0.0]), top_k=torch.tensor([5, 5, 2]),
+                             top_p=torch.tensor([1.0, 1.0, 0.9]), noise=torch.rand(3, 3, 5) + 0.5)
+    out = graphs.draft(_rows([1, 1, 1], [0, 0, 0], [[1, 1, 1]] * 3, filtered))
+    rows = drafter.seen[-1]
+    assert rows.anchors.shape == (4,) and rows.sampling.top_k.tolist() == [5, 5, 2, 5]
+    assert rows.tables[3].tolist() == [0, 0, 0] and out.tokens.shape == (3, 2)
+    # The distributions handed out earlier were copies: later proposals leave them as they were.
+    assert torch.equal(kept, noise[:, :2] * torch.tensor([1.0, 0.5])[:, None, None])
+    assert graphs.steps == 3
+    # Above the largest bucket: no graph takes the rows (the caller drafts eagerly).
+    assert graphs.draft(_rows([1] * 5, [0] * 5, [[1]] * 5)) is None and graphs.steps == 3
+    with pytest.raises(ValueError, match="block table of 4 blocks exceeds the 3"):
+        graphs.draft(_rows([1], [0], [[1, 2, 3, 4]]))
