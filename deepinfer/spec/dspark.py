@@ -20,6 +20,11 @@ Per step (the runner calls these in order):
    ``s - W + 1 .. s`` gathered from the cache. Drafts go to the host with the step's
    results; the distribution each was drawn from stays here until the next verification.
 
+Where the decode CUDA graphs hold a step (runner/cuda_graph.py), step 1 replays the bucket's
+graph of :meth:`DSparkEngineDrafter.forward` (padding rows' slots are -1: their context rows
+are not written) and step 2's block forward, heads and draft sampling
+(:meth:`DSparkEngineDrafter.draft`) replay a graph per bucket of committed sequences.
+
 Because the context rows live in pages like any layer's, a prefix-cache hit brings them
 with it (they are a function of the tokens, as the target's rows are), a fork copies
 them, and a preempted sequence recomputes them with its prompt.

@@ -8,7 +8,9 @@ MLA + MoE block (its own KV entry at ``i``) and predicts the token at ``i + 2``.
 
 1. :meth:`MTPEngineDrafter.forward` — the target's forward over the step's rows, keeping
    the final-normed hidden state of *every* row (the state handed to ``propose``).
-2. :meth:`MTPEngineDrafter.propose` — called every step, also when nothing was committed:
+2. :meth:`MTPEngineDrafter.propose` — called every step, also when nothing was committed
+   (:meth:`~MTPEngineDrafter.context_pass`, then :meth:`~MTPEngineDrafter.draft`; where the
+   decode CUDA graphs hold the step, each replays a graph of its own, runner/cuda_graph.py):
 
    - **Context pass.** MTP module 0 over all T rows of the step, at the rows' positions
      and cache slots (the step's own ``ctx``), with ``previous_hidden`` = the target's
