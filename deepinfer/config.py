@@ -482,7 +482,10 @@ class SpeculativeConfig:
     ``((B, sps), ...)`` ascending, for the varlen scheduler; None: profiled when the engine
     starts. ``confidence_temperatures``: per draft position, the temperature T_k of
     sequential temperature scaling (``scheduling.fit_sts``) applied to the drafter's
-    confidence logits (c_k = sigmoid(l_k / T_k)); None: the raw confidences.
+    confidence logits (c_k = sigmoid(l_k / T_k)); None: the raw confidences. ``cuda_graphs``:
+    with a model drafter (``dspark``, ``mtp``), its decode and verification steps replay CUDA
+    graphs (the target's forward with what the drafter keeps of it, and the proposal) where
+    the decode graphs are on; False runs those steps eagerly.
     """
 
     method: str = "ngram"
@@ -492,8 +495,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     sps_table: tuple[tuple[int, float], ...] | None = None
     confidence_temperatures: tuple[float, ...] | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"speculative_config cuda_graphs={self.cuda_graphs!r} must be True or False")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not supported; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")

@@ -106,6 +106,10 @@ def _add_decode_common(p: argparse.ArgumentParser, kind: str, steps: int) -> Non
                         "lookup) or dspark (a DeepSeek-V4.1 config's DSpark module at the release's shapes, "
                         "random weights: the drafter's cost is in every step); the weights are random, so "
                         "measured acceptance is not meaningful")
+    p.add_argument("--drafter-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="--spec-method dspark: its decode and verification steps replay CUDA graphs (the "
+                        "target's forward with the drafter's features, and the proposal); --no-drafter-graphs "
+                        "runs them eagerly (speculative_config cuda_graphs)")
     p.add_argument("--assumed-nextn", type=int, default=3,
                    help="the assumed-acceptance figure's draft tokens; it needs --speculative equal to it")
     p.add_argument("--assumed-acceptance", type=float, default=0.75,

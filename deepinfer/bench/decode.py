@@ -141,10 +141,16 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
     engine.reset_stats()
     spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     graph_verifications_before = engine.runner.verify_graph_steps
+    drafter_graphs_before = engine.runner.drafter_graph_steps
+    draft_graphs = engine.runner.draft_graphs
+    proposals_before = draft_graphs.steps if draft_graphs is not None else 0
     window_s, committed, step_ms = _timed_window(engine, steps, produced)
     stats = copy.copy(engine.stats)   # the engine keeps counting through the profile and drain
     spec_counters = counters_since(spec_before, engine.scheduler.spec_stats)
     spec_counters["graph_verifications"] = engine.runner.verify_graph_steps - graph_verifications_before
+    # A model drafter's steps whose forward replayed a decode graph, and proposals on DraftGraphs.
+    spec_counters["drafter_graph_steps"] = engine.runner.drafter_graph_steps - drafter_graphs_before
+    spec_counters["draft_graph_proposals"] = (draft_graphs.steps if draft_graphs is not None else 0) - proposals_before
     without = (_without_overlap(engine, steps, produced)
                if compare_sync and engine.config.scheduler.async_scheduling else None)
     if profile:

@@ -10,7 +10,10 @@ drafter is ``--spec-method``:
 - ``ngram``: the engine's own prompt lookup (spec/drafter.py); steps verify 1 + 0..N tokens;
 - ``dspark``: a DeepSeek-V4.1 config with the release's DSpark drafter (random weights,
   ``model_shapes.with_dspark``): every step runs the drafter and verifies 1 + N tokens, so the
-  step time is that of DSpark decoding at full acceptance.
+  step time is that of DSpark decoding at full acceptance. Its steps replay CUDA graphs (the
+  drafter's forward and proposal; ``spec_counters`` counts them) unless ``--no-drafter-graphs``;
+  with them, the decode graphs hold the drafter's forward, so the run without speculation
+  on the same engine also writes the drafter's context rows (a few small GEMMs a step).
 
 Reported for the speculative run, never mixed: full-acceptance throughput
 ``SPS x B x (1 + N) / cp``; effective throughput (tokens committed / time); measured tau
@@ -62,6 +65,7 @@ class SpecSetup:
     drafter: Drafter
     assumed_nextn: int
     assumed_acceptance: float
+    drafter_graphs: bool = True      # a model drafter's steps may replay CUDA graphs (--drafter-graphs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, engine: Engine) -> SpecSetup | None:
@@ -70,12 +74,13 @@ class SpecSetup:
             return None
         drafter = FixedDrafter(args.speculative) if args.spec_method == "fixed" else engine.runner.drafter
         assert drafter is not None and drafter.max_draft == args.speculative
-        return cls(args.spec_method, args.speculative, drafter, args.assumed_nextn, args.assumed_acceptance)
+        return cls(args.spec_method, args.speculative, drafter, args.assumed_nextn, args.assumed_acceptance,
+                   args.drafter_graphs)
 
     def describe(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_tokens,
                 "assumed_nextn": self.assumed_nextn, "assumed_acceptance": self.assumed_acceptance,
-                "note": RANDOM_WEIGHTS_NOTE}
+                "drafter_graphs": self.drafter_graphs, "note": RANDOM_WEIGHTS_NOTE}
 
 
 def check_spec_args(args: argparse.Namespace) -> None:
@@ -92,7 +97,7 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     method = "dspark" if args.spec_method == "dspark" else "ngram"
     return {"speculative_config": {"method": method, "num_speculative_tokens": args.speculative,
-                                   "varlen": False}}
+                                   "varlen": False, "cuda_graphs": args.drafter_graphs}}
 
 
 @contextmanager
@@ -153,6 +158,15 @@ def spec_figures(run: dict[str, Any], plain: dict[str, Any], batch: int, steps: 
     }
 
 
+def _drafter_graphs(spec: dict[str, Any]) -> str:
+    """A model drafter's graph counters for the report line ('' for a host drafter)."""
+    c = spec["spec_counters"]
+    if spec["method"] != "dspark":
+        return ""
+    return (f"; drafter: {c['drafter_graph_steps']} of {spec['timed_steps']} forwards and "
+            f"{c['draft_graph_proposals']} proposals through CUDA graphs")
+
+
 def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
     """The speculative table under ``bench decode | curve``'s (``setup``: ``SpecSetup.describe()``)."""
     n, a, p = setup["num_speculative_tokens"], setup["assumed_nextn"], setup["assumed_acceptance"]
@@ -175,7 +189,7 @@ def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
                            "overlapped" if s["plain_async_scheduling"] else "synchronous"])
         print(f"B={pt['batch']}: {step} takes {fmt(s['step_over_plain_step'])}x a plain decode step (plain: {plain}; "
               f"speculative steps: synchronous, {s['spec_counters']['graph_verifications']} of {s['timed_steps']} "
-              f"through CUDA graphs); "
+              f"through CUDA graphs{_drafter_graphs(s)}); "
               f"tau {fmt(s['tau'])} measured ({s['spec_counters']['drafts']} verifications of "
               f"{s['spec_counters']['draft_tokens']} drafts, {s['spec_counters']['accepted_tokens']} accepted)")
         if s["assumed"]["unavailable"]:

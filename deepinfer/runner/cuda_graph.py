@@ -31,6 +31,11 @@ pool and stays valid until the next replay.
 Without capture (``capture=False``) :meth:`DecodeGraphs.run` runs the model
 eagerly on the same padded static views: the CPU tests use that mode to check
 padding, slots and slicing without a GPU.
+
+Model drafters (spec/drafter.py, ``graph_safe``): a bucket's graph then holds the
+drafter's forward (the target's with what the drafter keeps), a second graph per
+bucket its context pass (:meth:`DecodeGraphs.run_after`), and :class:`DraftGraphs`
+the proposal per bucket of committed sequences, on static :class:`DraftRows`.
 """
 
 from __future__ import annotations
@@ -38,15 +43,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.models.dspark import DraftSampling
 from deepinfer.runner.inputs import StepInputs
 from deepinfer.scheduler.kv_cache import KVCacheGroup
+from deepinfer.spec.drafter import DraftGraphRunner, DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +140,21 @@ class _Bucket:
 
 class DecodeGraphs:
     """Static decode inputs for batch-size buckets ``sizes`` and, with ``capture``,
-    one CUDA graph per bucket (the KV caches must already be bound to the model's layers)."""
+    one CUDA graph per bucket (the KV caches must already be bound to the model's layers).
+    ``forward(input_ids, ctx)`` is what a graph holds: the model's forward by default, or a
+    model drafter's (the target's forward and what the drafter keeps of it, a tuple whose
+    second item is the drafter's state). ``after(state, next_ids, ctx)``: a model drafter's
+    context pass, captured per bucket after the forward (:meth:`run_after`)."""
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, groups: Sequence[KVCacheGroup], sizes: Sequence[int],
-                 max_model_len: int, device: torch.device, capture: bool) -> None:
+                 max_model_len: int, device: torch.device, capture: bool,
+                 forward: Callable[[torch.Tensor, ForwardContext], Any] | None = None,
+                 after: Callable[[Any, torch.Tensor, ForwardContext], torch.Tensor] | None = None) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"decode graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
         self.model = model
+        self.forward = forward if forward is not None else model
         self.groups = list(groups)
         self.sizes = sorted(set(sizes))
         self.max_model_len = max_model_len
@@ -147,7 +162,13 @@ class DecodeGraphs:
         widths = [max_blocks_per_seq(g, max_model_len) for g in self.groups]
         self.buckets = {n: _Bucket(n, widths, device) for n in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}
+        self.after = after
+        # Per bucket: the rows' next tokens the context pass reads (written from the device each step).
+        self.next_ids = ({n: torch.zeros(n, dtype=torch.long, device=device) for n in self.sizes}
+                         if after is not None else {})
+        self.after_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.after_outputs: dict[int, torch.Tensor] = {}
         if capture:
             self._capture()
 
@@ -203,15 +224,28 @@ class DecodeGraphs:
         bucket.upload()
         return bucket.views["input_ids"], self._context(n, inputs.seq_lens + [1] * (n - b))
 
-    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Hidden states [n, H] of a step from :meth:`prepare`: the captured graph's replay,
-        or without capture the eager forward over the same padded views."""
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Any:
+        """The forward's output (hidden states [n, H], or a drafter's tuple) of a step from
+        :meth:`prepare`: the captured graph's replay, or without capture the eager forward
+        over the same padded views."""
         n = input_ids.shape[0]
         graph = self.graphs.get(n)
         if graph is None:
-            return self.model(input_ids, ctx)
+            return self.forward(input_ids, ctx)
         graph.replay()
         return self.outputs[n]
+
+    def run_after(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The context pass of a step from :meth:`prepare` whose forward :meth:`run` just ran:
+        ``next_ids`` [n] copied into the bucket's buffer, then the captured graph's replay (its
+        output valid until the next), or without capture the pass run eagerly on the views."""
+        n = next_ids.shape[0]
+        self.next_ids[n].copy_(next_ids)
+        graph = self.after_graphs.get(n)
+        if graph is None:
+            return self.after(state, self.next_ids[n], ctx)
+        graph.replay()
+        return self.after_outputs[n]
 
     def _context(self, n: int, seq_lens: list[int]) -> ForwardContext:
         bucket = self.buckets[n]
@@ -236,7 +270,7 @@ class DecodeGraphs:
             self.buckets[n].fill_padding()
             ids = self.buckets[n].views["input_ids"]
             for _ in range(_WARMUP_RUNS):
-                self.model(ids, self._context(n, [1] * n))
+                self.forward(ids, self._context(n, [1] * n))
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # A fresh context: one that a warm-up forward used holds results of that forward
@@ -244,14 +278,191 @@ class DecodeGraphs:
             ctx = self._context(n, [1] * n)
             try:
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[n] = self.model(ids, ctx)
+                    self.outputs[n] = self.forward(ids, ctx)
             except RuntimeError as exc:
                 raise RuntimeError(
                     f"capturing the decode forward of {type(self.model).__name__} at batch size {n} "
                     f"failed ({exc}); its forward must not synchronise with the host in a decode_only "
                     "context (forward_context.py). Run with enforce_eager=True meanwhile") from exc
             self.graphs[n] = graph
+            if self.after is not None:
+                self._capture_after(n, pool)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)
+
+
+    def _capture_after(self, n: int, pool: Any) -> None:
+        """Bucket n's context pass, reading the state its forward graph leaves (padding rows
+        only while capturing: the pass stores nothing)."""
+        state = self.outputs[n][1]
+        for _ in range(_WARMUP_RUNS):
+            self.after(state, self.next_ids[n], self._context(n, [1] * n))
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        ctx = self._context(n, [1] * n)
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                self.after_outputs[n] = self.after(state, self.next_ids[n], ctx)
+        except RuntimeError as exc:
+            raise RuntimeError(f"capturing the drafter's context pass at batch size {n} failed ({exc}); it must "
+                               "not synchronise with the host. Run with speculative_config cuda_graphs=False "
+                               "meanwhile") from exc
+        self.after_graphs[n] = graph
+
+
+# A proposal's sampling, each a graph per bucket: every row greedy; sampled (temperature and
+# noise); sampled with the min-p / top-k / top-p filters (every row's, off where unset).
+DRAFT_MODES = ("greedy", "sampled", "filtered")
+
+
+class DraftGraphs(DraftGraphRunner):
+    """A model drafter's proposal (:meth:`ModelDrafter.draft`) per batch bucket: static
+    :class:`DraftRows` buffers (prefix views of one set sized for the largest bucket) and,
+    with ``capture``, one CUDA graph per bucket and mode (``DRAFT_MODES``): every row greedy;
+    sampled (temperature and the exponential-race noise, drawn outside the graph by
+    spec/draft_sampling.py); sampled with filters. A step takes the mode the eager path's
+    :class:`DraftSampling` has (filters on every row once one row has any), so the graph
+    computes what the eager proposal computes.
+
+    B committed sequences take the smallest bucket n >= B; rows B..n-1 are padding: a
+    null-block table row, so they read only the null block and write nothing (a chained
+    drafter's slots there are -1), and their outputs are never read. A step
+    of B above the largest bucket gets None from :meth:`draft` and runs eagerly.
+
+    Outputs live in the graphs' pool until the next replay of the same graph: the tokens and
+    confidences are copied to the host at once; the draft distributions, which verification
+    reads a step (or more, when a sequence waits) later, are cloned.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, drafter: ModelDrafter, decode: DecodeGraphs, sizes: Sequence[int], table_width: int,
+                 max_seq_len: int, dtype: torch.dtype, device: torch.device, capture: bool) -> None:
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"draft graph batch sizes {list(sizes)} must be a non-empty list of ints >= 1")
+        self.drafter = drafter
+        self.decode = decode          # whose buckets hold the drafter's forward and context pass
+        self.sizes = sorted(set(sizes))
+        self.max_seq_len = max_seq_len
+        self.device = device
+        n = self.sizes[-1]
+        self.anchors = torch.zeros(n, dtype=torch.long, device=device)
+        self.last_positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, table_width, dtype=torch.int32, device=device)
+        self.hidden = (torch.zeros(n, drafter.row_state_size, dtype=dtype, device=device)
+                       if drafter.row_state_size else None)
+        self.greedy = torch.ones(n, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(n, dtype=torch.float32, device=device)
+        self.noise = torch.ones(n, drafter.num_slots, drafter.vocab_size, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.full((n,), drafter.vocab_size, dtype=torch.long, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, str], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, str], DraftOutput] = {}
+        self.steps = 0          # proposals that went through the static buffers (replays, with capture)
+        if capture:
+            self._capture()
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((n for n in self.sizes if n >= num_seqs), None)
+
+    def context_pass(self, state: Any, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | None:
+        if self.decode.after is None:
+            return None
+        return self.decode.run_after(state, next_ids, ctx)
+
+    def rows(self, n: int, mode: str) -> DraftRows:
+        """Bucket n's static rows (views) for a ``DRAFT_MODES`` mode."""
+        sampling = None
+        if mode != "greedy":
+            filters = mode == "filtered"
+            sampling = DraftSampling(greedy=self.greedy[:n], temperature=self.temperature[:n],
+                                     min_p=self.min_p[:n] if filters else None,
+                                     top_k=self.top_k[:n] if filters else None,
+                                     top_p=self.top_p[:n] if filters else None, noise=self.noise[:n])
+        return DraftRows(anchors=self.anchors[:n], last_positions=self.last_positions[:n], tables=self.tables[:n],
+                         max_seq_len=self.max_seq_len, hidden=None if self.hidden is None else self.hidden[:n],
+                         sampling=sampling)
+
+    def _pad(self, b: int, n: int) -> None:
+        """Rows b..n-1 padding (greedy, filters off), for capture."""
+        self.anchors[b:n].zero_()
+        self.last_positions[b:n].zero_()
+        self.tables[b:n].zero_()
+        self.greedy[b:n].fill_(True)
+        self.temperature[b:n].fill_(1.0)
+        self.min_p[b:n].zero_()
+        self.top_k[b:n].fill_(self.drafter.vocab_size)
+        self.top_p[b:n].fill_(1.0)
+
+    @torch.inference_mode()
+    def draft(self, rows: DraftRows) -> DraftOutput | None:
+        b = rows.anchors.shape[0]
+        n = self.bucket_for(b)
+        if n is None:
+            return None
+        width = rows.tables.shape[1]
+        if width > self.tables.shape[1]:
+            raise ValueError(f"a drafter block table of {width} blocks exceeds the {self.tables.shape[1]} "
+                             "the draft graphs hold")
+        self.anchors[:b].copy_(rows.anchors)
+        self.last_positions[:b].copy_(rows.last_positions)
+        self.tables[:b, :width].copy_(rows.tables)
+        if width < self.tables.shape[1]:
+            self.tables[:b, width:].zero_()
+        if self.hidden is not None:
+            self.hidden[:b].copy_(rows.hidden)
+        sampling = rows.sampling
+        mode = "greedy" if sampling is None else "sampled" if sampling.top_k is None else "filtered"
+        if sampling is not None:
+            self.greedy[:b].copy_(sampling.greedy)
+            self.temperature[:b].copy_(sampling.temperature)
+            self.noise[:b].copy_(sampling.noise)
+        if mode == "filtered":
+            self.min_p[:b].copy_(sampling.min_p)
+            self.top_k[:b].copy_(sampling.top_k)
+            self.top_p[:b].copy_(sampling.top_p)
+        if b < n:
+            # Only the padding rows' tables need clearing (a stale row would write a chained
+            # drafter's KV into blocks it no longer owns); their other fields hold an earlier
+            # step's valid values, and their outputs are never read.
+            self.tables[b:n].zero_()
+        graph = self.graphs.get((n, mode))
+        if graph is None:
+            out = self.drafter.draft(self.rows(n, mode))
+        else:
+            graph.replay()
+            out = self.outputs[(n, mode)]
+        self.steps += 1
+        return DraftOutput(tokens=out.tokens[:b],
+                           confidences=None if out.confidences is None else out.confidences[:b],
+                           probs=None if out.probs is None else out.probs[:b].clone())
+
+    def _capture(self) -> None:
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):
+            for mode in DRAFT_MODES:
+                # Every row padding while capturing: the warm-ups read only the null block.
+                self._pad(0, n)
+                for _ in range(_WARMUP_RUNS):
+                    self.drafter.draft(self.rows(n, mode))
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[(n, mode)] = self.drafter.draft(self.rows(n, mode))
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"capturing the {mode} proposal of {type(self.drafter).__name__} at batch size {n} failed "
+                        f"({exc}); ModelDrafter.draft must not synchronise with the host. Run with "
+                        "speculative_config cuda_graphs=False meanwhile") from exc
+                self.graphs[(n, mode)] = graph
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy, sampled, filtered) in %.1f s, %.0f MiB",
                     len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)

@@ -38,7 +38,7 @@ from deepinfer.layers.moe import FusedMoE
 from deepinfer.models.base import CausalLM
 from deepinfer.parallel.context import shard_step
 from deepinfer.parallel.groups import current_groups
-from deepinfer.runner.cuda_graph import DecodeGraphs
+from deepinfer.runner.cuda_graph import DecodeGraphs, DraftGraphs, max_blocks_per_seq
 from deepinfer.runner.inputs import StepInputs
 from deepinfer.runner.kv_offload import KVTierStore, config_fingerprint
 from deepinfer.runner.sampler import (
@@ -145,7 +145,9 @@ class ModelRunner:
         self.kv_buffer: torch.Tensor | None = None
         self._bitmask: torch.Tensor | None = None     # CPU [rows, ceil(V / 32)] int32, grown on demand
         self.decode_graphs: DecodeGraphs | None = None  # made once the KV cache is bound
+        self.draft_graphs: DraftGraphs | None = None    # a graph-safe model drafter's proposals
         self.verify_graph_steps = 0     # verification steps that took the decode graphs' buffers
+        self.drafter_graph_steps = 0    # model-drafter steps whose forward replayed a decode graph
         self.kv_tiers: KVTierStore | None = None        # the KV cache's host and disk tiers' bytes
         # The last launch's sampled rows (req_id -> row) and token ids [N] on the device:
         # the next launch's placeholder tokens come from here.
@@ -309,26 +311,51 @@ class ModelRunner:
                     "synchronise with the host")
         return None
 
+    @property
+    def graphs_serve_drafter(self) -> bool:
+        """The decode graphs serve this engine's speculative steps: no drafter, a host drafter
+        (n-gram), or a model drafter that declares ``graph_safe`` (and ``speculative_config``
+        leaves ``cuda_graphs`` on), whose forward and proposal the graphs then hold."""
+        if not isinstance(self.drafter, ModelDrafter):
+            return True
+        return self.drafter.graph_safe and self.config.speculative.cuda_graphs
+
     def enable_decode_graphs(self, capture: bool) -> None:
         """Route decode steps that fit a bucket (``scheduler.graph_batch_sizes``) through static,
         padded input buffers; with ``capture`` (CUDA) each bucket's forward is captured now and
-        replayed, without it the padded forward runs eagerly (tests check padding that way)."""
+        replayed, without it the padded forward runs eagerly (tests check padding that way).
+        With a graph-safe model drafter the buckets hold its forward (the target's and what it
+        keeps) and its proposal gets :class:`DraftGraphs` of the decode buckets."""
         if self.kv_buffer is None:
             raise RuntimeError("enable_decode_graphs needs the KV cache: call allocate_kv_cache first")
+        drafter = self.drafter if isinstance(self.drafter, ModelDrafter) and self.graphs_serve_drafter else None
+
+        def drafter_forward(input_ids: torch.Tensor, ctx: ForwardContext) -> tuple:
+            return drafter.forward(self.model, input_ids, ctx, lambda t: t)
+
+        forward = drafter_forward if drafter is not None else None
+        after = drafter.context_pass if drafter is not None and drafter.has_context_pass else None
+        max_len = self.config.model.max_model_len
         # Batch-invariant mode: the graphs must hold the invariant kernels the eager steps run,
         # so they are captured with the mode on (the steps replay them with it on too).
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
-            self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(),
-                                              self.config.model.max_model_len, self.device, capture)
+            self.decode_graphs = DecodeGraphs(self.model, self.groups, self._graph_sizes(), max_len, self.device,
+                                              capture, forward=forward, after=after)
+            if drafter is not None:
+                group = self.groups[drafter.kv_cache_layers()[0].group_id]
+                self.draft_graphs = DraftGraphs(drafter, self.decode_graphs,
+                                                self.config.scheduler.graph_batch_sizes,
+                                                max_blocks_per_seq(group, max_len), max_len + drafter.max_draft,
+                                                self.dtype, self.device, capture)
 
     def _graph_sizes(self) -> list[int]:
         """Decode buckets (``scheduler.graph_batch_sizes``) and, with a drafter whose steps the
-        graphs serve (not a model drafter, which reads the forward's features), the token
-        counts of verification steps: each decode bucket times 1 + the draft length, up to the
-        step's token budget and ``MAX_VERIFY_GRAPH_TOKENS`` (varlen steps pad to the next)."""
+        graphs serve (:attr:`graphs_serve_drafter`), the token counts of verification steps:
+        each decode bucket times 1 + the draft length, up to the step's token budget and
+        ``MAX_VERIFY_GRAPH_TOKENS`` (varlen steps pad to the next)."""
         sizes = set(self.config.scheduler.graph_batch_sizes)
         spec = self.config.speculative
-        if spec is not None and not isinstance(self.drafter, ModelDrafter):
+        if spec is not None and self.graphs_serve_drafter:
             cap = min(self.config.scheduler.max_num_batched_tokens, MAX_VERIFY_GRAPH_TOKENS)
             width = 1 + spec.num_speculative_tokens
             sizes |= {n * width for n in sizes if n * width <= cap}
@@ -374,9 +401,15 @@ class ModelRunner:
                 end = start + len(seq.token_ids)
                 rows.extend(range(end - 1 - seq.num_draft, end))
         drafting = self.drafter if isinstance(self.drafter, ModelDrafter) else None
+        graphed = self.decode_graphs is not None and self.decode_graphs.holds(input_ids)
         with record_function("deepinfer.forward"):
             if drafting is None:
                 hidden = self._forward(input_ids, ctx, rows)                  # [N, H]
+            elif graphed:
+                # The bucket's graph holds the drafter's forward (every row; the state read at once).
+                self.drafter_graph_steps += 1
+                hidden, draft_state = self.decode_graphs.run(input_ids, ctx)
+                hidden = self._select(hidden, rows)
             else:
                 # The drafter runs the target's forward: it keeps what it reads of it.
                 hidden, draft_state = drafting.forward(self.model, input_ids, ctx,
@@ -391,8 +424,9 @@ class ModelRunner:
             # Every step, even one that committed nothing (a prompt chunk): a drafter may keep
             # rows of every position (the MTP layer's KV needs each row's next token).
             with record_function("deepinfer.draft"):
-                commit = self._step_commit(plan, input_ids, ctx, handle, *(committed or (None, None)))
-                drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator)
+                commit = self._step_commit(plan, input_ids, starts, graphed, handle, *(committed or (None, None)))
+                drafts = drafting.propose(draft_state, commit, ctx, self.sampler.generator,
+                                          graphs=self.draft_graphs if graphed else None)
                 if commit.req_ids:
                     handle.draft_ids = commit.req_ids
                     handle.drafts = copy_to_host(drafts)
@@ -472,16 +506,18 @@ class ModelRunner:
         handle.sample = out.to_host()
         return out.token_ids, verified
 
-    def _step_commit(self, plan: StepPlan, input_ids: torch.Tensor, ctx: ForwardContext, handle: StepHandle,
-                     sampled: torch.Tensor | None, verified: VerifyTensors | None) -> StepCommit:
+    def _step_commit(self, plan: StepPlan, input_ids: torch.Tensor, starts: list[int], per_token: bool,
+                     handle: StepHandle, sampled: torch.Tensor | None, verified: VerifyTensors | None) -> StepCommit:
         """What the step committed, on the device (no host sync), for a model drafter: every
         sequence that got a token (the sampled ones, fork siblings included, then the
         verified ones; none in a step of prompt chunks only), the row of its last committed
         position and the token after it, and for every row the token at its position + 1
-        where the step knows it."""
+        where the step knows it. ``starts``: where each sequence's tokens start in the
+        flattened batch; ``per_token``: the context has a row per token (a decode graph's
+        buffers), so a sequence's block-table row is that of its first token."""
         row_of = {seq.req_id: b for b, seq in enumerate(plan.seqs)}
         parent_of = {child: seq.req_id for seq in plan.seqs for child in seq.fork_ids}
-        q = ctx.query_start_loc
+        q = starts
         # Within a sequence, row i's next token is row i + 1's input; a chunk that does not
         # reach the end of the known tokens ends on the next prompt token.
         next_ids = torch.cat([input_ids[1:], input_ids[:1]])                              # [T]
@@ -521,7 +557,8 @@ class ModelRunner:
         return StepCommit(req_ids=req_ids, params=[st.params for st in states],
                           stream_indices=[st.stream_index for st in states],
                           prompt_lens=[len(st.prompt_token_ids) for st in states],
-                          table_rows=[row_of[parent_of.get(r, r)] for r in req_ids],
+                          table_rows=[q[row_of[parent_of.get(r, r)]] if per_token else row_of[parent_of.get(r, r)]
+                                      for r in req_ids],
                           last_rows=torch.cat(last_rows), anchors=torch.cat(anchors), next_ids=next_ids)
 
     def _fill_placeholders(self, input_ids: torch.Tensor, query_start_loc: list[int],
@@ -702,8 +739,7 @@ class ModelRunner:
         inputs = StepInputs.build(seqs, self.groups)
         starts = inputs.query_start_loc
         graphs = self.decode_graphs
-        # A model drafter reads the forward's features (not captured in the graphs): eager.
-        if graphs is not None and not isinstance(self.drafter, ModelDrafter):
+        if graphs is not None and self.graphs_serve_drafter:
             if inputs.decode_only and graphs.bucket_for(inputs.num_seqs) is not None:
                 return (*graphs.prepare(inputs), starts)
             if _verification_only(seqs) and graphs.bucket_for(len(inputs.input_ids)) is not None:
@@ -738,7 +774,10 @@ class ModelRunner:
         static buffers, the eager forward otherwise (where the model may run its last per-token
         layers on those rows only: :meth:`CausalLM.forward_rows`)."""
         if self.decode_graphs is not None and self.decode_graphs.holds(input_ids):
-            return self._select(self.decode_graphs.run(input_ids, ctx), rows)
+            out = self.decode_graphs.run(input_ids, ctx)
+            # Graphs that hold a model drafter's forward (the drafter switched off meanwhile,
+            # as benchmarks do): its hidden states, the drafter's rows written as every step.
+            return self._select(out[0] if isinstance(out, tuple) else out, rows)
         # Context parallelism: this rank runs its share of a prefill step; the rows asked for
         # come back from the ranks that computed them.
         split = shard_step(input_ids, ctx, self.cp_group)

@@ -31,19 +31,18 @@ def draft_sampling(params: list[SamplingParams], stream_indices: list[int], prom
     """The sampling of B requests' drafts (None when every one is greedy).
 
     last_positions: [B] int64 on the device (each request's ``s``; slot k drafts the token at
-    position ``s + 2 + k``); num_slots: draft slots a proposal draws (G). Seeded sampled rows
-    get their ``noise`` [B, G, V] from the sampler's keyed generators (a host sync on
-    ``last_positions``, for seeded sampled requests only); with none seeded, ``noise`` is
-    None and the drafter draws from ``generator``.
+    position ``s + 2 + k``); num_slots: draft slots a proposal draws (G). ``noise`` [B, G, V]
+    is drawn here, outside the proposal (a CUDA graph of the proposal reads it from a static
+    buffer): from ``generator``, and for seeded sampled rows from the sampler's keyed
+    generators (a host sync on ``last_positions``, for seeded sampled requests only).
     """
     if all(p.greedy for p in params):
         return None
     dev = last_positions.device
     v = vocab_size
-    noise = None
+    noise = torch.empty(len(params), num_slots, v, device=dev).exponential_(generator=generator)
     seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
     if seeded:
-        noise = torch.empty(len(params), num_slots, v, device=dev).exponential_(generator=generator)
         starts = last_positions.tolist()
         for i in seeded:
             first = starts[i] + 2 - prompt_lens[i]               # output index of slot 0's token

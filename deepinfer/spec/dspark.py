@@ -20,6 +20,11 @@ Per step (the runner calls these in order):
    ``s - W + 1 .. s`` gathered from the cache. Drafts go to the host with the step's
    results; the distribution each was drawn from stays here until the next verification.
 
+Where the decode CUDA graphs hold a step (runner/cuda_graph.py), step 1 replays the bucket's
+graph of :meth:`DSparkEngineDrafter.forward` (padding rows' slots are -1: their context rows
+are not written) and step 2's block forward, heads and draft sampling
+(:meth:`DSparkEngineDrafter.draft`) replay a graph per bucket of committed sequences.
+
 Because the context rows live in pages like any layer's, a prefix-cache hit brings them
 with it (they are a function of the tokens, as the target's rows are), a fork copies
 them, and a preempted sequence recomputes them with its prompt.
@@ -41,9 +46,7 @@ from deepinfer.config import SpeculativeConfig
 from deepinfer.forward_context import ForwardContext
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.models.dspark import DSparkDrafter, window_positions
-from deepinfer.spec.draft_sampling import draft_sampling
-from deepinfer.spec.drafter import ModelDrafter, StepCommit
-from deepinfer.transfer import to_device
+from deepinfer.spec.drafter import DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +67,28 @@ class DSparkContextCache(nn.Module):
         return self.kv_cache[slots // bs, slots % bs, 0]
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """rows [R, S, D] at flat slots [R]. (A page is strided: no flat view of the slots.)"""
+        """rows [R, S, D] at flat slots [R], nothing where the slot is -1 (a CUDA graph's
+        padding rows). (A page is strided: no flat view of the slots.)"""
         bs = self.kv_cache.shape[1]
-        self.kv_cache[slots // bs, slots % bs, 0] = rows.to(self.kv_cache.dtype)
+        # Without a data-dependent shape: a -1 row writes slot 0 of the null block with what
+        # it holds (zeros, never written otherwise), so every row writes a slot.
+        keep = slots >= 0
+        safe = torch.where(keep, slots, 0)
+        blocks, offsets = safe // bs, safe % bs
+        old = self.kv_cache[blocks, offsets, 0]
+        self.kv_cache[blocks, offsets, 0] = torch.where(keep[:, None, None], rows.to(self.kv_cache.dtype), old)
 
 
 class DSparkEngineDrafter(ModelDrafter):
     has_confidences = True
+    graph_safe = True
 
     def __init__(self, config: SpeculativeConfig, module: DSparkDrafter) -> None:
         self.module = module
         cfg = module.cfg
         self.window = cfg.window
         self.max_draft = min(config.num_speculative_tokens, cfg.block_size)
+        self.num_slots, self.vocab_size = cfg.block_size, cfg.vocab_size
         if config.num_speculative_tokens > cfg.block_size:
             logger.warning("num_speculative_tokens=%d exceeds the DSpark block (%d): verifying %d drafts",
                            config.num_speculative_tokens, cfg.block_size, cfg.block_size)
@@ -105,15 +117,6 @@ class DSparkEngineDrafter(ModelDrafter):
     def kv_cache_layers(self) -> list[nn.Module]:
         return [self.cache]
 
-    def draft_probs(self, req_id: str) -> torch.Tensor | None:
-        return self._probs.get(req_id)
-
-    def remove(self, req_id: str) -> None:
-        self._probs.pop(req_id, None)
-
-    def confidences(self) -> torch.Tensor | None:
-        return self._confidence
-
     # -- a step ------------------------------------------------------------------------
     def forward(self, model: nn.Module, input_ids: torch.Tensor, ctx: ForwardContext,
                 select: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, None]:
@@ -129,32 +132,18 @@ class DSparkEngineDrafter(ModelDrafter):
         self.cache.write(ctx.groups[self.cache.group_id].slot_mapping, context.transpose(0, 1))
         return hidden, None
 
-    def propose(self, state: None, commit: StepCommit, ctx: ForwardContext,
-                generator: torch.Generator) -> torch.Tensor:
-        """Drafts [B, max_draft] from each committed sequence's last token over its context
-        rows (gathered from the cache). Keeps the sampled rows' draft distributions."""
-        dev = commit.anchors.device
-        if not commit.req_ids:                                                            # nothing committed
-            self._confidence = None
-            return torch.empty(0, self.max_draft, dtype=torch.long, device=dev)
-        last_positions = ctx.positions.index_select(0, commit.last_rows)                  # [B] s
-        positions, valid = window_positions(last_positions, self.window)                 # [B, W]
-        group = ctx.groups[self.cache.group_id]
-        bs = group.block_size
-        tables = group.block_table.index_select(0, to_device(commit.table_rows, torch.long, dev))  # [B, blocks]
+    def draft(self, rows: DraftRows) -> DraftOutput:
+        """Drafts [B, max_draft] from each row's anchor over its context rows (gathered from
+        the cache at its window's slots), with the confidences and draft distributions."""
+        positions, valid = window_positions(rows.last_positions, self.window)            # [B, W]
+        bs = self.cache.kv_cache.shape[1]
+        tables = rows.tables
         blocks = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1)).long()  # [B, W]
         context = self.cache.read(blocks * bs + positions % bs)                          # [B, W, S, D]
         valid = valid & (blocks > 0)                                                      # freed or unheld: null block
-        params = commit.params
-        sampling = draft_sampling(params, commit.stream_indices, commit.prompt_lens, last_positions, generator,
-                                  self.module.cfg.block_size, self.module.cfg.vocab_size)
-        proposal = self.module.propose(commit.anchors, last_positions + 1, context.permute(2, 0, 1, 3), valid,
-                                       sampling)
+        proposal = self.module.propose(rows.anchors, rows.last_positions + 1, context.permute(2, 0, 1, 3), valid,
+                                       rows.sampling)
         logits = proposal.confidence_logits[:, :self.max_draft]                           # [B, max_draft]
-        self._confidence = torch.sigmoid(logits if self._temperatures is None else logits / self._temperatures)
-        for i, (req_id, p) in enumerate(zip(commit.req_ids, params)):
-            if p.greedy:
-                self._probs.pop(req_id, None)
-            else:
-                self._probs[req_id] = proposal.probs[i, :self.max_draft]
-        return proposal.tokens[:, :self.max_draft]
+        confidence = torch.sigmoid(logits if self._temperatures is None else logits / self._temperatures)
+        return DraftOutput(tokens=proposal.tokens[:, :self.max_draft], confidences=confidence,
+                           probs=None if rows.sampling is None else proposal.probs[:, :self.max_draft])

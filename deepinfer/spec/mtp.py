@@ -8,7 +8,9 @@ MLA + MoE block (its own KV entry at ``i``) and predicts the token at ``i + 2``.
 
 1. :meth:`MTPEngineDrafter.forward` — the target's forward over the step's rows, keeping
    the final-normed hidden state of *every* row (the state handed to ``propose``).
-2. :meth:`MTPEngineDrafter.propose` — called every step, also when nothing was committed:
+2. :meth:`MTPEngineDrafter.propose` — called every step, also when nothing was committed
+   (:meth:`~MTPEngineDrafter.context_pass`, then :meth:`~MTPEngineDrafter.draft`; where the
+   decode CUDA graphs hold the step, each replays a graph of its own, runner/cuda_graph.py):
 
    - **Context pass.** MTP module 0 over all T rows of the step, at the rows' positions
      and cache slots (the step's own ``ctx``), with ``previous_hidden`` = the target's
@@ -72,9 +74,7 @@ from torch import nn
 from deepinfer.config import SpeculativeConfig
 from deepinfer.forward_context import ForwardContext, GroupMetadata
 from deepinfer.models.dspark import pick_draft
-from deepinfer.spec.draft_sampling import draft_sampling
-from deepinfer.spec.drafter import ModelDrafter, StepCommit
-from deepinfer.transfer import to_device
+from deepinfer.spec.drafter import DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class MTPEngineDrafter(ModelDrafter):
     """
 
     MODULE = 0      # the MTP module every draft step runs
+    graph_safe = True
+    has_context_pass = True
 
     def __init__(self, config: SpeculativeConfig, mtp: nn.Module) -> None:
         from deepinfer.models.deepseek_v3 import DeepseekV3MTP
@@ -100,6 +102,9 @@ class MTPEngineDrafter(ModelDrafter):
         # The entry at the hit's last position depends on the token after it.
         self.prefix_hit_margin = 1
         self.vocab_size = mtp.args.vocab_size
+        self.num_slots = self.max_draft
+        self.row_state_size = mtp.args.hidden_size
+        self._confidence: torch.Tensor | None = None
         self.attn = mtp.layers[self.MODULE].block.self_attn
         if len(mtp.layers) > 1:
             logger.warning("the checkpoint has %d MTP modules; method='mtp' chains module 0 only "
@@ -135,12 +140,6 @@ class MTPEngineDrafter(ModelDrafter):
         """The MLA layer of the module the drafter runs (its own KV, paged like the target's)."""
         return [self.attn]
 
-    def draft_probs(self, req_id: str) -> torch.Tensor | None:
-        return self._probs.get(req_id)
-
-    def remove(self, req_id: str) -> None:
-        self._probs.pop(req_id, None)
-
     # -- a step ------------------------------------------------------------------------
     def forward(self, model: nn.Module, input_ids: torch.Tensor, ctx: ForwardContext,
                 select: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,67 +148,51 @@ class MTPEngineDrafter(ModelDrafter):
         hidden = model(input_ids, ctx)                                                    # [T, H]
         return select(hidden), hidden
 
-    def propose(self, state: torch.Tensor, commit: StepCommit, ctx: ForwardContext,
-                generator: torch.Generator) -> torch.Tensor:
-        """The context pass over the step's rows, then N chained drafts per committed
-        sequence: [B, N] int64 on the device. Keeps the sampled rows' draft distributions."""
-        n, v = self.max_draft, self.vocab_size
-        b = len(commit.req_ids)
-        # (1) Context pass: the MTP KV of every row of the step, at the step's slots.
-        out = self.mtp(commit.next_ids, ctx, previous_hidden=state, step=self.MODULE)      # [T, H]
-        dev = out.device
-        if b == 0:
-            return torch.empty(0, n, dtype=torch.long, device=dev)
-        last_positions = ctx.positions.index_select(0, commit.last_rows)                  # [B] s
-        sampling = draft_sampling(commit.params, commit.stream_indices, commit.prompt_lens, last_positions,
-                                  generator, n, v)
-        noise = None
-        if sampling is not None:
-            noise = sampling.noise if sampling.noise is not None else \
-                torch.empty(b, n, v, device=dev).exponential_(generator=generator)       # [B, N, V]
-        hidden = out.index_select(0, commit.last_rows)                                    # [B, H] at s
+    def context_pass(self, state: torch.Tensor, next_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The MTP KV of every row of the step, at the step's slots; its output [T, H]."""
+        return self.mtp(next_ids, ctx, previous_hidden=state, step=self.MODULE)
+
+    def row_state(self, carry: torch.Tensor, last_rows: torch.Tensor) -> torch.Tensor:
+        return carry.index_select(0, last_rows)                                           # [B, H] at s
+
+    def draft(self, rows: DraftRows) -> DraftOutput:
+        """N chained drafts per row: [B, N] int64, each one-token MTP step writing its KV at
+        position s + k - 1 (nothing where that block is not held)."""
+        n = self.max_draft
+        sampling = rows.sampling
+        noise = None if sampling is None else sampling.noise                              # [B, N, V]
+        hidden = rows.hidden                                                              # [B, H] at s
         token, q = pick_draft(self.mtp.compute_logits(hidden, self.MODULE), sampling,
                               None if noise is None else noise[:, 0])                     # [B], [B, V]
         tokens, probs = [token], [q]
-        # (2) Chain: draft k from position s + k - 1, one token per sequence.
+        # Chain: draft k from position s + k - 1, one token per sequence.
         if n > 1:
-            chain = _ChainContext(ctx, commit, last_positions, self.attn.group_id, n - 1)
+            chain = _ChainContext(rows, self.attn.group_id, n - 1, self.attn.kv_cache.shape[1])
             for k in range(2, n + 1):
                 hidden = self.mtp(token, chain.at(k - 1), previous_hidden=hidden, step=self.MODULE)   # [B, H]
                 token, q = pick_draft(self.mtp.compute_logits(hidden, self.MODULE), sampling,
                                       None if noise is None else noise[:, k - 1])
                 tokens.append(token)
                 probs.append(q)
-        drafts = torch.stack(tokens, 1)                                                   # [B, N]
-        if sampling is not None:
-            dist = torch.stack(probs, 1)                                                  # [B, N, V]
-        for i, (req_id, p) in enumerate(zip(commit.req_ids, commit.params)):
-            if p.greedy:
-                self._probs.pop(req_id, None)
-            else:
-                self._probs[req_id] = dist[i]
-        return drafts
+        return DraftOutput(tokens=torch.stack(tokens, 1), confidences=None,
+                           probs=None if sampling is None else torch.stack(probs, 1))
 
 
 class _ChainContext:
-    """Forward contexts of the chain's one-token steps: sequence i at position ``s_i + j``
+    """Forward contexts of the chain's one-token steps: row i at position ``s_i + j``
     (j = 1 .. max_offset), writing the MTP KV at that position's slot of its block table in
     the MTP layer's group, attending to positions ``0 .. s_i + j``. Decode-shaped: only
-    device tensors carry lengths (no host sync); the host lists hold upper bounds."""
+    device tensors carry lengths (no host sync); ``rows.max_seq_len`` bounds them."""
 
-    def __init__(self, ctx: ForwardContext, commit: StepCommit, last_positions: torch.Tensor,
-                 group_id: int, max_offset: int) -> None:
-        dev = last_positions.device
-        group = ctx.groups[group_id]
-        self.ctx, self.group_id, self.bs = ctx, group_id, group.block_size
-        self.last_positions = last_positions                                              # [B]
-        rows = to_device(commit.table_rows, torch.long, dev)
-        tables = group.block_table.index_select(0, rows)                                  # [B, W]
+    def __init__(self, rows: DraftRows, group_id: int, max_offset: int, block_size: int) -> None:
+        tables = rows.tables
+        dev = tables.device
+        self.group_id, self.bs, self.bound = group_id, block_size, rows.max_seq_len
+        self.last_positions = rows.last_positions                                         # [B]
         # Null-block columns, so that every chain position's block index lies in the table.
         pad = torch.zeros(tables.shape[0], max_offset // self.bs + 1, dtype=tables.dtype, device=dev)
         self.tables = torch.cat([tables, pad], 1)                                         # [B, W']
-        self.seq_len_bounds = [ctx.seq_lens[r] for r in commit.table_rows]               # >= s + 1 each
-        b = len(commit.table_rows)
+        b = tables.shape[0]
         self.query_start_loc = list(range(b + 1))
         self.query_start_loc_t = torch.arange(b + 1, dtype=torch.int32, device=dev)
         self.token_seq = torch.arange(b, dtype=torch.int32, device=dev)
@@ -220,10 +203,10 @@ class _ChainContext:
         blocks = self.tables.gather(1, (pos // self.bs)[:, None])[:, 0].long()          # [B]
         # An unheld block (no lookahead room): write nothing there.
         slots = torch.where(blocks > 0, blocks * self.bs + pos % self.bs, torch.full_like(pos, -1))
-        groups = list(self.ctx.groups)
-        groups[self.group_id] = GroupMetadata(block_size=self.bs, block_table=self.tables, slot_mapping=slots)
-        bounds = [n + offset for n in self.seq_len_bounds]
-        return ForwardContext(positions=pos, query_start_loc=self.query_start_loc, seq_lens=bounds,
+        # Only the MTP layer's group is read (the chain runs that layer alone).
+        groups = [GroupMetadata(block_size=self.bs, block_table=self.tables, slot_mapping=slots)] * (self.group_id + 1)
+        b = pos.shape[0]
+        return ForwardContext(positions=pos, query_start_loc=self.query_start_loc, seq_lens=[self.bound] * b,
                               groups=groups, query_start_loc_t=self.query_start_loc_t,
                               seq_lens_t=(pos + 1).to(torch.int32), token_seq=self.token_seq,
-                              max_seq_len=max(bounds), decode_only=True)
+                              max_seq_len=self.bound, decode_only=True)

@@ -168,8 +168,8 @@ def test_mtp_drafts_equal_the_module_run_directly(v3_mtp_dir, settings):
     seen: list[tuple[str, int, int, list[int]]] = []
     propose = drafter.propose
 
-    def recording(state, commit, ctx, generator):
-        drafts = propose(state, commit, ctx, generator)
+    def recording(state, commit, ctx, generator, **kwargs):
+        drafts = propose(state, commit, ctx, generator, **kwargs)
         lasts = ctx.positions[commit.last_rows]
         seen.extend(zip(commit.req_ids, lasts.tolist(), commit.anchors.tolist(), drafts.tolist()))
         return drafts

@@ -222,8 +222,8 @@ def test_dspark_in_the_engine_drafts_as_the_official_reference(settings):
     seen: list[tuple[str, int, int, list[int]]] = []
     propose = drafter.propose
 
-    def recording(state, commit, ctx, generator):
-        tokens = propose(state, commit, ctx, generator)
+    def recording(state, commit, ctx, generator, **kwargs):
+        tokens = propose(state, commit, ctx, generator, **kwargs)
         lasts = ctx.positions[commit.last_rows]
         seen.extend(zip(commit.req_ids, lasts.tolist(), commit.anchors.tolist(), tokens.tolist()))
         return tokens

@@ -145,7 +145,8 @@ def test_decode_speculative_fixed(tiny_config, tmp_path, capsys):
     assert r["speculative"]["method"] == "fixed" and r["speculative"]["num_speculative_tokens"] == n
     assert "random weights" in r["speculative"]["note"]
     e, s = r["engine"], r["spec"]
-    assert e["spec_counters"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "graph_verifications": 0}
+    assert e["spec_counters"] == {"drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "graph_verifications": 0,
+                                  "drafter_graph_steps": 0, "draft_graph_proposals": 0}
     assert e["tokens_committed"] == batch * steps
     assert set(SPEC_KEYS) <= set(s)
     c = s["spec_counters"]

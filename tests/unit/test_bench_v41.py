@@ -247,6 +247,21 @@ def test_decode_runs_v41_under_the_harness(tiny_v41_config, tmp_path, capsys):
     assert "B=3" in out and "HF transformers skipped" in out
 
 
+@pytest.mark.parametrize("graphs", ["--drafter-graphs", "--no-drafter-graphs"])
+def test_decode_with_the_dspark_drafter_counts_graph_steps(tiny_v41_config, tmp_path, capsys, graphs):
+    """--spec-method dspark: the report counts the drafter's steps that replayed CUDA graphs (none
+    on the CPU, where the decode graphs are off) and records --drafter-graphs."""
+    batch, steps = 2, 2
+    r = run(["bench", "decode", "--config", tiny_v41_config, "--num-layers", "4", *COMMON, "--batch-size",
+             str(batch), "--context-len", "20", "--steps", str(steps), "--no-compare-sync", "--no-hf",
+             "--speculative", "2", "--spec-method", "dspark", graphs], tmp_path / "d.json")
+    assert r["speculative"]["method"] == "dspark"
+    assert r["speculative"]["drafter_graphs"] is (graphs == "--drafter-graphs")
+    c = r["spec"]["spec_counters"]
+    assert c["drafts"] == steps * batch and c["drafter_graph_steps"] == c["draft_graph_proposals"] == 0
+    assert f"drafter: 0 of {steps} forwards and 0 proposals through CUDA graphs" in capsys.readouterr().out
+
+
 def test_prefill_and_curve_run_v41_under_the_harness(tiny_v41_config, tmp_path):
     r = run(["bench", "prefill", "--config", tiny_v41_config, "--num-layers", "5", *COMMON, "--prompt-len", "24",
              "--batch-size", "2", "--iters", "1", "--no-hf"], tmp_path / "p.json")
