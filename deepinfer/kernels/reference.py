@@ -712,7 +712,7 @@ def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, p
 
 
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
-                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      entry_table: torch.Tensor | None, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
     """DeepSeek-V4 compressor: each row at position p with ``(p+1) % r == 0`` stores entry
@@ -725,7 +725,8 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     state_cache: [NB, bs, 2, 1, C] (kv, raw gate); state_table: [B, nb]; entry_cache:
     [NBe, bse, 1, 1, D]; entry_table: [B, nbe]; seq, pos: [M]; position_bias: [r, C] float32;
     norm_weight: [D] float32; inv_freq: [R/2] float32. Every row is pooled (no host sync);
-    rows that complete no window store at slot -1, which the store skips.
+    rows that complete no window store at slot -1, which the store skips. entry_table None:
+    entry_cache is [M, 1, 1, 1, D] and row m's entry goes to its row m.
     """
     r, d = ratio, entry_cache.shape[-1]
     seq, pos = seq.long(), pos.long()
@@ -752,8 +753,11 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     pooled = (norm_weight * pooled).to(kv.dtype)
     pooled = interleaved_rope(pooled, pos + 1 - r, inv_freq, rope_scaling)     # [M, D]
     completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
-    store_kv(entry_cache, table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
-             pooled[:, None])
+    if entry_table is None:
+        slots = torch.where(completed >= 0, torch.arange(pos.shape[0], device=pos.device), -1)
+    else:
+        slots = table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0]
+    store_kv(entry_cache, slots, pooled[:, None])
 
 
 # -- DeepSeek-V4 interleaved partial RoPE with the q / kv RMS norms ---------------------------------
@@ -798,11 +802,12 @@ def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
                    sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, formats: list[str | None] | None = None) -> torch.Tensor:
     """DeepSeek-V4's attention core from the raw query projection q [T, H, D]: the per-head
-    q norm and rope (:func:`q_norm_rope`), :func:`sparse_attention` over the sources, then the
-    output rotated back by minus the angle (V carries the rope on its trailing channels)."""
-    out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
+    q norm and rope (:func:`q_norm_rope`), :func:`sparse_attention` over the sources (``formats``:
+    per source, None or its record format), then the output rotated back by minus the angle
+    (V carries the rope on its trailing channels)."""
+    out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale, formats)
     return interleaved_rope(out, positions, inv_freq, scaling, inverse=True)
 
 
