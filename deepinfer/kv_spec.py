@@ -56,7 +56,8 @@ def ds_mla_rope(fmt: str) -> int | None:
     if not isinstance(fmt, str) or not fmt.startswith(DS_MLA_PREFIX) or not fmt[len(DS_MLA_PREFIX):].isdigit():
         return None
     rope = int(fmt[len(DS_MLA_PREFIX):])
-    return rope if fmt == ds_mla_format(rope) else None
+    valid = 0 < rope <= _DS_MLA_MAX_ROPE and rope % 2 == 0 and fmt == f"{DS_MLA_PREFIX}{rope}"
+    return rope if valid else None
 
 
 def record_block(fmt: str) -> int:
