@@ -85,6 +85,7 @@ def random_rows(gen: torch.Generator, n: int, d: int, rope: int) -> torch.Tensor
     # ceiling takes 2 ** -4 (a log2 rounded to float32 first would keep 2 ** -5).
     x[6, :width] = torch.linspace(-1.0, 1.0, width) * 14.0
     x[6, 0] = torch.tensor(14.0).nextafter(torch.tensor(15.0))
+    x[6, 1:4] = torch.tensor([9e-5, -3e-4, 5e-5])       # E4M3 subnormals: their step follows the scale
     return x
 
 
