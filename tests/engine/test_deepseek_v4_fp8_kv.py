@@ -114,8 +114,9 @@ def test_packed_records_match_the_torch_path(llms, prompt_ids, monkeypatch):
     # Per token of context: the CSA layers' entries (88 B) and index keys (32 float32) per 4
     # tokens, the HCA layer's entry per 16.
     assert kv_bytes_per_token(llm.engine.kv.groups)[0] == 2 * (88 + 32 * 4) / 4 + 88 / 16
-    ids = [prompt_ids[2]]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+    # 44 tokens in two chunks: past the window, more CSA entries than the top-8, two HCA entries.
+    ids = [prompt_ids[3][:44]]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
     want = llms["fp8"].generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)[0].outputs[0]
     got = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == want.token_ids
