@@ -128,8 +128,9 @@ class ModelConfig:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     # What the KV cache stores (vLLM's name): "auto" the model's own format (DeepSeek-V4.1:
-    # the release's rounded records), or unrounded values in "bfloat16" / "float32" where
-    # the model offers them (``CausalLM.kv_cache_dtypes``).
+    # the release's rounded records), "fp8" (DeepSeek-V4: DeepSeek's FP8 KV records), or
+    # unrounded values in "bfloat16" / "float32" where the model offers them
+    # (``CausalLM.kv_cache_dtypes``).
     kv_cache_dtype: str = "auto"
     tokenizer: str | None = None
     max_logprobs: int = 20

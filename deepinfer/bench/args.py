@@ -54,6 +54,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how the random weights are kept: bf16 (the compute dtype), fp8 (dense projections in "
                         "FP8 with block scales) or fp8+fp4 (and the routed experts in FP4); default: the "
                         "checkpoint's own formats, fp8+fp4 for the DeepSeek presets, as they ship")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the engine's kv_cache_dtype: auto, or fp8 for DeepSeek-V4's FP8 KV records (584 B a "
+                        "window row or entry at D = 512; the floors count them so)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, float32 on CPU), float32, bfloat16")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights and prompts")

@@ -49,12 +49,14 @@ NEXTN = 0
 CP = 1
 
 
-def model_cost(hf_config: dict[str, Any], weight_bytes: int, cache_bytes: int) -> DeepseekCost:
-    """The byte/FLOP accounting of ``hf_config``'s architecture (bench/floors.py)."""
+def model_cost(hf_config: dict[str, Any], weight_bytes: int, cache_bytes: int,
+               kv_cache_dtype: str = "auto") -> DeepseekCost:
+    """The byte/FLOP accounting of ``hf_config``'s architecture (bench/floors.py); V4's KV rows
+    at their FP8 record size with ``kv_cache_dtype="fp8"``."""
     arch = (hf_config.get("architectures") or ["<none>"])[0]
     if arch == V4_ARCH:
         return DeepseekV4Cost(DeepseekV4Args.from_hf(hf_config), weight_bytes, cache_bytes,
-                              bool(hf_config.get("tie_word_embeddings", False)))
+                              bool(hf_config.get("tie_word_embeddings", False)), kv_cache_dtype=kv_cache_dtype)
     if arch == V41_ARCH:
         return DeepseekV41Cost(DeepseekV41Args.from_hf(hf_config), weight_bytes, cache_bytes)
     raise NotImplementedError(f"bench prefill/decode/curve account bytes and FLOPs for {V4_ARCH} and "
@@ -81,6 +83,7 @@ class BenchModel:
     quant_config: dict[str, Any] | None = None
     weights: str = "bf16"
     load_bytes: int = 0
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> BenchModel:
@@ -98,7 +101,8 @@ class BenchModel:
         weights = getattr(args, "weights", None) or ("fp8+fp4" if args.config in SHIPPED_QUANTIZATION else None)
         quantization = WEIGHT_FORMATS[weights] if weights else "auto"
         quant_config = SHIPPED_QUANTIZATION.get(args.config) or hf_config.get("quantization_config")
-        cost = model_cost(hf_config, elem, elem)
+        kv_cache_dtype = getattr(args, "kv_cache_dtype", "auto")
+        cost = model_cost(hf_config, elem, elem, kv_cache_dtype)
         load_bytes = cost.param_bytes
         plan = plan_for({**hf_config, "quantization_config": quant_config}, quantization, device)
         if plan is not None:
@@ -107,7 +111,8 @@ class BenchModel:
             cost.with_weight_formats(_FP8_COST_NAMES, 1 + scale / (plan.block[0] * plan.block[1]) if plan.fp8 else None,
                                      0.5 + expert_scale / 32 if plan.fp4_experts else None)
         return cls(label, hf_config, device, dtype, cost, quantization, quant_config,
-                   plan.label if plan is not None else str(dtype).replace("torch.", ""), load_bytes)
+                   plan.label if plan is not None else str(dtype).replace("torch.", ""), load_bytes,
+                   kv_cache_dtype)
 
     def engine_hf_config(self) -> dict[str, Any]:
         """The config the engine is built from: with the release's quantization_config for a preset."""
@@ -128,7 +133,7 @@ class BenchModel:
                 "layer_types": self.cost.layer_kinds(),
                 "params": self.cost.num_params, "param_bytes": self.cost.param_bytes,
                 "weights": self.weights, "quantization": self.quantization,
-                "device": device_name(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "kv_cache_dtype": self.kv_cache_dtype, "device": device_name(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "torch": torch.__version__}
 
 
@@ -159,7 +164,7 @@ def build_engine(model: BenchModel, args: argparse.Namespace, max_num_seqs: int,
     activations."""
     config = build_engine_config(
         model.label, hf_config=model.engine_hf_config(), load_format="dummy", skip_tokenizer_init=True,
-        quantization=model.quantization,
+        quantization=model.quantization, kv_cache_dtype=model.kv_cache_dtype,
         dtype=model.dtype, device=str(model.device), seed=args.seed, max_model_len=max_model_len,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,

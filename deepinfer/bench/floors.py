@@ -18,6 +18,10 @@ Decode step (B sequences, each with s tokens of context after the step):
 - KV cache written per token: the window entry and the compressor (and indexer)
   state, plus the compressed entries amortised over their ``r`` tokens.
 
+Window rows and compressed entries count ``D`` values of the cache dtype, or with
+``kv_cache_dtype="fp8"`` one DeepSeek FP8 record each (kv_spec.py ``ds_mla_format``: 584 B at
+D = 512); the indexer keys and compressor states stay in the cache dtype.
+
 FLOPs: ``2 x`` matmul parameters used per token (lm_head once per sampled row),
 plus attention: ``4 x H x D`` per visible key (QK and PV), and the CSA indexer's
 ``2 x Hi x Di`` per scored entry. Element-wise work (norms, softmax, pooling,
@@ -61,7 +65,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kv_spec import record_bytes
+from deepinfer.kv_spec import ds_mla_format, record_bytes
 from deepinfer.layers.deepseek_v4_attention import CSA, HCA
 from deepinfer.models.deepseek_v4 import DeepseekV4Args
 from deepinfer.models.deepseek_v41 import DeepseekV41Args
@@ -248,8 +252,12 @@ class DeepseekV4Cost(DeepseekCost):
     """Bytes and FLOPs of DeepSeek-V4's main layers (MTP layers are not run by the engine)."""
 
     def __init__(self, args: DeepseekV4Args, weight_bytes: int, cache_bytes: int,
-                 tie_word_embeddings: bool = False) -> None:
+                 tie_word_embeddings: bool = False, kv_cache_dtype: str = "auto") -> None:
         self.args = args
+        # Bytes of one window row / compressed entry per layer: an FP8 record, or D values.
+        self.kv_row_bytes = [record_bytes(ds_mla_format(args.rope_dim(i)), args.head_dim)
+                             if kv_cache_dtype == "fp8" else args.head_dim * cache_bytes
+                             for i in range(args.num_layers)]
         self.num_layers, self.hidden_size, self.vocab_size = args.num_layers, args.hidden_size, args.vocab_size
         self.n_experts, self.top_k, self.expert_width = args.n_routed_experts, args.top_k, args.moe_intermediate_size
         super().__init__(weight_bytes, cache_bytes, tie_word_embeddings)
@@ -339,7 +347,7 @@ class DeepseekV4Cost(DeepseekCost):
     def kv_read_bytes(self, s: int) -> int:
         a = self.args
         total = 0
-        for kind in a.layer_types[: a.num_layers]:
+        for i, kind in enumerate(a.layer_types[: a.num_layers]):
             entries = min(s, a.sliding_window)
             if kind == CSA:
                 n = s // a.compress_rates[kind]
@@ -347,7 +355,7 @@ class DeepseekV4Cost(DeepseekCost):
                 total += n * a.index_head_dim * self.c
             elif kind == HCA:
                 entries += s // a.compress_rates[kind]
-            total += entries * a.head_dim * self.c
+            total += entries * self.kv_row_bytes[i]
         return total
 
     def kv_write_bytes(self) -> float:
@@ -356,14 +364,15 @@ class DeepseekV4Cost(DeepseekCost):
         a = self.args
         d, di = a.head_dim, a.index_head_dim
         total = 0.0
-        for kind in a.layer_types[: a.num_layers]:
-            total += d
+        for i, kind in enumerate(a.layer_types[: a.num_layers]):
+            row = self.kv_row_bytes[i]
+            total += row
             if kind == CSA:
                 r = a.compress_rates[kind]
-                total += 2 * 2 * d + 2 * 2 * di + (d + di) / r
+                total += (2 * 2 * d + 2 * 2 * di + di / r) * self.c + row / r
             elif kind == HCA:
-                total += 2 * d + d / a.compress_rates[kind]
-        return total * self.c
+                total += 2 * d * self.c + row / a.compress_rates[kind]
+        return total
 
 
 class DeepseekV41Cost(DeepseekCost):

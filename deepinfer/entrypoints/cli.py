@@ -49,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "min(max-num-seqs, 256))")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model's own KV format; DeepSeek-V4.1: the release's rounded records), "
+                        "fp8 (DeepSeek-V4: DeepSeek's FP8 KV records, 584 B a row instead of 1,024), "
                         "or unrounded bfloat16 / float32 where the model offers them")
     p.add_argument("--quantization", default=None,
                    help="how the weights are kept: auto (default: the checkpoint's own formats, FP8/FP4 as "

@@ -400,11 +400,12 @@ def greedy_sample(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
 
 
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
-                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      entry_table: torch.Tensor | None, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
     """DeepSeek-V4 compressor: pool and store the entry of each row [M] whose position
-    completes a window (state_cache [NB, bs, 2, 1, C] -> entry_cache [NBe, bse, 1, 1, D]; see
+    completes a window (state_cache [NB, bs, 2, 1, C] -> entry_cache [NBe, bse, 1, 1, D], or
+    with entry_table None, row m of entry_cache [M, 1, 1, 1, D]; see
     :func:`reference.compress_entries_`). Never synchronises with the host."""
     if use_triton(state_cache):
         from deepinfer.kernels.compressor import compress_entries_ as kernel
@@ -427,16 +428,16 @@ def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
                    sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, formats: list[str | None] | None = None) -> torch.Tensor:
     """DeepSeek-V4's attention core: q norm + rope of the raw projection q [T, H, D], sparse
-    attention over the sources, inverse rope of the output -> [T, H, D] (see
-    :func:`reference.rope_attention`)."""
+    attention over the sources (``formats``: per source, None or its record format), inverse
+    rope of the output -> [T, H, D] (see :func:`reference.rope_attention`)."""
     if use_triton(q):
         from deepinfer.kernels.sparse_attention import invariant_config
         from deepinfer.kernels.sparse_attention import rope_attention as kernel
         config = invariant_config(q) if batch_invariant.enabled() else None
-        return kernel(q, positions, inv_freq, scaling, eps, sources, sinks, scale, config)
-    return reference.rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale)
+        return kernel(q, positions, inv_freq, scaling, eps, sources, sinks, scale, config, formats)
+    return reference.rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale, formats)
 
 
 def kv_norm_rope(kv: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -56,7 +56,8 @@ def _compress_kernel(
     stride_bias_row,
     RATIO: tl.constexpr, SPAN: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr,
     STATE_BS: tl.constexpr, ENTRY_BS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, OVERLAP: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_HALF: tl.constexpr, OVERLAP: tl.constexpr, ROW_OUT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -131,10 +132,14 @@ def _compress_kernel(
         sin = tl.where(rot, tl.sin(reduced) * rope_scaling, 0.0)
         out_e = y_e * cos - y_o * sin
         out_o = y_o * cos + y_e * sin
-        w = (pos + 1) // RATIO - 1                                               # entry index
-        eblock = tl.load(entry_table_ptr + seq * stride_entry_table_row
-                         + (w // ENTRY_BS) * stride_entry_table_col).to(tl.int64)
-        dst = entry_ptr + eblock * stride_entry_block + (w % ENTRY_BS) * stride_entry_offset + even
+        if ROW_OUT:
+            # Row m's entry at row m of a [M, D] buffer, which the caller encodes and stores.
+            dst = entry_ptr + row * stride_entry_block + even
+        else:
+            w = (pos + 1) // RATIO - 1                                           # entry index
+            eblock = tl.load(entry_table_ptr + seq * stride_entry_table_row
+                             + (w // ENTRY_BS) * stride_entry_table_col).to(tl.int64)
+            dst = entry_ptr + eblock * stride_entry_block + (w % ENTRY_BS) * stride_entry_offset + even
         tl.store(dst, out_e.to(out_ty), mask=pair_ok)
         tl.store(dst + 1, out_o.to(out_ty), mask=pair_ok)
 
@@ -146,7 +151,7 @@ def _check_table(name: str, table: torch.Tensor, device: torch.device) -> None:
 
 
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
-                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      entry_table: torch.Tensor | None, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
     """Pool and store the entry of every row whose position completes a window (see the
@@ -154,7 +159,9 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
 
     state_cache: [NB, bs, 2, 1, C] (tensor 0 kv, tensor 1 raw gate; C = 2D with overlap, else D);
     state_table: [B, nb] its group's block table; entry_cache: [NBe, bse, 1, 1, D];
-    entry_table: [B, nbe]; seq, pos: [M] int (sequence row and position of each row);
+    entry_table: [B, nbe], or None: entry_cache is then [M, 1, 1, 1, D] and row m's entry goes
+    to its row m (a caller that stores entries as records encodes them from there); seq, pos:
+    [M] int (sequence row and position of each row);
     position_bias: [r, C] float32; norm_weight: [D] float32; inv_freq: [R/2] float32, R <= D.
     Caches may be any strided views with a contiguous last dim.
     """
@@ -176,8 +183,14 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
         raise ValueError("compress_entries_: the caches' last dims must be contiguous")
     device = state_cache.device
     _check_table("state_table", state_table, device)
-    _check_table("entry_table", entry_table, device)
     m = seq.shape[0]
+    row_out = entry_table is None
+    if row_out:
+        if entry_cache.shape[:2] != (m, 1):
+            raise ValueError(f"compress_entries_: without an entry_table, entry_cache holds one row per row "
+                             f"[M={m}, 1, 1, 1, D], got shape {tuple(entry_cache.shape)}")
+        entry_table = state_table           # not read
+    _check_table("entry_table", entry_table, device)
     for name, t in (("seq", seq), ("pos", pos)):
         if t.shape != (m,) or t.dtype not in (torch.int32, torch.int64) or t.device != device:
             raise ValueError(f"compress_entries_: {name} must be a [{m}] int32/int64 tensor on {device}, "
@@ -213,5 +226,5 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
         position_bias.stride(0),
         RATIO=ratio, SPAN=(2 if overlap else 1) * ratio, HEAD_DIM=d, ROPE_HALF=inv_freq.shape[0],
         STATE_BS=state_cache.shape[1], ENTRY_BS=entry_cache.shape[1],
-        BLOCK_S=block_s, BLOCK_HALF=block_half, OVERLAP=overlap,
+        BLOCK_S=block_s, BLOCK_HALF=block_half, OVERLAP=overlap, ROW_OUT=row_out,
         num_warps=num_warps, **pdl.flags(state_cache.device))

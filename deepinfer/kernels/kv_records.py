@@ -8,7 +8,10 @@ channels (kv_spec.py ``record_bytes``; byte layouts in docs/ARCHITECTURE.md):
 - MXFP8 (window rows): D E4M3 bytes, then D/32 E8M0 bytes (scale ``2 ** (byte - 127)``);
 - NVFP4 (compressed entries): D/2 bytes of E2M1 codes, channel 2i in the low nibble of byte
   i, then D/16 E4M3 scale bytes;
-- MXFP4 (index keys): D/2 bytes of E2M1 codes as NVFP4's, then D/32 E8M0 bytes.
+- MXFP4 (index keys): D/2 bytes of E2M1 codes as NVFP4's, then D/32 E8M0 bytes;
+- ds_mla (DeepSeek-V4's FP8 KV, ``kv_spec.ds_mla_format``): the D - R nope channels as E4M3
+  bytes, the R RoPE channels as bf16 (two bytes each, little-endian), one E8M0 byte per 64
+  nope channels, zero padding to a multiple of 8 bytes; reference :func:`reference.pack_ds_mla`.
 
 The encodings are :func:`reference._encode_mxfp8` / ``_encode_nvfp4`` / ``_encode_mxfp4`` bit
 for bit, written with integer operations: Triton's float -> float8 cast rounds ties away
@@ -29,19 +32,25 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kv_spec import record_block, record_bytes
+from deepinfer.kv_spec import ds_mla_rope, record_block, record_bytes
 
 # Kernel constexpr ids of the cache formats: plain values, then the records (constexpr globals,
-# which compiled kernels may read; plain ints work only in the interpreter).
+# which compiled kernels may read; plain ints work only in the interpreter). A ds_mla record's
+# id is DS_MLA + R: its RoPE width R rides in the constexpr, so the kernels' signatures stay.
 PLAIN, MXFP8, NVFP4, MXFP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+DS_MLA = tl.constexpr(256)
 FORMAT_IDS: dict[str | None, int] = {None: PLAIN.value, "mxfp8": MXFP8.value, "nvfp4": NVFP4.value,
                                      "mxfp4": MXFP4.value}
+_FP8_MAX_INV = tl.constexpr(1.0 / 448.0)      # a float32 constant in the kernels, as in DeepSeek's
 
 
 def format_id(fmt: str | None) -> int:
     """The kernels' constexpr id of a cache format (None: plain values)."""
+    rope = ds_mla_rope(fmt)
+    if rope is not None:
+        return DS_MLA.value + rope
     if fmt not in FORMAT_IDS:
-        raise ValueError(f"KV cache format {fmt!r} is not one of None, mxfp8, nvfp4, mxfp4")
+        raise ValueError(f"KV cache format {fmt!r} is not one of None, mxfp8, nvfp4, mxfp4, ds_mla_r<R>")
     return FORMAT_IDS[fmt]
 
 
@@ -134,7 +143,22 @@ def load_record_rows(cache_ptr, row, dims, mask, head_dim, FMT: tl.constexpr):
     channels ``dims`` [BLOCK_D]; masked lanes read nothing and give 0. Scale bytes are read
     once per channel (the 16 or 32 channels of a block share an address)."""
     base = cache_ptr + row[:, None]
-    if FMT == MXFP8:
+    if FMT >= DS_MLA:
+        # ds_mla: channels [0, D-R) are E4M3 bytes with an E8M0 scale per 64, the trailing R
+        # are bf16 (two bytes, little-endian) right after them.
+        nope = head_dim - (FMT - DS_MLA)
+        is_nope = dims[None, :] < nope
+        nope_mask = mask & is_nope
+        rope_mask = mask & (dims[None, :] >= nope)
+        code = tl.load(base + dims[None, :], mask=nope_mask, other=0).to(tl.int32)
+        scale = tl.load(base + nope + 2 * (FMT - DS_MLA) + dims[None, :] // 64, mask=nope_mask,
+                        other=127).to(tl.int32)
+        at = base + nope + 2 * (dims[None, :] - nope)
+        lo = tl.load(at, mask=rope_mask, other=0).to(tl.int32)
+        hi = tl.load(at + 1, mask=rope_mask, other=0).to(tl.int32)
+        rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+        value = tl.where(is_nope, e4m3_value(code) * e8m0_value(scale), rope)
+    elif FMT == MXFP8:
         code = tl.load(base + dims[None, :], mask=mask, other=0).to(tl.int32)
         scale = tl.load(base + head_dim + dims[None, :] // 32, mask=mask, other=0).to(tl.int32)
         value = e4m3_value(code) * e8m0_value(scale)
@@ -170,11 +194,42 @@ def _fp4_block_codes(x_even, x_odd, FMT: tl.constexpr):
 
 
 @triton.jit
+def _store_ds_mla(src, dst, blocks, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                  ROPE_P2: tl.constexpr, PAD: tl.constexpr):
+    """Encode one row (``src``, HEAD_DIM float values) as a ds_mla record at ``dst``: the nope
+    channels in [NB, 64] blocks (DeepSeek's ``act_quant`` with UE8M0 scales, bit for bit), the
+    RoPE channels rounded to bf16 (nearest even, on the bits: the interpreter's casts differ),
+    the scale bytes, then PAD zero bytes."""
+    NOPE = HEAD_DIM - ROPE
+    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]                 # [NB, 64]
+    live = cols < NOPE
+    x = tl.load(src + cols, mask=live, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)                           # [NB]
+    # ceil(log2(amax * (1/448))) from the float32 product's bits: the biased exponent, plus one
+    # when any mantissa bit is set; that is the scale's E8M0 byte.
+    bits = (amax * _FP8_MAX_INV).to(tl.int32, bitcast=True)
+    scale_code = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    q = tl.math.div_rn(x, e8m0_value(scale_code)[:, None] + tl.zeros_like(x))
+    code = e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0))
+    tl.store(dst + cols, code.to(tl.uint8), mask=live)
+    tl.store(dst + NOPE + 2 * ROPE + blocks, scale_code.to(tl.uint8), mask=blocks * BLOCK < NOPE)
+    r = tl.arange(0, ROPE_P2)
+    rope_ok = r < ROPE
+    rb = tl.load(src + NOPE + r, mask=rope_ok, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    half = (rb + 0x7FFF + ((rb >> 16) & 1)) >> 16          # bf16 bits (finite inputs), nearest even
+    tl.store(dst + NOPE + 2 * r, (half & 0xFF).to(tl.uint8), mask=rope_ok)
+    tl.store(dst + NOPE + 2 * r + 1, ((half >> 8) & 0xFF).to(tl.uint8), mask=rope_ok)
+    if PAD > 0:
+        p = tl.arange(0, 8)
+        tl.store(dst + NOPE + 2 * ROPE + (NOPE + BLOCK - 1) // BLOCK + p, tl.zeros([8], tl.uint8), mask=p < PAD)
+
+
+@triton.jit
 def _store_records_kernel(
     x_ptr, slot_ptr, cache_ptr,
     stride_x, stride_cache_block, stride_cache_offset,
     FMT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_BLOCKS_P2: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr, ROPE_P2: tl.constexpr = 1, PAD: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -184,7 +239,9 @@ def _store_records_kernel(
         src = x_ptr + token * stride_x
         blocks = tl.arange(0, NUM_BLOCKS_P2)                                      # [NB]
         live = blocks < HEAD_DIM // BLOCK
-        if FMT == MXFP8:
+        if FMT >= DS_MLA:
+            _store_ds_mla(src, dst, blocks, FMT - DS_MLA, HEAD_DIM, BLOCK, ROPE_P2, PAD)
+        elif FMT == MXFP8:
             cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]           # [NB, B]
             x = tl.load(src + cols, mask=live[:, None], other=0.0).to(tl.float32)
             amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)       # an all-zero block gets 2 ** -22
@@ -217,6 +274,7 @@ def store_records(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tens
                          f"{x.dtype} of shape {tuple(x.shape)} strides {x.stride()}")
     t, d = x.shape
     block = record_block(fmt)
+    rope = ds_mla_rope(fmt)
     if cache.shape[4] != record_bytes(fmt, d) or cache.stride(4) != 1:
         raise ValueError(f"store_records: a {fmt} record of {d} channels is {record_bytes(fmt, d)} "
                          f"contiguous bytes, the cache's rows are {cache.shape[4]} (strides {cache.stride()})")
@@ -229,8 +287,14 @@ def store_records(cache: torch.Tensor, slot_mapping: torch.Tensor, x: torch.Tens
     if t == 0:
         return
     # Tile config: one program per token and its whole row (at most a few hundred channels).
+    # ds_mla: the scale blocks cover the D - R nope channels (the last may be short).
+    scaled = d if rope is None else d - rope
+    num_blocks = -(-scaled // block)
+    extra = {} if rope is None else {
+        "ROPE_P2": triton.next_power_of_2(rope),
+        "PAD": record_bytes(fmt, d) - (scaled + 2 * rope + num_blocks)}
     _store_records_kernel[(t,)](
         x, slot_mapping.contiguous(), cache, x.stride(0), cache.stride(0), cache.stride(1),
-        FMT=format_id(fmt), HEAD_DIM=d, BLOCK=block, NUM_BLOCKS_P2=triton.next_power_of_2(d // block),
-        BLOCK_SIZE=cache.shape[1], num_warps=4,
+        FMT=format_id(fmt), HEAD_DIM=d, BLOCK=block, NUM_BLOCKS_P2=triton.next_power_of_2(num_blocks),
+        BLOCK_SIZE=cache.shape[1], num_warps=4, **extra,
         **pdl.flags(cache.device))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kv_spec import record_bytes, record_value_bytes
+from deepinfer.kv_spec import DS_MLA_BLOCK, ds_mla_rope, record_bytes, record_value_bytes
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, *tensors: torch.Tensor) -> None:
@@ -712,7 +712,7 @@ def paged_slots(block_table: torch.Tensor, block_size: int, seq: torch.Tensor, p
 
 
 def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entry_cache: torch.Tensor,
-                      entry_table: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                      entry_table: torch.Tensor | None, seq: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                       inv_freq: torch.Tensor, rope_scaling: float, ratio: int, overlap: bool) -> None:
     """DeepSeek-V4 compressor: each row at position p with ``(p+1) % r == 0`` stores entry
@@ -725,7 +725,8 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     state_cache: [NB, bs, 2, 1, C] (kv, raw gate); state_table: [B, nb]; entry_cache:
     [NBe, bse, 1, 1, D]; entry_table: [B, nbe]; seq, pos: [M]; position_bias: [r, C] float32;
     norm_weight: [D] float32; inv_freq: [R/2] float32. Every row is pooled (no host sync);
-    rows that complete no window store at slot -1, which the store skips.
+    rows that complete no window store at slot -1, which the store skips. entry_table None:
+    entry_cache is [M, 1, 1, 1, D] and row m's entry goes to its row m.
     """
     r, d = ratio, entry_cache.shape[-1]
     seq, pos = seq.long(), pos.long()
@@ -752,8 +753,11 @@ def compress_entries_(state_cache: torch.Tensor, state_table: torch.Tensor, entr
     pooled = (norm_weight * pooled).to(kv.dtype)
     pooled = interleaved_rope(pooled, pos + 1 - r, inv_freq, rope_scaling)     # [M, D]
     completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)         # [M] entry index
-    store_kv(entry_cache, table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0],
-             pooled[:, None])
+    if entry_table is None:
+        slots = torch.where(completed >= 0, torch.arange(pos.shape[0], device=pos.device), -1)
+    else:
+        slots = table_slots(entry_table, entry_cache.shape[1], seq, completed[:, None])[:, 0]
+    store_kv(entry_cache, slots, pooled[:, None])
 
 
 # -- DeepSeek-V4 interleaved partial RoPE with the q / kv RMS norms ---------------------------------
@@ -798,11 +802,12 @@ def q_norm_rope(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
                    sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, formats: list[str | None] | None = None) -> torch.Tensor:
     """DeepSeek-V4's attention core from the raw query projection q [T, H, D]: the per-head
-    q norm and rope (:func:`q_norm_rope`), :func:`sparse_attention` over the sources, then the
-    output rotated back by minus the angle (V carries the rope on its trailing channels)."""
-    out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale)
+    q norm and rope (:func:`q_norm_rope`), :func:`sparse_attention` over the sources (``formats``:
+    per source, None or its record format), then the output rotated back by minus the angle
+    (V carries the rope on its trailing channels)."""
+    out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale, formats)
     return interleaved_rope(out, positions, inv_freq, scaling, inverse=True)
 
 
@@ -1074,6 +1079,90 @@ def unpack_mxfp4(packed: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype) -
     return _decode_mxfp4(blocks, exps[..., None]).reshape(codes.shape).to(dtype)
 
 
+# -- DeepSeek-V4's FP8 KV record ("ds_mla", kv_spec.py ``ds_mla_format``) ---------------------------
+# The official reference (inference/model.py) rounds each window row and compressed entry after its
+# RoPE with ``act_quant(kv[..., :-rd], 64, "ue8m0", inplace=True)`` (inference/kernel.py): per block of
+# 64 nope channels, amax = max(|x|, 1e-4) in float32, the scale ``2 ** ceil(log2(amax * (1 / 448)))``
+# (the product rounded to float32, its log2's ceiling read exactly from the bits), x / scale clipped to
+# [-448, 448] and cast to E4M3 (nearest, ties to even), times the scale again. The RoPE channels stay
+# bf16. A nope width that 64 does not divide (test models) ends with a shorter block.
+
+_FP8_MAX_INV = torch.tensor(1.0 / 448.0, dtype=torch.float32).item()   # the float32 constant 1/448
+
+
+def _ds_mla_blocks(nope: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """nope [..., N] -> (float32 [..., ceil(N/64), 64] zero-padded, N)."""
+    n = nope.shape[-1]
+    nb = -(-n // DS_MLA_BLOCK)
+    padded = torch.nn.functional.pad(nope.float(), (0, nb * DS_MLA_BLOCK - n))
+    return padded.reshape(*nope.shape[:-1], nb, DS_MLA_BLOCK), n
+
+
+def _ds_mla_scale_exps(blocks: torch.Tensor) -> torch.Tensor:
+    """float32 blocks [..., NB, 64] -> E8M0 bytes [..., NB, 1] (uint8) of their power-of-two scales:
+    ``ceil(log2(fl32(max(amax, 1e-4) * fl32(1/448))))`` from the product's bits (exact)."""
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    q = amax * torch.tensor(_FP8_MAX_INV, dtype=torch.float32, device=blocks.device)
+    bits = q.view(torch.int32)
+    # The biased exponent, plus one when any mantissa bit is set: 127 + ceil(log2(q)).
+    return (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)).to(torch.uint8)
+
+
+def _encode_ds_mla(x: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (E4M3 bytes [..., D-R], bf16 RoPE values [..., R], E8M0 bytes [..., ceil((D-R)/64)])."""
+    if x.shape[-1] <= rope_dim:
+        raise ValueError(f"a ds_mla row needs more than its {rope_dim} RoPE channels, got {x.shape[-1]}")
+    blocks, n = _ds_mla_blocks(x[..., :-rope_dim])
+    exps = _ds_mla_scale_exps(blocks)
+    q = (blocks / _e8m0_scale(exps)).clamp(-448.0, 448.0)
+    codes = q.to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)[..., :n]
+    return codes, x[..., -rope_dim:].to(torch.bfloat16), exps[..., 0]
+
+
+def _decode_ds_mla(codes: torch.Tensor, rope: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_encode_ds_mla` -> float32 [..., D] (every value exact)."""
+    n = codes.shape[-1]
+    scale = _e8m0_scale(exps).repeat_interleave(DS_MLA_BLOCK, dim=-1)[..., :n]
+    return torch.cat([codes.view(torch.float8_e4m3fn).float() * scale, rope.float()], dim=-1)
+
+
+def round_ds_mla(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x [..., D] rounded as DeepSeek-V4 stores its KV (see above): the first D - R channels to E4M3
+    with a power-of-two scale per 64, the trailing ``rope_dim`` channels to bf16 -> x's shape and dtype."""
+    codes, rope, exps = _encode_ds_mla(x, rope_dim)
+    return _decode_ds_mla(codes, rope, exps).to(x.dtype)
+
+
+def pack_ds_mla(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x [..., D] -> uint8 records [..., record_bytes(ds_mla_format(R), D)]: the E4M3 bytes, the
+    bf16 RoPE values' bytes (little-endian), the E8M0 scale bytes, zero padding. Unpacks to
+    :func:`round_ds_mla` (x) exactly."""
+    codes, rope, exps = _encode_ds_mla(x, rope_dim)
+    rope_bytes = rope.contiguous().view(torch.int16).to(torch.int32)
+    rope_bytes = torch.stack([rope_bytes & 0xFF, (rope_bytes >> 8) & 0xFF], dim=-1).flatten(-2).to(torch.uint8)
+    raw = torch.cat([codes, rope_bytes, exps], dim=-1)
+    total = record_bytes(f"ds_mla_r{rope_dim}", x.shape[-1])
+    return torch.nn.functional.pad(raw, (0, total - raw.shape[-1]))
+
+
+def unpack_ds_mla(records: torch.Tensor, rope_dim: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 records from :func:`pack_ds_mla` -> [..., dim] in ``dtype``."""
+    n = dim - rope_dim
+    pairs = records[..., n:n + 2 * rope_dim].to(torch.int32).reshape(*records.shape[:-1], rope_dim, 2)
+    rope = (pairs[..., 0] | (pairs[..., 1] << 8)).to(torch.int16).view(torch.bfloat16)
+    exps = records[..., n + 2 * rope_dim:n + 2 * rope_dim + -(-n // DS_MLA_BLOCK)]
+    return _decode_ds_mla(records[..., :n], rope, exps).to(dtype)
+
+
+def round_record(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x rounded to what a ``fmt`` record holds (:func:`unpack_record` of :func:`pack_record`),
+    in x's dtype: the values the torch path stores unpacked."""
+    rope = ds_mla_rope(fmt)
+    if rope is not None:
+        return round_ds_mla(x, rope)
+    return {"mxfp8": round_mxfp8, "nvfp4": round_nvfp4, "mxfp4": round_mxfp4}[fmt](x)
+
+
 # One record a row: the values' bytes, then the scale bytes (kv_spec.py ``record_bytes``).
 _PACKERS = {"mxfp8": (pack_mxfp8, unpack_mxfp8), "nvfp4": (pack_nvfp4, unpack_nvfp4),
             "mxfp4": (pack_mxfp4, unpack_mxfp4)}
@@ -1081,8 +1170,11 @@ _PACKERS = {"mxfp8": (pack_mxfp8, unpack_mxfp8), "nvfp4": (pack_nvfp4, unpack_nv
 
 def pack_record(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """x [..., C] -> uint8 records [..., record_bytes(fmt, C)]: :func:`pack_mxfp8` /
-    :func:`pack_nvfp4` / :func:`pack_mxfp4`'s values, then their scales."""
+    :func:`pack_nvfp4` / :func:`pack_mxfp4`'s values, then their scales; :func:`pack_ds_mla`."""
     record_bytes(fmt, x.shape[-1])
+    rope = ds_mla_rope(fmt)
+    if rope is not None:
+        return pack_ds_mla(x, rope)
     values, scales = _PACKERS[fmt][0](x)
     return torch.cat([values, scales], dim=-1)
 
@@ -1092,6 +1184,9 @@ def unpack_record(records: torch.Tensor, fmt: str, dim: int, dtype: torch.dtype)
     if records.dtype != torch.uint8 or records.shape[-1] != record_bytes(fmt, dim):
         raise ValueError(f"{fmt} records of {dim} channels are uint8 rows of {record_bytes(fmt, dim)} bytes, "
                          f"got {records.dtype} rows of {records.shape[-1]}")
+    rope = ds_mla_rope(fmt)
+    if rope is not None:
+        return unpack_ds_mla(records, rope, dim, dtype)
     n = record_value_bytes(fmt, dim)
     return _PACKERS[fmt][1](records[..., :n], records[..., n:], dtype)
 

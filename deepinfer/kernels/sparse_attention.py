@@ -33,11 +33,12 @@ are only T * H / BLOCK_H programs. With several, each split writes its partial
 Scores and softmax run in float32; P is rounded to the cache dtype before the
 P @ V product (the flash-attention convention; exact for float32 caches).
 
-Packed sources (DeepSeek-V4.1's KV records, ``kv_records.py``): a source given a record
+Packed sources (DeepSeek-V4.1's KV records and DeepSeek-V4's ds_mla FP8 record,
+``kv_records.py``): a source given a record
 format (``formats``) is a uint8 cache of ``record_bytes(fmt, D)``-byte rows; each gathered
 tile is decoded in registers (values times their block scales, float32) and cast to q's
 dtype; bfloat16 and float32 hold every record value exactly (at most 6 significant bits, an
-8-bit exponent). The format is a constexpr per source, so a plain source compiles to the
+8-bit exponent; ds_mla's RoPE channels are bf16 values). The format is a constexpr per source, so a plain source compiles to the
 load above.
 """
 
@@ -443,20 +444,24 @@ def sparse_attention(
 
 def rope_attention(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, eps: float,
                    sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                   scale: float, config: SparseAttentionConfig | None = None) -> torch.Tensor:
+                   scale: float, config: SparseAttentionConfig | None = None,
+                   formats: list[str | None] | None = None) -> torch.Tensor:
     """DeepSeek-V4's attention core from the raw query projection q [T, H, D] (see
-    :func:`reference.rope_attention`): the q norm + rope, :func:`sparse_attention`, the inverse
-    rope of the output. Where the Gluon kernel applies, it also does the first (two launches);
-    otherwise three. ``config`` (e.g. :func:`invariant_config`) overrides the choice, the Gluon
-    kernel's included."""
+    :func:`reference.rope_attention`): the q norm + rope, :func:`sparse_attention` (``formats``:
+    per source, None or its record format), the inverse rope of the output. Where the Gluon
+    kernel applies (plain sources only), it also does the first (two launches); otherwise three.
+    ``config`` (e.g. :func:`invariant_config`) overrides the choice, the Gluon kernel's included."""
     from deepinfer.kernels.deepseek_v4_rope import interleaved_rope_, q_norm_rope
     half = inv_freq.shape[0] if inv_freq.dim() == 1 else 0
     live = [(cache, slots) for cache, slots in sources if slots.shape[1] > 0]
-    if (config is None and _QUERY_PROLOGUE and live and half & (half - 1) == 0 and 8 <= half <= q.shape[2] // 2
+    plain = formats is None or all(fmt is None for fmt in formats)
+    if (config is None and _QUERY_PROLOGUE and plain and live and half & (half - 1) == 0
+            and 8 <= half <= q.shape[2] // 2
             and _takes_gluon(q, live)):
         from deepinfer.kernels.sparse_attention_gluon import QueryRope, sparse_attention_prefill
         _check_inputs(q, sources, sinks, [None] * len(sources))
         out = sparse_attention_prefill(q, live, sinks, scale, rope=QueryRope(positions, inv_freq, scaling, eps))
     else:
-        out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale, config)
+        out = sparse_attention(q_norm_rope(q, positions, inv_freq, scaling, eps), sources, sinks, scale, config,
+                               formats=formats)
     return interleaved_rope_(out, positions, inv_freq, scaling, inverse=True)

@@ -48,6 +48,15 @@ Forward, batched over the whole step (no loop over sequences):
 4. one sparse attention over (window cache, window slots) and (entry cache,
    entry slots).
 
+FP8 KV (``kv_record``, the model's ``kv_cache_dtype="fp8"``): window rows and the
+compressor's entries are rounded as DeepSeek's reference stores them (kv_spec.py
+``ds_mla_format``: the nope channels E4M3 with a power-of-two scale per 64, the RoPE channels
+bf16). With ``packed_kv`` (where the Triton kernels run) the two caches hold the 584-byte
+records (at D = 512), encoded by ``backend.store_record`` and decoded in registers by the
+attention; otherwise the rounded values are stored unpacked in the cache dtype (the CPU
+reference path). Entries are pooled into a [M, D] buffer first, then stored. The indexer's
+keys and the compressor states stay in the cache dtype.
+
 A ``decode_only`` context (CUDA-graph capturable, forward_context.py) takes no
 host data: step 2 pools for every token and stores the entries of tokens that
 complete no window at slot -1, which the store skips; all shapes come from T
@@ -81,7 +90,7 @@ from torch import nn
 from deepinfer import batch_invariant
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
-from deepinfer.kernels import backend
+from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
@@ -112,8 +121,14 @@ class DeepseekV4AttentionConfig:
     index_head_dim: int
     index_topk: int
     cache_dtype: torch.dtype
+    # FP8 KV: the record format of the window rows and compressed entries (kv_spec.py
+    # ``ds_mla_format``), None for values of cache_dtype; ``packed_kv`` stores it as records.
+    kv_record: str | None = None
+    packed_kv: bool = False
 
     def __post_init__(self) -> None:
+        if self.packed_kv and self.kv_record is None:
+            raise ValueError("packed_kv needs a kv_record format")
         if self.layer_type not in LAYER_TYPES:
             raise ValueError(f"layer type {self.layer_type!r} is not one of {LAYER_TYPES}")
         if (self.num_heads * self.head_dim) % self.o_groups:
@@ -144,6 +159,24 @@ class GroupedLinear(nn.Linear):
         out = x.new_empty(x.shape[0], self.groups, w.shape[2])
         torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
         return out
+
+
+def value_spec(cfg: DeepseekV4AttentionConfig, **kw) -> KVCacheSpec:
+    """A one-tensor cache of ``head_dim`` rows for window rows or entries: ``kv_record``
+    records when packed, else values of the cache dtype."""
+    if cfg.packed_kv:
+        return KVCacheSpec(num_kv_heads=1, head_size=cfg.head_dim, dtype=torch.uint8, num_tensors=1,
+                           record=cfg.kv_record, **kw)
+    return KVCacheSpec(num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype, num_tensors=1, **kw)
+
+
+def store_rows(view: "PagedView", slot_mapping: torch.Tensor, x: torch.Tensor, fmt: str) -> None:
+    """Store rows x [T, D] at their slots (-1: none): encoded as ``fmt`` records in a record
+    cache, else rounded to what the record holds and stored as values."""
+    if view.record is not None:
+        backend.store_record(view.cache, slot_mapping, x, fmt)
+        return
+    backend.store_kv(view.cache, slot_mapping, reference.round_record(x, fmt)[:, None].to(view.cache.dtype))
 
 
 @dataclass
@@ -233,11 +266,15 @@ class GatedPool(nn.Module):
     are 2D wide: entry w pools window w-1's first D channels with window w's last D."""
 
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool, eps: float,
-                 sliding_window: int, cache_dtype: torch.dtype) -> None:
+                 sliding_window: int, cache_dtype: torch.dtype,
+                 entry_spec: KVCacheSpec | None = None, kv_record: str | None = None) -> None:
         super().__init__()
         self.ratio = ratio
         self.head_dim = head_dim
         self.overlap = overlap
+        self.cache_dtype = cache_dtype
+        # FP8 entries (the layer's compressor): pooled into a buffer, then rounded or encoded.
+        self.kv_record = kv_record
         width = (2 if overlap else 1) * head_dim
         self.kv_proj = nn.Linear(hidden_size, width, bias=False)
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
@@ -246,7 +283,7 @@ class GatedPool(nn.Module):
         self.state_cache = CacheSlot(KVCacheSpec(
             kind="sliding", num_kv_heads=1, head_size=width, dtype=cache_dtype, num_tensors=2,
             sliding_window=max((2 if overlap else 1) * ratio, sliding_window)))
-        self.entry_cache = CacheSlot(KVCacheSpec(
+        self.entry_cache = CacheSlot(entry_spec or KVCacheSpec(
             kind="compressed", num_kv_heads=1, head_size=head_dim, dtype=cache_dtype, num_tensors=1,
             compress_ratio=ratio))
 
@@ -279,9 +316,21 @@ class GatedPool(nn.Module):
         seq, pos = ctx.token_seq, ctx.positions                                    # [T]
         if completing is not None:
             seq, pos = completing                                                   # [M]
-        backend.compress_entries_(state.cache, state_meta.block_table, entries.cache, entry_meta.block_table,
-                                  seq, pos, self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
+        if self.kv_record is None:
+            backend.compress_entries_(state.cache, state_meta.block_table, entries.cache, entry_meta.block_table,
+                                      seq, pos, self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
+                                      rope.inv_freq, rope.scaling, r, self.overlap)
+            return
+        # Row m's entry into rows[m], then stored at its entry slot (-1: it completes no window).
+        rows = torch.zeros(seq.shape[0], 1, 1, 1, self.head_dim, dtype=self.cache_dtype, device=kv.device)
+        backend.compress_entries_(state.cache, state_meta.block_table, rows, None, seq, pos,
+                                  self.position_bias, self.kv_norm.weight, self.kv_norm.eps,
                                   rope.inv_freq, rope.scaling, r, self.overlap)
+        pos = pos.long()
+        completed = torch.where((pos + 1) % r == 0, (pos + 1) // r - 1, -1)
+        slots = reference.table_slots(entry_meta.block_table, entries.cache.shape[1], seq.long(),
+                                      completed[:, None])[:, 0]
+        store_rows(entries, slots, rows[:, 0, 0, 0], self.kv_record)
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.state_cache, self.entry_cache]
@@ -336,7 +385,8 @@ class Compressor(GatedPool):
     def __init__(self, cfg: DeepseekV4AttentionConfig) -> None:
         sparse = cfg.layer_type == CSA
         super().__init__(cfg.hidden_size, cfg.head_dim, cfg.compress_ratio, sparse, cfg.rms_norm_eps,
-                         cfg.sliding_window, cfg.cache_dtype)
+                         cfg.sliding_window, cfg.cache_dtype,
+                         value_spec(cfg, kind="compressed", compress_ratio=cfg.compress_ratio), cfg.kv_record)
         self.indexer = Indexer(cfg) if sparse else None
 
     def projections(self) -> list[nn.Linear]:
@@ -403,9 +453,8 @@ class DeepseekV4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         mark_shard(self.sinks, 0, tp)
         self.compressor = Compressor(cfg) if cfg.layer_type != SLIDING else None
-        self.window_cache = CacheSlot(KVCacheSpec(
-            kind="sliding", num_kv_heads=1, head_size=cfg.head_dim, dtype=cfg.cache_dtype,
-            num_tensors=1, sliding_window=cfg.sliding_window))
+        self.kv_record = cfg.kv_record
+        self.window_cache = CacheSlot(value_spec(cfg, kind="sliding", sliding_window=cfg.sliding_window))
         # Every projection of the block input x (q_a, kv, then the compressor's and the
         # indexer's): one GEMM once fuse_projections() has run (layers/fused_linear.py).
         self.input_proj = FusedProjection(
@@ -444,21 +493,27 @@ class DeepseekV4Attention(nn.Module):
                        if self.compressor is not None else None)
         q = self.q_b_proj(q_residual).view(t, h, d)                               # [T, H, D], raw
         window = caches.bind(self.window_cache)
-        # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch.
-        if ctx.cp is None:
-            backend.kv_norm_rope(kv, self.kv_norm.weight, pos, rope.inv_freq, rope.scaling,
+        # kv = rope(kv_norm(W_kv x)) [T, D], stored in the window cache in the same launch; FP8
+        # rows are rounded or encoded by a second one. A context-parallel share stores the whole
+        # step's window rows: every rank's raw kv, normed and roped at its own position.
+        kv_pos = pos
+        if ctx.cp is not None:
+            kv, kv_pos = ctx.cp.gather(kv), ctx.cp.step.positions
+        if self.kv_record is None:
+            backend.kv_norm_rope(kv, self.kv_norm.weight, kv_pos, rope.inv_freq, rope.scaling,
                                  self.kv_norm.eps, window.cache, window.meta.slot_mapping)
         else:
-            # A context-parallel share stores the whole step's window rows: every rank's raw
-            # kv, normed and roped at its own position.
-            backend.kv_norm_rope(ctx.cp.gather(kv), self.kv_norm.weight, ctx.cp.step.positions, rope.inv_freq,
-                                 rope.scaling, self.kv_norm.eps, window.cache, window.meta.slot_mapping)
+            kv = backend.kv_norm_rope(kv, self.kv_norm.weight, kv_pos, rope.inv_freq, rope.scaling,
+                                      self.kv_norm.eps)
+            store_rows(window, window.meta.slot_mapping, kv, self.kv_record)
         sources = [(window.cache, window.slots(ctx, self.sliding_window, 1, sliding=True))]  # [T, W]
+        formats = [window.record]
         side_stream.join(side)
         if entries is not None:
             sources.append(entries)
+            formats.append(self.compressor.entry_cache.kv_spec.record)
         # q's norm and rope, the attention, and the inverse rope of the output (V carried the
         # rope on its trailing channels: undone at the query position).
         out = backend.rope_attention(q, pos, rope.inv_freq, rope.scaling, self.eps, sources, self.sinks,
-                                     self.scale)                                  # [T, H, D]
+                                     self.scale, formats)                                  # [T, H, D]
         return self.o_b_proj(self.o_a_proj(out.view(t, self.o_groups, -1)).flatten(1))

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext
+from deepinfer.kernels import backend
+from deepinfer.kv_spec import ds_mla_format
 from deepinfer.layers.deepseek_v4_attention import (CSA, HCA, LAYER_TYPES, SLIDING, DeepseekV4Attention,
                                                     DeepseekV4AttentionConfig)
 from deepinfer.layers.deepseek_v4_common import InterleavedRope, RMSNorm
@@ -59,6 +61,9 @@ _HF_DEFAULTS = {
     "attention_bias": False, "mlp_bias": False,
 }
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
+# kv_cache_dtype: "auto" stores the KV in the compute dtype (HF's numerics); "fp8" rounds window
+# rows and compressed entries as DeepSeek's reference stores them (kv_spec.py ds_mla_format).
+KV_CACHE_DTYPES = ("auto", "fp8")
 _DEFAULT_NUM_HASH_LAYERS = 3
 
 
@@ -181,14 +186,22 @@ class DeepseekV4Args:
             index_head_dim=int(cfg["index_head_dim"]), index_topk=int(cfg["index_topk"]),
             fp8_block=int(block[0]))
 
-    def attention_config(self, layer_idx: int, cache_dtype: torch.dtype) -> DeepseekV4AttentionConfig:
+    def rope_dim(self, layer_idx: int) -> int:
+        """Channels the layer's rope rotates ("main" on sliding layers, "compress" otherwise):
+        its window rows' and entries' RoPE part."""
+        kind = "main" if self.layer_types[layer_idx] == SLIDING else "compress"
+        return int(self.head_dim * self.rope_parameters[kind].get("partial_rotary_factor", 1.0))
+
+    def attention_config(self, layer_idx: int, cache_dtype: torch.dtype, fp8_kv: bool = False,
+                         packed_kv: bool = False) -> DeepseekV4AttentionConfig:
         layer_type = self.layer_types[layer_idx]
         return DeepseekV4AttentionConfig(
             hidden_size=self.hidden_size, num_heads=self.num_heads, head_dim=self.head_dim,
             q_lora_rank=self.q_lora_rank, o_groups=self.o_groups, o_lora_rank=self.o_lora_rank,
             rms_norm_eps=self.rms_norm_eps, sliding_window=self.sliding_window, layer_type=layer_type,
             compress_ratio=self.compress_rates.get(layer_type, 0), index_n_heads=self.index_n_heads,
-            index_head_dim=self.index_head_dim, index_topk=self.index_topk, cache_dtype=cache_dtype)
+            index_head_dim=self.index_head_dim, index_topk=self.index_topk, cache_dtype=cache_dtype,
+            kv_record=ds_mla_format(self.rope_dim(layer_idx)) if fp8_kv else None, packed_kv=packed_kv)
 
 
 class DeepseekV4Rope(nn.Module):
@@ -205,10 +218,11 @@ class DeepseekV4Rope(nn.Module):
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype, fp8_kv: bool = False,
+                 packed_kv: bool = False) -> None:
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = DeepseekV4Attention(args.attention_config(layer_idx, dtype))
+        self.self_attn = DeepseekV4Attention(args.attention_config(layer_idx, dtype, fp8_kv, packed_kv))
         hash_vocab = args.vocab_size if args.mlp_layer_types[layer_idx] == "hash_moe" else None
         self.mlp = DeepseekV4MoE(d, args.moe_intermediate_size, args.n_routed_experts, args.top_k,
                                  args.scoring_func, args.routed_scaling_factor, args.swiglu_limit, hash_vocab)
@@ -233,8 +247,9 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
     """A decoder layer fed ``e_proj(enorm(embed(next token))) + h_proj(hnorm(streams))``,
     with its own head mixing (``hc_head``) and final norm."""
 
-    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__(args, layer_idx, dtype)
+    def __init__(self, args: DeepseekV4Args, layer_idx: int, dtype: torch.dtype, fp8_kv: bool = False,
+                 packed_kv: bool = False) -> None:
+        super().__init__(args, layer_idx, dtype, fp8_kv, packed_kv)
         d = args.hidden_size
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)
@@ -255,11 +270,13 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype) -> None:
+    def __init__(self, args: DeepseekV4Args, dtype: torch.dtype, fp8_kv: bool = False,
+                 packed_kv: bool = False) -> None:
         super().__init__()
         self.hc_mult = args.hc_mult
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(args, i, dtype) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(args, i, dtype, fp8_kv, packed_kv)
+                                    for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
         self.rotary_emb = DeepseekV4Rope(args)
@@ -356,6 +373,7 @@ def remap_block_tensor(model: nn.Module, name: str, prefix: str, rest: str,
 
 class DeepseekV4ForCausalLM(CausalLM):
     optional_modules = ("mtp",)
+    kv_cache_dtypes = KV_CACHE_DTYPES
     # Attention, MoE and hyper-connections never sync in decode_only steps (Triton backend).
     supports_cuda_graphs = True
     supports_context_parallel = True
@@ -368,13 +386,26 @@ class DeepseekV4ForCausalLM(CausalLM):
         a = DeepseekV4Args.from_hf(hf_config)
         check_divides(tp, {"num_attention_heads": a.num_heads, "o_groups": a.o_groups})
 
-    def __init__(self, hf_config: dict, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config: dict, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> None:
         super().__init__(hf_config, dtype)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported for DeepSeek-V4; "
+                             f"supported: {', '.join(KV_CACHE_DTYPES)}")
         self.args = DeepseekV4Args.from_hf(hf_config)
         a = self.args
-        self.model = DeepseekV4Model(a, dtype)
+        # "fp8": DeepSeek's FP8 KV entries. Where the Triton kernels run (CUDA, or the CPU
+        # interpreter) the window rows and compressed entries are packed records; on the torch
+        # reference path the same rounded values are stored unpacked in the compute dtype. The
+        # decision follows the device the model is built on (loader: torch.device).
+        fp8_kv = kv_cache_dtype == "fp8"
+        if fp8_kv:
+            for i in range(a.num_layers + a.num_mtp_layers):
+                ds_mla_format(a.rope_dim(i))           # a rope width the record can carry
+        self.packed_kv = fp8_kv and backend.use_triton(torch.empty(0))
+        self.kv_cache_dtype = kv_cache_dtype
+        self.model = DeepseekV4Model(a, dtype, fp8_kv, self.packed_kv)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype)
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype, fp8_kv, self.packed_kv)
                                  for i in range(a.num_mtp_layers))
 
     # -- forward -------------------------------------------------------------------

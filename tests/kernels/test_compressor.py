@@ -223,3 +223,26 @@ def test_triton_compressor_cuda_graph():
     graph.replay()
     reference.compress_entries_(args[0].clone(), args[1], expected, args[3], seq, pos, *args[6:])
     torch.testing.assert_close(args[2], expected, equal_nan=True, **TOL[torch.bfloat16])
+
+
+def test_compressor_rows_out(device):
+    """entry_table None: row m's entry goes to row m of a [M, 1, 1, 1, D] buffer (which the FP8 KV
+    path then encodes), equal to what the paged store writes; rows that complete nothing are left."""
+    gen = torch.Generator().manual_seed(11)
+    state, state_table, entries, entry_table, seq, pos, *rest = make_case(
+        4, True, 16, 8, torch.float32, device, gen, [13, 9], [0, 2], state_bs=4, entry_bs=2)
+    m = seq.shape[0]
+    rows = torch.full((m, 1, 1, 1, 16), 7.0, device=device)
+    ref_rows = rows.clone()
+    compress_entries_(state, state_table, rows, None, seq, pos, *rest)
+    reference.compress_entries_(state, state_table, ref_rows, None, seq, pos, *rest)
+    compress_entries_(state, state_table, entries, entry_table, seq, pos, *rest)
+    done = (pos + 1) % 4 == 0
+    w = ((pos + 1) // 4 - 1).clamp(min=0)
+    paged = entries[entry_table[seq.long(), w // 2], w % 2, 0, 0]                  # [M, D]
+    assert int(done.sum()) == 5                     # positions 3, 7, 11 and 3, 7
+    assert torch.equal(rows[done, 0, 0, 0], paged[done])
+    assert bool((rows[~done] == 7).all())
+    torch.testing.assert_close(ref_rows, rows, **TOL[torch.float32])
+    with pytest.raises(ValueError, match="one row per row"):
+        compress_entries_(state, state_table, rows[:2], None, seq, pos, *rest)

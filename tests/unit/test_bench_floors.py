@@ -96,6 +96,26 @@ def test_kv_write_bytes_match_the_layers_cache_specs():
     assert DeepseekV4Cost(DeepseekV4Args.from_hf(TINY), 2, 2).kv_write_bytes() == pytest.approx(per_token)
 
 
+def test_fp8_kv_counts_records(monkeypatch):
+    """kv_cache_dtype="fp8": a window row or entry is a 48-byte record (D = 32 with 8 RoPE
+    channels: 24 E4M3 + 16 bf16 bytes + 1 scale, padded to 8), what the packed model's specs hold;
+    index keys and compressor states stay 2-byte values."""
+    cost = DeepseekV4Cost(DeepseekV4Args.from_hf(TINY), 2, 2, kv_cache_dtype="fp8")
+    assert cost.kv_row_bytes == [48, 48, 48]
+    assert cost.kv_read_bytes(40) == (8 + 8 + 3 + 8 + 5) * 48 + 10 * 16 * 2
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")       # packed records (interpreter)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(TINY, torch.bfloat16, kv_cache_dtype="fp8")
+    finally:
+        torch.set_default_dtype(previous)
+    assert model.packed_kv
+    per_token = sum(s.kv_spec.entry_bytes / s.kv_spec.compress_ratio for s in model.kv_cache_layers())
+    assert cost.kv_write_bytes() == pytest.approx(per_token)
+
+
 def test_decode_and_prefill_work():
     cost = DeepseekV4Cost(DeepseekV4Args.from_hf(TINY), 2, 2)
     rows = 64 * 2 + 2 * 8       # embedding row + the hash layer's tid2eid row (K int64 ids)
