@@ -43,6 +43,8 @@ S physical expert slots this rank holds (E without expert parallelism).
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,11 @@ from torch import nn
 from deepinfer.kernels import backend
 from deepinfer.parallel.expert import ExpertParallel, current_expert_parallel
 from deepinfer.parallel.groups import current_groups
+
+# True while a model is built for loading (``models.quantize.deferred_weights``): expert stacks
+# are then created on the meta device, since allocating even one layer's 16-bit stack for an
+# instant would raise the load peak by gigabytes on a large model.
+EXPERTS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar("experts_on_meta", default=False)
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -82,8 +89,9 @@ class FusedMoE(nn.Module):
         self.ep = (ExpertParallel(num_experts, group, config)
                    if group.size > 1 or config.num_redundant_experts else None)
         slots = num_experts if self.ep is None else self.ep.slots_per_rank
-        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(slots, hidden_size, intermediate_size))
+        device = "meta" if EXPERTS_ON_META.get() else None
+        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * intermediate_size, hidden_size, device=device))
+        self.down_proj = nn.Parameter(torch.empty(slots, hidden_size, intermediate_size, device=device))
         # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
         self.packed = False
         # Whether the parameters hold packed FP4 codes with scales (quantize_fp4).

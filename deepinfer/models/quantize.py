@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from deepinfer.layers.fused_linear import FusedProjection
-from deepinfer.layers.moe import FusedMoE
+from deepinfer.layers.moe import EXPERTS_ON_META, FusedMoE
 from deepinfer.layers.quant_linear import Fp8Linear, act_group
 from deepinfer.models.base import OTHER_RANK, CausalLM, ParamSlice
 from deepinfer.models.quant import scale_name_for
@@ -282,8 +282,11 @@ def keep_shipped(model: CausalLM, plan: QuantPlan, checkpoint: Mapping[str, Stor
 def deferred_weights() -> Iterator[None]:
     """While a model is built inside it, the weights of linear layers and routed experts are
     created on the meta device (no memory): :func:`keep_shipped` may replace their layers by
-    quantised ones, and :func:`materialize` gives the others memory. A parameter already
-    registered elsewhere (an ``lm_head`` tied to the embedding) is left as it is."""
+    quantised ones, and :func:`materialize` gives the others memory. Expert stacks are made on
+    the meta device (``layers.moe.EXPERTS_ON_META``); a linear layer's weight, which
+    ``nn.Linear`` allocates itself, is swapped for a meta one as it is registered, so it exists
+    for that instant only (one layer's weight; freed memory is reused for the next). A parameter
+    already registered elsewhere (an ``lm_head`` tied to the embedding) is left as it is."""
     seen: dict[int, weakref.ref] = {}
 
     def defer(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
@@ -297,15 +300,16 @@ def deferred_weights() -> Iterator[None]:
         if not deferred or param.is_meta:
             seen[id(param)] = weakref.ref(param)
             return None
-        meta = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                            requires_grad=param.requires_grad)
+        meta = _like(param, "meta")
         seen[id(meta)] = weakref.ref(meta)
         return meta
 
     handle = torch.nn.modules.module.register_module_parameter_registration_hook(defer)
+    token = EXPERTS_ON_META.set(True)
     try:
         yield
     finally:
+        EXPERTS_ON_META.reset(token)
         handle.remove()
 
 
@@ -318,11 +322,17 @@ def materialize(model: nn.Module, device: torch.device) -> int:
         for key, param in module._parameters.items():
             if param is not None and param.is_meta:
                 if id(param) not in made:
-                    made[id(param)] = (param, nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
-                                                                       device=device),
-                                                           requires_grad=param.requires_grad))
+                    made[id(param)] = (param, _like(param, device))
                 module._parameters[key] = made[id(param)][1]
     return len(made)
+
+
+def _like(param: nn.Parameter, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised parameter of ``param``'s shape and dtype on ``device``, with its attributes
+    (a tensor-parallel shard's ``tp_shard``, set after registration)."""
+    new = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
