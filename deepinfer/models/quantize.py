@@ -1,6 +1,7 @@
-"""Weights kept quantised in device memory: which layers, in which format, and the pass that
-puts them there (``models.loader.load_model`` runs it after the weights are in place, before
-``CausalLM.after_load``).
+"""Weights kept quantised in device memory: which layers, in which format, and how they get
+there (``models.loader.load_model``): layers kept in the format the checkpoint ships them in are
+made quantised before loading and take its bytes as stored (:func:`keep_shipped`); the others
+are quantised after the weights are in place, before ``CausalLM.after_load`` (:func:`quantize_model`).
 
 ``quantization`` (``ModelConfig.quantization``, ``LLM(quantization=...)``, ``--quantization``):
 
@@ -36,8 +37,9 @@ the plan keeps in the checkpoint's own format:
 Their codes and scales (``CausalLM.shipped_tensors``) then pass the loader undequantised and are
 copied bit for bit into the layers' buffers (``models.base.load_module_weights``); the other
 deferred weights get memory (:func:`materialize`) and load as before. So the 16-bit copy of a
-layer that keeps its shipped format never exists, and the load peak is the model's size as
-kept, not its 16-bit size. Fused projections (``FusedProjection``) stack their FP8 pieces'
+layer that keeps its shipped format never exists (but for an instant, one ``nn.Linear`` weight
+at a time: see :func:`deferred_weights`), and the load peak is the model's size as kept, not its
+16-bit size. Fused projections (``FusedProjection``) stack their FP8 pieces'
 codes and scales at ``after_load`` when each piece's output width is a multiple of the block's
 rows, else run them one by one; a layer whose weight a checkpoint splits into parts (a
 ``ParamSlice``) is not among those loaded directly.
