@@ -108,7 +108,9 @@ def shipped_parts(model, checkpoint: dict[str, torch.Tensor]) -> list[tuple[str,
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8) if t.element_size() == 1 else t.detach()
+    """``t`` on the CPU, a 1-byte dtype as its bytes."""
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def assert_holds_the_shipped_bytes(model, path: Path) -> int:
@@ -134,17 +136,19 @@ def dequantised(layer: torch.nn.Module) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def logprobs_and_greedy(model, vocab: int, steps: int = 4) -> tuple[torch.Tensor, list[list[int]]]:
+def logprobs_and_greedy(model, vocab: int, steps: int = 4,
+                        device: torch.device = CPU) -> tuple[torch.Tensor, list[list[int]]]:
     """Log-probabilities of two random prompts (one forward), and each prompt's greedy
-    continuation by repeated full forwards."""
+    continuation by repeated full forwards, with the model on ``device``."""
     seqs = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 12)]
-    ctx = ForwardContext.no_cache([len(s) for s in seqs], CPU)
-    logprobs = model.compute_logits(model(torch.cat(seqs), ctx)).log_softmax(-1)
+    ctx = ForwardContext.no_cache([len(s) for s in seqs], device)
+    logprobs = model.compute_logits(model(torch.cat(seqs).to(device), ctx)).log_softmax(-1)
     greedy = []
     for s in seqs:
         ids = s.tolist()
         for _ in range(steps):
-            logits = model.compute_logits(model(torch.tensor(ids), ForwardContext.no_cache([len(ids)], CPU)))
+            logits = model.compute_logits(model(torch.tensor(ids, device=device),
+                                                ForwardContext.no_cache([len(ids)], device)))
             ids.append(int(logits[-1].argmax()))
         greedy.append(ids[len(s):])
     return logprobs, greedy
