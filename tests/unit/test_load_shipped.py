@@ -278,3 +278,41 @@ def test_load_peak_drops_to_the_shipped_size(tmp_path):
     sixteen_bit_experts = 2 * direct["weight_bytes"]["fp4"] * 32 // 17
     assert direct["peak_bytes"] < 2.5 * report["checkpoint_bytes"]
     assert old["peak_bytes"] > direct["peak_bytes"] + 0.8 * sixteen_bit_experts
+
+
+def test_deepseek_v3_names_with_weight_scale_inv_load_as_shipped(tmp_path):
+    """DeepSeek-V3's HF layout (``X.weight_scale_inv``, float32 128 x 128 scales): its FP8 projections
+    load as shipped, the scale into ``Fp8Linear.scale``; kv_b_proj (which the plan keeps 16-bit)
+    arrives dequantised."""
+    from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from deepinfer.models.dummy import init_dummy_weights
+    cfg = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=100, hidden_size=128, intermediate_size=256,
+               moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32,
+               n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+               max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, hidden_act="silu",
+               routed_scaling_factor=1.0, norm_topk_prob=True,
+               quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    model = DeepseekV3ForCausalLM(cfg, torch.float32)
+    init_dummy_weights(model, 0)
+    tensors = {}
+    for name, w in model.state_dict().items():
+        if name.startswith("mtp."):
+            continue
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and w.dim() == 2:
+            tensors[name], tensors[name[:-len("weight")] + "weight_scale_inv"] = quant_fp8_block(w, (128, 128))
+        else:
+            tensors[name] = w.contiguous()
+    tmp_path.joinpath("config.json").write_text(json.dumps(cfg))
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_model(ModelConfig.from_path(tmp_path, "float32", None, CPU, quantization="fp8"), CPU)
+    fp8 = {n for n, m in loaded.named_modules() if isinstance(m, Fp8Linear)}
+    assert "model.layers.0.self_attn.o_proj" in fp8 and "model.layers.0.mlp.gate_proj" in fp8
+    assert {f"{n}.weight_scale_inv" for n in fp8} <= loaded.shipped_tensors
+    for name in fp8:
+        layer = loaded.get_submodule(name)
+        assert torch.equal(as_bytes(layer.weight), as_bytes(tensors[name + ".weight"]))
+        assert torch.equal(layer.scale, tensors[name + ".weight_scale_inv"])
+    kv_b = loaded.get_submodule("model.layers.0.self_attn.kv_b_proj").weight
+    q, s = tensors["model.layers.0.self_attn.kv_b_proj.weight"], tensors["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
+    assert kv_b.dtype == torch.float32 and torch.equal(kv_b, q.float() * s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1))
