@@ -24,7 +24,7 @@ from deepinfer.layers.moe import FusedMoE
 from deepinfer.layers.quant_linear import Fp8Linear
 from deepinfer.models.base import ParamSlice
 from deepinfer.models.loader import _default_dtype, iter_weights, load_model
-from deepinfer.models.quant import dequant_fp4_e2m1, quant_fp4_e2m1, quant_fp8_block
+from deepinfer.models.quant import dequant_fp4_e2m1, dequant_fp8_block, quant_fp4_e2m1, quant_fp8_block
 from deepinfer.models.quantize import plan_for, quantize_model
 from deepinfer.models.registry import get_model_class
 
@@ -35,7 +35,8 @@ QUANTIZATION = "fp8+mxfp4-experts"
 
 # What DeepSeek-V4 ships in FP8 (the attention's projections, the indexer's query, the shared
 # expert) and in FP4 (the routed experts), under the names transformers saves.
-_V4_FP8 = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight$")
+_V4_FP8 = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                     r"|ffn\.shared_experts\.w[123])\.weight$")
 _V4_FP4 = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
@@ -227,7 +228,8 @@ def test_a_layer_shipped_in_another_format_takes_the_old_path(tmp_path):
     reference = load_model(ModelConfig.from_path(V41_CHECKPOINT, "float32", None, CPU, quantization="none"), CPU)
     assert torch.equal(q_a.dequantized(), reference.get_submodule("model.layers.0.self_attn.q_a_proj").weight)
     experts = model.get_submodule("model.layers.0.mlp.experts")
-    assert not experts.fp4 and torch.equal(experts.gate_up_proj, reference.get_submodule("model.layers.0.mlp.experts").gate_up_proj)
+    want = reference.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    assert not experts.fp4 and torch.equal(experts.gate_up_proj, want)
     assert assert_holds_the_shipped_bytes(model, path) == 58
 
 
@@ -314,5 +316,5 @@ def test_deepseek_v3_names_with_weight_scale_inv_load_as_shipped(tmp_path):
         assert torch.equal(as_bytes(layer.weight), as_bytes(tensors[name + ".weight"]))
         assert torch.equal(layer.scale, tensors[name + ".weight_scale_inv"])
     kv_b = loaded.get_submodule("model.layers.0.self_attn.kv_b_proj").weight
-    q, s = tensors["model.layers.0.self_attn.kv_b_proj.weight"], tensors["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]
-    assert kv_b.dtype == torch.float32 and torch.equal(kv_b, q.float() * s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1))
+    shipped = [tensors[f"model.layers.0.self_attn.kv_b_proj.{part}"] for part in ("weight", "weight_scale_inv")]
+    assert kv_b.dtype == torch.float32 and torch.equal(kv_b, dequant_fp8_block(*shipped, 128))
