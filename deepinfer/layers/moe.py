@@ -24,7 +24,10 @@ FP4 experts. :meth:`FusedMoE.quantize_fp4` replaces both projections by packed e
 inputs (``gate_up_proj_scale`` [E, 2I, H/32], ``down_proj_scale`` [E, H, I/32]; float32 or UE8M0
 bytes), the layout DeepSeek ships its routed experts in; the forward then runs
 ``backend.fp4_moe_experts`` (the FP4 Triton kernels on CUDA, dequantising per call elsewhere).
-A quantised layer takes no more checkpoint weights (loading into it is refused).
+:meth:`FusedMoE.make_fp4` gives the same layout uninitialised, for a checkpoint that ships it:
+the loader then copies each expert's shipped codes and scales into its rows
+(:meth:`FusedMoE.expert_weight_index` indexes codes and scales as it does 16-bit weights, the
+rows being the same), and the 16-bit weights never exist.
 
 Expert parallelism. Built under an expert-parallel group of more than one rank
 (``parallel.groups.current_groups().ep``) or with redundant expert slots
@@ -40,6 +43,8 @@ S physical expert slots this rank holds (E without expert parallelism).
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +52,11 @@ from torch import nn
 from deepinfer.kernels import backend
 from deepinfer.parallel.expert import ExpertParallel, current_expert_parallel
 from deepinfer.parallel.groups import current_groups
+
+# True while a model is built for loading (``models.quantize.deferred_weights``): expert stacks
+# are then created on the meta device, since allocating even one layer's 16-bit stack for an
+# instant would raise the load peak by gigabytes on a large model.
+EXPERTS_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar("experts_on_meta", default=False)
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -79,8 +89,9 @@ class FusedMoE(nn.Module):
         self.ep = (ExpertParallel(num_experts, group, config)
                    if group.size > 1 or config.num_redundant_experts else None)
         slots = num_experts if self.ep is None else self.ep.slots_per_rank
-        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(slots, hidden_size, intermediate_size))
+        device = "meta" if EXPERTS_ON_META.get() else None
+        self.gate_up_proj = nn.Parameter(torch.empty(slots, 2 * intermediate_size, hidden_size, device=device))
+        self.down_proj = nn.Parameter(torch.empty(slots, hidden_size, intermediate_size, device=device))
         # Whether the parameters hold the fused kernels' tile-packed layout (pack_weights).
         self.packed = False
         # Whether the parameters hold packed FP4 codes with scales (quantize_fp4).
@@ -115,12 +126,7 @@ class FusedMoE(nn.Module):
         temporaries stay small; the stacked Parameters are replaced. Raises ValueError if the
         weights are tile-packed or already FP4, or a width is not a multiple of 32."""
         from deepinfer.models.quant import quant_fp4_e2m1
-        if self.packed or self.fp4:
-            raise ValueError("quantize_fp4: the expert weights are already "
-                             + ("tile-packed (unpack_weights first)" if self.packed else "FP4"))
-        if self.hidden_size % 32 or self.intermediate_size % 32:
-            raise ValueError(f"quantize_fp4: hidden_size={self.hidden_size} and intermediate_size="
-                             f"{self.intermediate_size} must be multiples of the scale group 32")
+        self._check_fp4_widths("quantize_fp4")
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name).data
             parts = [quant_fp4_e2m1(w[e:e + experts_per_chunk], 32, scale_format)
@@ -130,6 +136,32 @@ class FusedMoE(nn.Module):
             setattr(self, name + "_scale", nn.Parameter(torch.cat([s for _, s in parts]), requires_grad=False))
             del parts
         self.fp4 = True
+
+    def make_fp4(self, scale_format: str, device: torch.device) -> None:
+        """Replace both projections by uninitialised FP4 codes and scales on ``device`` (the
+        layout of :meth:`quantize_fp4`), for the loader to fill with a checkpoint's shipped ones;
+        the 16-bit weights are dropped unread (they may be on the meta device). Raises
+        ValueError as :meth:`quantize_fp4` does."""
+        from deepinfer.models.quant import SCALE_FORMATS
+        self._check_fp4_widths("make_fp4")
+        if scale_format not in SCALE_FORMATS:
+            raise ValueError(f"make_fp4: scale_format={scale_format!r} is not one of {SCALE_FORMATS}")
+        scale_dtype = torch.float32 if scale_format == "float32" else torch.uint8
+        for name in ("gate_up_proj", "down_proj"):
+            slots, rows, cols = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(slots, rows, cols // 2, dtype=torch.uint8, device=device),
+                                             requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(
+                torch.empty(slots, rows, cols // 32, dtype=scale_dtype, device=device), requires_grad=False))
+        self.fp4 = True
+
+    def _check_fp4_widths(self, caller: str) -> None:
+        if self.packed or self.fp4:
+            raise ValueError(f"{caller}: the expert weights are already "
+                             + ("tile-packed (unpack_weights first)" if self.packed else "FP4"))
+        if self.hidden_size % 32 or self.intermediate_size % 32:
+            raise ValueError(f"{caller}: hidden_size={self.hidden_size} and intermediate_size="
+                             f"{self.intermediate_size} must be multiples of the scale group 32")
 
     def packing_helps(self) -> bool:
         """Whether :meth:`pack_weights` pays: the Triton kernels run these weights (CUDA, Triton
@@ -169,13 +201,11 @@ class FusedMoE(nn.Module):
 
     def expert_weight_index(self, proj: str, expert: int) -> tuple[str, tuple[int | slice, ...]] | None:
         """Where logical expert ``expert``'s ``{proj}.weight`` lives: (parameter name, index into
-        it), or None when this rank holds no slot of it (expert parallelism)."""
+        it), or None when this rank holds no slot of it (expert parallelism). In an FP4 layer the
+        index selects the same rows of the codes and of ``{parameter name}_scale``."""
         if self.packed:
             raise ValueError("the expert weights are tile-packed for the fused MoE kernels "
                              "(after_load); call unpack_weights() before loading into them")
-        if self.fp4:
-            raise ValueError("the expert weights were quantised to FP4 after loading (quantize_fp4); "
-                             "loading checkpoint weights into them is not supported")
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: this layer has "
                              f"num_experts={self.num_experts}")

@@ -92,6 +92,9 @@ class CausalLM(nn.Module):
         # Bytes of the weights in device memory by kind, set by ``models.loader.load_model``
         # (``models.quantize.weight_bytes``).
         self.weight_bytes: dict[str, int] | None = None
+        # Checkpoint tensors (FP8/FP4 codes and their scales) that load as stored into layers
+        # made quantised before loading (``models.quantize.keep_shipped``).
+        self.shipped_tensors: frozenset[str] = frozenset()
 
     @classmethod
     def check_parallel(cls, hf_config: dict, tp: int) -> None:
@@ -158,9 +161,10 @@ class CausalLM(nn.Module):
         """Whether checkpoint tensor ``name`` reaches :meth:`load_weights` as stored: not
         dequantised (a quantised weight and its scale both pass), and mapped read-only from its
         file by ``models.loader`` rather than read, because the model keeps it in host memory
-        as it is (DeepSeek-V4.1's host-memory engram tables). Such a tensor must never be
-        written. The default keeps nothing."""
-        return False
+        as it is (DeepSeek-V4.1's host-memory engram tables), or copies it into a layer that keeps
+        the checkpoint's format (:attr:`shipped_tensors`). Such a tensor must never be written.
+        The default keeps the shipped tensors; overrides add theirs to it."""
+        return name in self.shipped_tensors
 
     def after_load(self) -> None:
         """Called once by ``models.loader.load_model`` after the weights are in place
@@ -208,7 +212,21 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into parameters and persistent buffers through
         :meth:`remap_weight_name` (:func:`load_module_weights`); submodules named in
         ``optional_modules`` that the checkpoint leaves out entirely are dropped."""
-        load_module_weights(self, weights, self.remap_weight_name, self.optional_modules)
+        load_module_weights(self, weights, self._remap_shipped, self.optional_modules)
+
+    def _remap_shipped(self, name: str) -> str | ParamSlice | OtherRank | None:
+        """:meth:`remap_weight_name`, and for the scale of a shipped tensor (:attr:`shipped_tensors`)
+        the scale beside its weight's destination: ``M.weight`` -> ``M.scale``, rows of an FP4
+        expert stack ``P`` -> the same rows of ``P_scale``."""
+        suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or name not in self.shipped_tensors:
+            return self.remap_weight_name(name)
+        dest = self.remap_weight_name(name[:-len(suffix)] + ".weight")
+        if isinstance(dest, ParamSlice):
+            return ParamSlice(dest.name + "_scale", dest.index)
+        if isinstance(dest, str) and dest.endswith(".weight"):
+            return dest[:-len(".weight")] + ".scale"
+        return dest
 
 
 @torch.no_grad()
@@ -257,6 +275,8 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
             raise ValueError(f"checkpoint tensor {name!r} writes {pname}{_fmt(index)}, "
                              "which an earlier tensor already wrote")
         dst = targets[pname].data[index]
+        if dst.dtype in _STORED_DTYPES:
+            tensor = _as_stored(name, tensor, pname, dst.dtype)
         if not index:
             tensor = shard_of(targets[pname], tensor)
         if tuple(tensor.shape) != tuple(dst.shape):
@@ -281,6 +301,24 @@ def load_module_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Te
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of "
                          f"{type(module).__name__}: {_names(missing)}")
+
+
+# Dtypes of quantised parameters (FP8 codes; packed FP4 codes and UE8M0 scales as bytes): a
+# checkpoint tensor is copied into them bit for bit, never converted.
+_STORED_DTYPES = (torch.float8_e4m3fn, torch.uint8)
+# Storage dtypes of the same bytes in checkpoints: FP4 codes as int8, UE8M0 scales as float8_e8m0fnu.
+_SAME_BYTES = (torch.int8, torch.float8_e8m0fnu, torch.uint8)
+
+
+def _as_stored(name: str, tensor: torch.Tensor, pname: str, dtype: torch.dtype) -> torch.Tensor:
+    """Checkpoint tensor ``name`` as the bytes parameter ``pname`` (of quantised ``dtype``) keeps;
+    ValueError for a tensor of another kind (a 16-bit weight for FP8 codes, say)."""
+    if dtype == torch.uint8 and tensor.dtype in _SAME_BYTES:
+        return tensor.view(torch.uint8)
+    if tensor.dtype != dtype:
+        raise ValueError(f"checkpoint tensor {name!r} has dtype {tensor.dtype}, but {pname} keeps quantised "
+                         f"{dtype} values as the checkpoint ships them; it takes only tensors stored so")
+    return tensor
 
 
 # HF's in-memory layout of a layer's experts, stored whole: ``...experts.gate_up_proj`` [E, 2I, H].

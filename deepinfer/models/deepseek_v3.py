@@ -26,7 +26,7 @@ DeepSeek ships V3 in FP8 (``X.weight`` float8_e4m3fn with per-128x128-tile
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -214,7 +214,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         weights are in, so that the stream is read once.
         """
         if self.mtp is None:
-            super().load_weights(dequantized(weights, self.hf_config))
+            super().load_weights(dequantized(weights, self.hf_config, self.keeps_quantized))
             return
         # Held as stored (FP8 stays FP8 until the MTP loads).
         mtp_weights: list[tuple[str, torch.Tensor]] = []
@@ -230,7 +230,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         # does not count the (optional) MTP parameters.
         mtp = self._modules.pop("mtp")
         try:
-            super().load_weights(dequantized(main_weights(), self.hf_config))
+            super().load_weights(dequantized(main_weights(), self.hf_config, self.keeps_quantized))
         finally:
             self.mtp = mtp
         if mtp_weights:
@@ -300,7 +300,7 @@ class DeepseekV3MTP(CausalLM):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(dequantized(weights, self.hf_config))
+        super().load_weights(dequantized(weights, self.hf_config, self.keeps_quantized))
 
     def remap_weight_name(self, name: str) -> str | ParamSlice | None:
         k = _mtp_index(name, self.args.num_layers)
@@ -311,10 +311,11 @@ class DeepseekV3MTP(CausalLM):
         return super().remap_weight_name(f"layers.{k}.{part}")
 
 
-def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
-                hf_config: dict) -> Iterable[tuple[str, torch.Tensor]]:
+def dequantized(weights: Iterable[tuple[str, torch.Tensor]], hf_config: dict,
+                keep: Callable[[str], bool] | None = None) -> Iterable[tuple[str, torch.Tensor]]:
     """The checkpoint stream with FP8 weights dequantised (float32) and their scales
-    consumed, per config.json's ``quantization_config`` (128x128 tiles by default)."""
+    consumed, per config.json's ``quantization_config`` (128x128 tiles by default); tensors
+    named so that ``keep(name)`` is true pass as stored."""
     quant = hf_config.get("quantization_config") or {}
     method = quant.get("quant_method", "fp8")
     if method != "fp8":
@@ -324,7 +325,7 @@ def dequantized(weights: Iterable[tuple[str, torch.Tensor]],
     if rows != cols:
         raise NotImplementedError(f"quantization_config.weight_block_size={[rows, cols]} is not "
                                   "supported; only square tiles are")
-    return pair_scales(weights, fp8_block=int(rows))
+    return pair_scales(weights, fp8_block=int(rows), keep=keep)
 
 
 def _mtp_index(name: str, num_layers: int) -> int | None:

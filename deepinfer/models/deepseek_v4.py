@@ -460,5 +460,6 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales
-        (the loader already does; direct callers may pass a raw checkpoint stream)."""
-        super().load_weights(pair_scales(weights, fp8_block=self.args.fp8_block))
+        (the loader already does; direct callers may pass a raw checkpoint stream), except those
+        the model keeps as shipped (:meth:`keeps_quantized`)."""
+        super().load_weights(pair_scales(weights, fp8_block=self.args.fp8_block, keep=self.keeps_quantized))

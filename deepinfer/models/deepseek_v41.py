@@ -585,8 +585,9 @@ class DeepseekV41ForCausalLM(CausalLM):
         return int(m["idx"]), "codes" if m["part"] == "weight" else "scales"
 
     def keeps_quantized(self, name: str) -> bool:
-        """The host-memory engram tables and their scales: kept as the checkpoint stores them."""
-        return self._host_table(name) is not None
+        """The host-memory engram tables and their scales, and the shipped tensors of layers kept in
+        the checkpoint's formats: kept as the checkpoint stores them."""
+        return self._host_table(name) is not None or super().keeps_quantized(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load the release layout: vision tensors skipped (one log line), ``mtp.*`` kept in
@@ -614,7 +615,7 @@ class DeepseekV41ForCausalLM(CausalLM):
                 else:
                     yield name, tensor
 
-        super().load_weights(pair_scales(text_only(), fp8_block=32))
+        super().load_weights(pair_scales(text_only(), fp8_block=32, keep=self.keeps_quantized))
         if skipped:
             logger.info("skipped %d vision tensor(s): DeepSeek-V4.1 is served text-only", skipped)
         device = self.lm_head.weight.device

@@ -1,8 +1,9 @@
 """Checkpoint loading: safetensors files -> (name, tensor) stream -> model parameters.
 
 What belongs here: finding and reading a checkpoint's files, turning stored
-FP8/FP4 tensors into floating point (models/quant.py), and building a model
-on its device. Under tensor parallelism tensors are mapped from their files, so
+FP8/FP4 tensors into floating point (models/quant.py), or passing them as stored to
+the layers that keep the checkpoint's formats (models/quantize.py ``keep_shipped``),
+and building a model on its device. Under tensor parallelism tensors are mapped from their files, so
 that a rank reads only the shard it copies. What does not: name mapping and shape checks (``CausalLM.load_weights``
 and the models' ``remap_weight_name``).
 """
@@ -13,7 +14,7 @@ import json
 import logging
 import struct
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -24,7 +25,8 @@ from deepinfer.host_memory import map_file
 from deepinfer.models.base import CausalLM
 from deepinfer.models.dummy import init_dummy_weights
 from deepinfer.models.quant import pair_scales
-from deepinfer.models.quantize import plan_for, quantize_model, weight_bytes
+from deepinfer.models.quantize import (StoredTensor, deferred_weights, keep_shipped, materialize, plan_for,
+                                       quantize_model, weight_bytes)
 from deepinfer.models.registry import get_model_class
 from deepinfer.parallel.groups import current_groups
 
@@ -129,6 +131,15 @@ def iter_weights(path: str, hf_config: dict,
 _QUANTISED_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "I8")
 
 
+def stored_tensors(path: str) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint at ``path`` as its header describes it (nothing else read)."""
+    out = {}
+    for file in checkpoint_files(path):
+        header, _ = _header(file)
+        out.update({k: StoredTensor(e["dtype"], tuple(e["shape"])) for k, e in header.items() if k != "__metadata__"})
+    return out
+
+
 def quantised_checkpoint_bytes(path: str) -> int:
     """Bytes of the checkpoint's FP8 / packed FP4 tensors and scale tensors (from the headers),
     what its weights take as shipped, to compare with what the model keeps quantised."""
@@ -154,7 +165,9 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
     """Build the registered model for the checkpoint's architecture directly on
     ``device`` in ``model_config.dtype``, load its weights (or, with ``load_format="dummy"``,
     fill them with random values from ``seed``), keep the weights ``model_config.quantization``
-    asks for quantised (models/quantize.py), run its ``after_load`` hook (weight re-layout such
+    asks for quantised (models/quantize.py: the layers that keep a checkpoint's own formats are
+    made quantised before loading and take its bytes as stored, without a 16-bit copy; the
+    others are quantised after loading), run its ``after_load`` hook (weight re-layout such
     as fused projections), log the weights' bytes in device memory by kind
     (``model.weight_bytes``), and put it in eval mode. Built under an expert-parallel group
     (``parallel.groups.use_groups``), the model holds and reads only this rank's routed experts."""
@@ -165,8 +178,17 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
         raise ValueError(f"kv_cache_dtype={kv_dtype!r} is not supported for {model_config.architecture}; "
                          f"supported: {supported}")
     options = {"kv_cache_dtype": kv_dtype} if model_cls.kv_cache_dtypes else {}
-    with torch.device(device), _default_dtype(model_config.dtype):
+    plan = plan_for(model_config.hf_config, model_config.quantization, device)
+    # With a plan, the layers that keep the checkpoint's formats must never hold 16-bit weights:
+    # linear and expert weights are built without memory until keep_shipped has chosen them.
+    shipped = plan is not None and model_config.load_format != "dummy"
+    with torch.device(device), _default_dtype(model_config.dtype), deferred_weights() if shipped else nullcontext():
         model = model_cls(model_config.hf_config, model_config.dtype, **options)
+    if shipped:
+        kept = keep_shipped(model, plan, stored_tensors(model_config.path), device)
+        materialize(model, device)
+        logger.info("loading as shipped: %d FP8 linear layers, %d FP4 expert layers (%d checkpoint tensors)",
+                    kept["fp8_linears"], kept["fp4_expert_layers"], len(model.shipped_tensors))
     model.load_assets(model_config.path)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, seed)
@@ -177,12 +199,11 @@ def load_model(model_config: ModelConfig, device: torch.device, seed: int = 0) -
         sharded = not current_groups().tp.is_single
         model.load_weights(iter_weights(model_config.path, model_config.hf_config, model.keeps_quantized,
                                         model.skips_tensor, map_all=sharded))
-    plan = plan_for(model_config.hf_config, model_config.quantization, device)
     if plan is not None:
         counts = quantize_model(model, plan)
         logger.info("weights kept as %s: %d FP8 linear layers (%dx%d blocks, %s scales), %d FP4 expert layers "
-                    "(%s scales)", plan.label, counts["fp8_linears"], *plan.block, plan.scale_format,
-                    counts["fp4_expert_layers"], plan.expert_scale_format)
+                    "(%s scales) quantised after loading", plan.label, counts["fp8_linears"], *plan.block,
+                    plan.scale_format, counts["fp4_expert_layers"], plan.expert_scale_format)
     model.after_load()
     model.weight_bytes = weight_bytes(model)
     logger.info("weights in %s memory: %.3f GiB (FP8 %.3f, FP4 %.3f, other %.3f)", device.type,
