@@ -13,7 +13,7 @@ import triton.language as tl
 from deepinfer.kernels import backend, kv_records, reference
 from deepinfer.kernels.kv_records import store_records
 from deepinfer.kv_spec import KVCacheSpec, record_bytes
-from tests.kernels.test_v41_kv_formats import random_inputs
+from tests.kernels.kv_inputs import random_inputs
 
 FORMATS = ("mxfp8", "nvfp4", "mxfp4")
 ROUND = {"mxfp8": reference.round_mxfp8, "nvfp4": reference.round_nvfp4, "mxfp4": reference.round_mxfp4}
