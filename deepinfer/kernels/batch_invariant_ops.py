@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import pdl
+
 # One tile config for every M (never chosen by shape): 64 x 64 output tiles and 32-deep K
 # steps fill a Hopper warpgroup MMA for 16-bit inputs; float32 inputs take exact (non-TF32)
 # products on CUDA cores, as torch's default float32 matmul does.
@@ -44,7 +46,8 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                 stride_cb, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -86,7 +89,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
                       b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), out.stride(2),
                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                       DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                      num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES)
+                      num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES, **pdl.flags(out.device))
     return out
 
 
@@ -103,7 +106,8 @@ SUM, MEAN, LOGSUMEXP, SOFTMAX, LOG_SOFTMAX = 0, 1, 2, 3, 4
 
 @triton.jit(do_not_specialize=["stride_x", "stride_out"])
 def _row_reduce_kernel(x_ptr, out_ptr, n, stride_x, stride_out,
-                       OP: tl.constexpr, BLOCK: tl.constexpr):
+                       OP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -158,7 +162,7 @@ def _launch_rows(rows: torch.Tensor, out: torch.Tensor, op: int) -> None:
     if rows.shape[0] == 0:
         return
     _row_reduce_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), out.stride(0),
-                                         OP=op, BLOCK=ROW_BLOCK, num_warps=ROW_WARPS)
+                                         OP=op, BLOCK=ROW_BLOCK, num_warps=ROW_WARPS, **pdl.flags(out.device))
 
 
 def _dims(x: torch.Tensor, dim: int | list[int] | tuple[int, ...] | None) -> list[int]:

@@ -119,12 +119,12 @@ class _HostList(list):
 _BACKEND_ROPE_ATTENTION = backend.rope_attention
 
 
-def triton_rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale):
+def triton_rope_attention(q, positions, inv_freq, scaling, eps, sources, sinks, scale, formats=None):
     """backend.rope_attention with the Triton rope kernels around the attention (what a CUDA
     run launches below the Gluon threshold)."""
     from deepinfer.kernels import deepseek_v4_rope
     q = deepseek_v4_rope.q_norm_rope(q, positions, inv_freq, scaling, eps)
-    out = backend.sparse_attention(q, sources, sinks, scale)
+    out = backend.sparse_attention(q, sources, sinks, scale, formats=formats)
     return deepseek_v4_rope.interleaved_rope_(out, positions, inv_freq, scaling, inverse=True)
 
 
