@@ -42,7 +42,9 @@ def apply_device_defaults(args: argparse.Namespace, device_type: str) -> None:
             setattr(args, name, value)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, measured: bool = True) -> None:
+    """The model and engine options; ``measured``: also those of the benchmarks that time
+    against floors and HF (prefill, decode, curve), which ``bench multiturn`` has no use for."""
     p.add_argument("--config", "--model", dest="config", default=None,
                    help="model shapes: a preset (deepseek-v4-flash, deepseek-v4.1-flash) or a config.json / "
                         "model directory; weights are random, no checkpoint is read (default: "
@@ -63,19 +65,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="engine token budget per step (default: prefill batch x prompt; decode max(4096, B))")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps (prefill: rounds) first")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="overlapped scheduling (default on)")
     p.add_argument("--output-json", default=None, help="write the result as JSON to this path")
-    p.add_argument("--floor-copy-mib", type=int, default=None,
-                   help="size of the bandwidth probe's copy (default: 2048 on CUDA, 64 on the CPU)")
-    p.add_argument("--floor-matmul-n", type=int, default=None,
-                   help="size of the matmul-rate probe, n^3 (default: 8192 on CUDA, 512 on the CPU)")
-    p.add_argument("--batch-invariant", action="store_true",
-                   help="also measure the same model in batch-invariant mode, in the same run, and report "
-                        "its time against the normal mode's (bench prefill, decode and curve)")
+    if measured:
+        p.add_argument("--warmup", type=int, default=3, help="untimed steps (prefill: rounds) first")
+        p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+        p.add_argument("--floor-copy-mib", type=int, default=None,
+                       help="size of the bandwidth probe's copy (default: 2048 on CUDA, 64 on the CPU)")
+        p.add_argument("--floor-matmul-n", type=int, default=None,
+                       help="size of the matmul-rate probe, n^3 (default: 8192 on CUDA, 512 on the CPU)")
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="also measure the same model in batch-invariant mode, in the same run, and report "
+                            "its time against the normal mode's (bench prefill, decode and curve)")
 
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
@@ -140,7 +143,7 @@ def add_curve_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_multiturn_args(p: argparse.ArgumentParser) -> None:
-    add_model_args(p)
+    add_model_args(p, measured=False)
     p.add_argument("--system-len", type=int, default=2000, help="tokens of the shared system prompt")
     p.add_argument("--conversations", type=int, default=64, help="conversations, all open at once")
     p.add_argument("--turns", type=int, default=4, help="turns of each conversation")
