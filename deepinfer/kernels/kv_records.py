@@ -91,7 +91,7 @@ def e4m3_value(code):
 
 @triton.jit
 def e2m1_code(q):
-    """float32 q in [-6, 6] -> E2M1 code (int32 0..15), as :func:`reference._e2m1_codes`."""
+    """float32 q in [-6, 6] -> E2M1 code (int32 0..15), as :func:`reference.e2m1_codes`."""
     mag = tl.abs(q)
     index = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
              + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)

@@ -922,12 +922,13 @@ def _e8m0_scale(exps: torch.Tensor) -> torch.Tensor:
     return (exps.to(torch.int32) << 23).view(torch.float32)
 
 
-def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(q: torch.Tensor, negative_zero: bool = True) -> torch.Tensor:
     """float32 q in [-6, 6] -> uint8 E2M1 codes (same shape), rounding to nearest, ties to even.
 
     mlx-lm's thresholds: a tie rounds to the even code (in values: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1,
     1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). mlx-lm multiplies by ``sign(q)``: a negative q that rounds to zero
-    gives -0 (sign bit set), while a zero q (+0 or -0) gives +0.
+    gives -0 (sign bit set), while a zero q (+0 or -0) gives +0. ``negative_zero=False`` stores
+    every zero as +0 (code 0), as weight quantisers do.
     """
     mag = q.abs()
     index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
@@ -935,7 +936,8 @@ def _e2m1_codes(q: torch.Tensor) -> torch.Tensor:
         index += mag > threshold
     for threshold in (0.75, 1.75, 3.5):
         index += mag >= threshold
-    return index | ((q < 0).to(torch.uint8) << 3)
+    negative = q < 0 if negative_zero else (q < 0) & (index > 0)
+    return index | (negative.to(torch.uint8) << 3)
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -981,7 +983,7 @@ def _encode_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # mlx's E4M3 cast saturates to 448; the clamp does so whether or not torch's cast saturates.
     scale_bytes = (amax / 6.0).clamp_max(448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     scale = scale_bytes.view(torch.float8_e4m3fn).float()
-    return _e2m1_codes((blocks / scale).clamp(-6.0, 6.0)), scale_bytes
+    return e2m1_codes((blocks / scale).clamp(-6.0, 6.0)), scale_bytes
 
 
 def _decode_nvfp4(codes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
@@ -994,7 +996,7 @@ def _encode_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _blocks(x, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(6.0 * 2.0**-126)   # scale >= 2 ** -126
     exps = _pow2_exponent(amax, 6.0)
-    return _e2m1_codes((blocks / _e8m0_scale(exps)).clamp(-6.0, 6.0)), exps
+    return e2m1_codes((blocks / _e8m0_scale(exps)).clamp(-6.0, 6.0)), exps
 
 
 def _decode_mxfp4(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
@@ -1019,7 +1021,7 @@ def round_nvfp4(x: torch.Tensor) -> torch.Tensor:
 
     Each block of 16 channels gets the scale ``E4M3(max(amax, 6 * 2 ** -9) / 6)``: the quotient is
     rounded to E4M3 to nearest even, saturating at 448, so the scale is not always above amax / 6 and
-    x / scale is clipped to [-6, 6] before rounding to E2M1 (:func:`_e2m1_codes`). No global scale.
+    x / scale is clipped to [-6, 6] before rounding to E2M1 (:func:`e2m1_codes`). No global scale.
     Not idempotent for 9 * 2 ** -9 <= amax <= 10 * 2 ** -9: the subnormal scale rounds up to 2 ** -8,
     amax rounds to 2 ** -6, whose own scale is 2 ** -9, so a second rounding clips it to 6 * 2 ** -9.
     """
@@ -1032,7 +1034,7 @@ def round_mxfp4(x: torch.Tensor) -> torch.Tensor:
     -> x's shape and dtype.
 
     Each block of 32 channels gets the scale ``2 ** ceil(log2(max(amax, 6 * 2 ** -126) / 6))`` (see
-    :func:`_pow2_exponent`); x / scale is clipped to [-6, 6] and rounded to E2M1 (:func:`_e2m1_codes`).
+    :func:`_pow2_exponent`); x / scale is clipped to [-6, 6] and rounded to E2M1 (:func:`e2m1_codes`).
     """
     codes, exps = _encode_mxfp4(x)
     return _decode_mxfp4(codes, exps).reshape(x.shape).to(x.dtype)

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from deepinfer.kernels.reference import e2m1_codes
+
 # The 16 e2m1 code points, indexed by the 4-bit code (sign bit is bit 3).
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -212,13 +214,5 @@ def quant_fp4_e2m1(weight: torch.Tensor, group: int = 32,
                          f"of the group size {group}")
     blocks = weight.float().reshape(*weight.shape[:-1], cols // group, group)
     s, stored = _scales(blocks.abs().amax(dim=-1, keepdim=True), 6.0, scale_format)
-    q = (blocks / s).clamp(-6.0, 6.0)
-    mag = q.abs()
-    # Thresholds between the magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6): a tie goes to the even code.
-    index = torch.zeros(q.shape, dtype=torch.uint8, device=q.device)
-    for threshold in (0.25, 1.25, 2.5, 5.0):
-        index += mag > threshold
-    for threshold in (0.75, 1.75, 3.5):
-        index += mag >= threshold
-    codes = (index | ((q < 0) & (index > 0)).to(torch.uint8) << 3).reshape(weight.shape)
+    codes = e2m1_codes((blocks / s).clamp(-6.0, 6.0), negative_zero=False).reshape(weight.shape)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), stored.squeeze(-1)
