@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fused_moe import MoEConfig, _tile, moe_align, pick_config, sum_slots
+from deepinfer.kernels.fused_moe import MoEConfig, _tile, check_routing, moe_align, pick_config, sum_slots
 
 GROUP = 32          # inputs per scale
 
@@ -211,11 +211,7 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     _check_fp4(down_q, down_s, e, h, i, "down")
     if gate_up_s.dtype != down_s.dtype:
         raise ValueError(f"fp4_moe: gate_up scales ({gate_up_s.dtype}) and down scales ({down_s.dtype}) differ")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"fp4_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
-                         f"{tuple(topk_ids.shape)} must both be [T={t}, K]")
-    if swiglu_limit < 0:
-        raise ValueError(f"fp4_moe: swiglu_limit={swiglu_limit} must be >= 0 (0: no clamp)")
+    check_routing("fp4_moe", t, topk_weights, topk_ids, swiglu_limit)
     k = topk_ids.shape[1]
     pairs = t * k
     if pairs == 0:

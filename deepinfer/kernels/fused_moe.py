@@ -577,6 +577,18 @@ def moe_down(act: torch.Tensor, down_proj: torch.Tensor, topk_weights: torch.Ten
         num_warps=cfg.num_warps, num_stages=stages, **pdl.flags(act.device))
 
 
+def check_routing(op: str, t: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  swiglu_limit: float) -> None:
+    """The routing operands every MoE kernel takes (``op`` names the caller in the error)."""
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{op}: topk_weights {tuple(topk_weights.shape)} and topk_ids "
+                         f"{tuple(topk_ids.shape)} must both be [T={t}, K]")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if swiglu_limit < 0:
+        raise ValueError(f"{op}: swiglu_limit={swiglu_limit} must be >= 0 (0: no clamp)")
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: float = 0.0,
               config: MoEConfig | None = None, packed: bool = False, invariant: bool = False) -> torch.Tensor:
@@ -614,19 +626,13 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         e, i = gate_up_proj.shape[0], gate_up_proj.shape[1] // 2
         if down_proj.shape != (e, h, i):
             raise ValueError(f"fused_moe: down_proj has shape {tuple(down_proj.shape)}, expected ({e}, {h}, {i})")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"fused_moe: topk_weights {tuple(topk_weights.shape)} and topk_ids "
-                         f"{tuple(topk_ids.shape)} must both be [T={t}, K]")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"fused_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    check_routing("fused_moe", t, topk_weights, topk_ids, swiglu_limit)
     if x.dtype != gate_up_proj.dtype or x.dtype != down_proj.dtype:
         raise ValueError(f"fused_moe: x ({x.dtype}), gate_up_proj ({gate_up_proj.dtype}) and "
                          f"down_proj ({down_proj.dtype}) must share a dtype")
     for name, w in (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
         if w.stride(-1) != 1:
             raise ValueError(f"fused_moe: {name} must have unit stride in its last dim")
-    if swiglu_limit < 0:
-        raise ValueError(f"fused_moe: swiglu_limit={swiglu_limit} must be >= 0 (0: no clamp)")
     k = topk_ids.shape[1]
     pairs = t * k
     if pairs == 0:
