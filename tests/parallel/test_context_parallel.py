@@ -6,7 +6,6 @@ with prompt lengths not divisible by 2 * cp, under chunked prefill and whole-pro
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 from pathlib import Path
 
@@ -19,27 +18,9 @@ from deepinfer.config import ParallelConfig
 from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.parallel.context import Piece, split_tokens, token_layout, zigzag_chunks
 from tests.engine.conftest import make_checkpoint
+from tests.parallel.shapes import ENGINE_OPTIONS, LOGPROB_TOL, MOE, TINY_V4, V3
 
-TINY_V4 = Path(__file__).resolve().parents[1] / "data" / "tiny-v4-model"
-# V4.1's default FP8/FP4 KV records round: a last-bit difference in a rounded entry can move a
-# logprob past the tolerance, so it is compared with unrounded float32 caches.
-ENGINE_OPTIONS = {"DeepseekV41ForCausalLM": dict(kv_cache_dtype="float32")}
-HANG_TIMEOUT_S = 240
-LOGPROB_TOL = 1e-5
 NEW_TOKENS = 6
-
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
-V3 = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4,
-          q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-          n_shared_experts=1)
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 # -- the split ----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ loads, naming the field."""
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 import re
 from pathlib import Path
@@ -17,22 +16,13 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.cli import build_parser, engine_kwargs
 from deepinfer.metrics import Counter, Gauge
 from tests.engine.conftest import make_checkpoint
+from tests.parallel.shapes import MOE
 
 pytest.importorskip("transformers")
 
-# A hang anywhere (a collective that never completes) ends the test process with tracebacks.
-HANG_TIMEOUT_S = 240
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
 PROMPTS = ["The quick brown fox", "In a hole in the ground there lived", "1, 2, 3, 4,"]
 NEW_TOKENS = 10
 EPLB = dict(enable_eplb=True, num_redundant_experts=2, eplb_window_size=4, eplb_step_interval=3)
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="module")

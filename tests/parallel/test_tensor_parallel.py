@@ -5,7 +5,6 @@ bad sizes refused before anything loads. The engine tests run the same code at t
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -30,30 +29,9 @@ from deepinfer.parallel.tensor import (
     shard_of,
 )
 from tests.engine.conftest import make_checkpoint
+from tests.parallel.shapes import ENGINE_OPTIONS, LOGPROB_TOL, MOE, TINY_V4, V3
 
-TINY_V4 = Path(__file__).resolve().parents[1] / "data" / "tiny-v4-model"
-# The packed FP8/FP4 KV records of V4.1 (its default) round, so a last-bit difference in a
-# cached entry can move a logprob by more than the tolerance: compare with unrounded float32.
-ENGINE_OPTIONS = {"DeepseekV41ForCausalLM": dict(kv_cache_dtype="float32")}
-
-# A hang anywhere (a collective that never completes) ends the test process with tracebacks.
-HANG_TIMEOUT_S = 240
-LOGPROB_TOL = 1e-5
 NEW_TOKENS = 8
-
-MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16)
-V3 = dict(intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=4,
-          q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-          n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-          n_shared_experts=1)
-
-
-@pytest.fixture(autouse=True)
-def hang_guard():
-    faulthandler.dump_traceback_later(HANG_TIMEOUT_S, exit=True)
-    yield
-    faulthandler.cancel_dump_traceback_later()
-
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
