@@ -18,7 +18,11 @@ layer k on the main model's pre-head streams at positions p and the embeddings
 of the tokens at p+1 (same ``ctx`` positions p), giving hidden states whose
 logits predict the tokens at p+2. MTP layers have KV caches of their own, so
 they must see every position of a sequence. A checkpoint without any ``mtp.*``
-tensors (HF transformers drops them) loads without MTP layers.
+tensors (HF transformers drops them) loads without MTP layers. A checkpoint whose config
+has ``dspark_block_size`` (V4-Flash-0731, V4-Flash-DSpark) ships a DSpark drafter as its
+``mtp.*`` (models/dspark.py): it gets no MTP layer, its ``mtp.*`` tensors are kept in
+``drafter_tensors``, and the forward captures the drafter's target features
+(:class:`FeatureCapture`).
 
 Checkpoint names: HF's (``model.layers.N.self_attn.q_a_proj.weight``,
 stacked ``mlp.experts.gate_up_proj``) and DeepSeek's own
