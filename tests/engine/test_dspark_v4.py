@@ -6,13 +6,11 @@ FP8 KV records), the acceptance counters move, and every proposal the engine mak
 drafter module's run standalone on a full forward's features at that position.
 
 Random drafts are almost never right, so the acceptance tests use a drafter whose Markov head
-knows the target's greedy bigrams (rank = vocabulary, ``markov_w1`` the identity,
-``markov_w2`` a large bias from each token to its most frequent successor): its drafts are
-often, not always, right."""
+knows the target's greedy bigrams (``write_bigram_checkpoint``): its drafts are often, not
+always, right."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from deepinfer.forward_context import ForwardContext
 from deepinfer.models.deepseek_v4 import FeatureCapture
 from deepinfer.models.dspark import window_positions
 
-from ..models.v4_dspark_checkpoint import BLOCK, STAGES, dspark_config, random_tensors, write_checkpoint
+from ..models.v4_dspark_checkpoint import BLOCK, write_bigram_checkpoint, write_checkpoint
 
 VOCAB = 1000
 DSPARK = {"method": "dspark", "num_speculative_tokens": BLOCK}
@@ -55,20 +53,8 @@ def random_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bigram_ckpt(tmp_path_factory, random_ckpt) -> Path:
     base = LLM(model=str(random_ckpt), device="cpu", dtype="float32")
-    successors: dict[int, Counter] = {}
-    for p, out in zip(prompts(), run(base, prompts())):
-        seq = p + out
-        for a, b in zip(seq[len(p) - 1:], seq[len(p):]):
-            successors.setdefault(a, Counter())[b] += 1
-    config = {**dspark_config(), "dspark_markov_rank": VOCAB}
-    tensors = random_tensors(config, rank=VOCAB)
-    last = f"mtp.{STAGES - 1}."
-    bias = torch.zeros(VOCAB, VOCAB)
-    for a, counts in successors.items():
-        bias[counts.most_common(1)[0][0], a] = 30.0
-    tensors[last + "markov_head.markov_w1.weight"] = torch.eye(VOCAB)
-    tensors[last + "markov_head.markov_w2.weight"] = bias
-    return write_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram", tensors, config)
+    return write_bigram_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram",
+                                   list(zip(prompts(), run(base, prompts()))))
 
 
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -120,3 +122,25 @@ def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor] | None = None,
     save_file({**backbone, **(quantised(tensors) if quantise else tensors)}, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def write_bigram_checkpoint(out: Path, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Path:
+    """A drafter whose Markov head knows the target's bigrams: from (prompt, greedy output)
+    pairs, each token's most frequent successor gets a bias of 30 (rank = vocabulary,
+    ``markov_w1`` the identity, ``markov_w2`` the bias), the rest random. Its drafts are
+    often, not always, right: verification accepts some and rejects others."""
+    config = {**dspark_config(), "dspark_markov_rank": dspark_config()["vocab_size"]}
+    vocab = config["vocab_size"]
+    successors: dict[int, Counter] = {}
+    for prompt, output in sequences:
+        seq = list(prompt) + list(output)
+        for a, b in zip(seq[len(prompt) - 1:], seq[len(prompt):]):
+            successors.setdefault(a, Counter())[b] += 1
+    bias = torch.zeros(vocab, vocab)
+    for a, counts in successors.items():
+        bias[counts.most_common(1)[0][0], a] = 30.0
+    tensors = random_tensors(config, rank=vocab)
+    last = f"mtp.{STAGES - 1}."
+    tensors[last + "markov_head.markov_w1.weight"] = torch.eye(vocab)
+    tensors[last + "markov_head.markov_w2.weight"] = bias
+    return write_checkpoint(out, tensors, config)
