@@ -405,8 +405,8 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r} is not a drafter (mtp.*) tensor")
         i, rest = int(m["idx"]), m["rest"]
         if i >= self.cfg.num_stages:
-            raise ValueError(f"checkpoint tensor {name!r} belongs to stage {i}, but the config has "
-                             f"{self.cfg.num_stages} (num_nextn_predict_layers)")
+            raise ValueError(f"checkpoint tensor {name!r} belongs to stage {i}, but the drafter has "
+                             f"{self.cfg.num_stages} stages (num_nextn_predict_layers; V4: its mtp.N tensors)")
         if rest.endswith(_SKIPPED_SUFFIXES) and self.cfg.variant == "v4.1":
             return None
         own = _HEAD_RENAMES[self.cfg.variant].get(rest) or _SHARED_RENAMES.get(rest)

@@ -88,6 +88,8 @@ def test_wrong_tensors_are_named(target):
         load_with({"mtp.1.hc_head_fn": tensors["mtp.2.hc_head_fn"]})           # the head is the last stage's
     with pytest.raises(ValueError, match=r"mtp\.0\.ffn\.gate\.bias_vl"):
         load_with({"mtp.0.ffn.gate.bias_vl": torch.zeros(8)})                  # V4 ships none
+    with pytest.raises(ValueError, match=r"mtp\.3\.attn_norm\.weight.*stage 3.*3"):
+        load_with({"mtp.3.attn_norm.weight": torch.ones(128)})                # a stage the drafter lacks
     with pytest.raises(ValueError, match=r"mtp\.0\.markov_head\.embed\.weight"):
         load_with({"mtp.0.markov_head.embed.weight": torch.zeros(1000, 16)})   # V4.1's name
 
@@ -102,6 +104,9 @@ def test_loader_trap_and_configs_without_dspark(target, tmp_path):
     with pytest.raises(NotImplementedError, match="DSpark drafter.*method='dspark'"):
         target.mtp_forward(torch.zeros(1, 4, 128), torch.zeros(1, dtype=torch.long), None)
     config = dspark_config()
+    far = load(write_checkpoint(tmp_path / "far", config={**config, "dspark_target_layer_ids": [1, 2, 4]}))
+    with pytest.raises(ValueError, match=r"dspark_target_layer_ids \[1, 2, 4\].*\[5\] outside the target's 4"):
+        DSparkDrafter.from_target(far)                                         # capture-after: 4 + 1
     plain = {k: v for k, v in config.items() if not k.startswith("dspark_")}
     # DSpark tensors under a config without DSpark: its MTP layer refuses them by name
     # rather than half-loading them.

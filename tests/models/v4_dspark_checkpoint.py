@@ -1,8 +1,9 @@
 """A tiny DeepSeek-V4 checkpoint that ships a DSpark drafter as V4-Flash-0731 / V4-Flash-DSpark
 do: tests/data/tiny-v4-model plus ``mtp.{0,1,2}.*`` tensors under their shipped names and
 formats (FP8 e4m3 projections with float32 128 x 128 block scales, packed FP4 routed experts
-with a scale per 32 inputs, the rest float32), random values, and the DSpark config keys (with
-``num_nextn_predict_layers`` 1, as V4-Flash-0731's HF config says for its 3 stages).
+with a scale per 32 inputs, the rest float32; the backbone stays float32), random values, and
+the DSpark config keys (with ``num_nextn_predict_layers`` 1, as V4-Flash-0731's HF config says
+for its 3 stages) and V4's ``quantization_config``.
 
 The names and shapes are written from the shipped inventory (dspark_module.md §1.2), not from
 the module, so a loader that expects other names or shapes fails here.
@@ -36,7 +37,8 @@ _FP8 = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_
 def dspark_config() -> dict:
     config = json.loads((TINY_V4 / "config.json").read_text())
     config.update(dspark_block_size=BLOCK, dspark_noise_token_id=NOISE, dspark_target_layer_ids=TARGET_LAYERS,
-                  dspark_markov_rank=RANK, num_nextn_predict_layers=1)
+                  dspark_markov_rank=RANK, num_nextn_predict_layers=1,
+                  quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"})
     return config
 
 
