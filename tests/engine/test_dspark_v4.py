@@ -132,3 +132,14 @@ def test_engine_drafts_equal_the_module_standalone(random_ckpt, settings):
                 assert got.tokens[0].tolist() == tokens, (req_id, last)
         checked += 1
     assert checked >= 2 * 4 * 20 and shifted > checked // 2
+
+
+def test_methods_refused_by_checkpoint(random_ckpt):
+    """A V4 DSpark checkpoint refuses method='mtp' (its mtp.* blocks are the DSpark drafter, not
+    MTP layers); a V4 checkpoint without DSpark refuses method='dspark'."""
+    from ..models.v4_dspark_checkpoint import TINY_V4
+
+    with pytest.raises(NotImplementedError, match="DSpark drafter.*method='dspark'"):
+        LLM(model=str(random_ckpt), device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="no DSpark module.*dspark_block_size"):
+        LLM(model=str(TINY_V4), device="cpu", speculative_config=DSPARK)
