@@ -18,7 +18,11 @@ layer k on the main model's pre-head streams at positions p and the embeddings
 of the tokens at p+1 (same ``ctx`` positions p), giving hidden states whose
 logits predict the tokens at p+2. MTP layers have KV caches of their own, so
 they must see every position of a sequence. A checkpoint without any ``mtp.*``
-tensors (HF transformers drops them) loads without MTP layers.
+tensors (HF transformers drops them) loads without MTP layers. A checkpoint whose config
+has ``dspark_block_size`` (V4-Flash-0731, V4-Flash-DSpark) ships a DSpark drafter as its
+``mtp.*`` (models/dspark.py): it gets no MTP layer, its ``mtp.*`` tensors are kept in
+``drafter_tensors``, and the forward captures the drafter's target features
+(:class:`FeatureCapture`).
 
 Checkpoint names: HF's (``model.layers.N.self_attn.q_a_proj.weight``,
 stacked ``mlp.experts.gate_up_proj``) and DeepSeek's own
@@ -67,6 +71,16 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 _DEFAULT_NUM_HASH_LAYERS = 3
 
 
+def has_dspark(hf_config: dict) -> bool:
+    """Whether a config ships a DSpark drafter (its ``mtp.*`` tensors): ``dspark_block_size`` is set."""
+    return hf_config.get("dspark_block_size") is not None
+
+
+def text_config(hf_config: dict) -> dict:
+    """The config with DeepseekV4Config's defaults filled in (what models/dspark.py reads)."""
+    return {**_HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
+
+
 @dataclass(frozen=True)
 class DeepseekV4Args:
     """The HF config resolved the way ``DeepseekV4Config.__post_init__`` resolves it."""
@@ -103,8 +117,13 @@ class DeepseekV4Args:
 
     @classmethod
     def from_hf(cls, hf_config: dict) -> "DeepseekV4Args":
-        cfg = {**_HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
+        cfg = text_config(hf_config)
         n, m = int(cfg["num_hidden_layers"]), int(cfg["num_nextn_predict_layers"])
+        if has_dspark(cfg):
+            # The mtp.* blocks of a DSpark checkpoint (V4-Flash-0731 / -DSpark) are its DSpark
+            # drafter (models/dspark.py), not MTP layers: a prefix-remapping MTP loader would
+            # half-load them, so no MTP layer is built.
+            m = 0
         for key, want in (("num_key_value_heads", 1), ("n_shared_experts", 1), ("hidden_act", "silu"),
                           ("attention_bias", False), ("mlp_bias", False)):
             if cfg[key] != want:
@@ -281,16 +300,59 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(args.hc_mult, args.hidden_size, args.hc_eps, args.rms_norm_eps)
         self.rotary_emb = DeepseekV4Rope(args)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # input_ids: [T] -> pre-head streams [T, n, Hd]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                capture: FeatureCapture | None = None) -> torch.Tensor:
+        # input_ids: [T] -> pre-head streams [T, n, Hd]; ``capture``: also write DSpark's
+        # target features of the rows it asks for (FeatureCapture)
         # The n streams start as n copies of the embedding, left as a view (stream stride 0):
         # the first connection's kernels read the one row n times, bit for bit what they read
         # from n written copies, and its hc_post writes the first materialised streams.
         streams = self.embed_tokens(input_ids)[:, None, :].expand(-1, self.hc_mult, -1)     # [T, n, Hd]
         ropes = self.rotary_emb.by_type()
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if capture is not None:
+                capture.record(i, streams, capture.rows)
             streams = layer(streams, input_ids, ctx, ropes)
+        if capture is not None:
+            capture.record(len(self.layers), streams, capture.rows)
         return streams
+
+
+@dataclass
+class FeatureCapture:
+    """A forward's request for DSpark target features (models/dspark.py): for each asked row,
+    the mean of the n streams *entering* each of ``layer_ids`` (``num_hidden_layers``: the
+    final streams, before the head's collapse), concatenated in that order into ``out``
+    [R, M*Hd], which the forward writes in place (a fixed buffer: CUDA-graph replays write it
+    again; no host sync). DeepSeek-V4 (capture-after ids) asks for its ids + 1.
+
+    Bounded replay (DeepSeek-V4.1): the layers from ``late_start`` on compute only each
+    sequence's replayed rows (positions >= its ``replay_start``), so a row asked of such a
+    layer must be a replayed one; a row that is not gets zeros there. DSpark reads the last
+    ``sliding_window`` committed positions, which replay always covers
+    (``replay_keep_tokens`` keeps at least a window), so the rows to ask are at most the last
+    window of each sequence's new tokens.
+    """
+
+    layer_ids: tuple[int, ...]
+    rows: torch.Tensor                  # [R] int64 rows of the flattened batch
+    out: torch.Tensor                   # [R, M*Hd]
+
+    @classmethod
+    def new(cls, layer_ids: tuple[int, ...], rows: torch.Tensor, hidden_size: int,
+            dtype: torch.dtype) -> "FeatureCapture":
+        return cls(tuple(layer_ids), rows, torch.zeros(rows.shape[0], len(layer_ids) * hidden_size,
+                                                       dtype=dtype, device=rows.device))
+
+    def record(self, layer_idx: int, streams: torch.Tensor, rows: torch.Tensor) -> None:
+        """streams [T', n, Hd] entering layer ``layer_idx``; rows [R] each asked row's index in
+        them (-1: not computed here)."""
+        if layer_idx not in self.layer_ids:
+            return
+        d = streams.shape[-1]
+        k = self.layer_ids.index(layer_idx)
+        mean = streams.index_select(0, rows.clamp(min=0)).float().mean(dim=1)           # [R, Hd]
+        self.out[:, k * d:(k + 1) * d] = torch.where(rows[:, None] >= 0, mean, 0.0).to(self.out.dtype)
 
 
 # DeepSeek's in-layer names of the parts V4 and V4.1 share -> ours (HF's), matched on whole
@@ -407,11 +469,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
         self.mtp = nn.ModuleList(DeepseekV4MTPLayer(a, a.num_layers + i, dtype, fp8_kv, self.packed_kv)
                                  for i in range(a.num_mtp_layers))
+        # A DSpark checkpoint's mtp.* tensors, kept as loaded for the drafter
+        # (models/dspark.py DSparkDrafter.from_target); no MTP layer is built for them.
+        self.has_dspark = has_dspark(hf_config)
+        self.drafter_tensors: dict[str, torch.Tensor] = {}
 
     # -- forward -------------------------------------------------------------------
-    def forward_streams(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids [T] -> the last layer's streams [T, n, Hd] (before hc_head), as MTP takes them."""
-        return self.model(input_ids, ctx)
+    def forward_streams(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                        capture: FeatureCapture | None = None) -> torch.Tensor:
+        """input_ids [T] -> the last layer's streams [T, n, Hd] (before hc_head), as MTP takes them;
+        ``capture``: DSpark's target features too (FeatureCapture)."""
+        return self.model(input_ids, ctx, capture)
 
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """Streams [T, n, Hd] -> hidden states [T, Hd] for :meth:`compute_logits`."""
@@ -421,15 +489,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         return self.head(self.forward_streams(input_ids, ctx))
 
     def forward_rows(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                     select: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                     select: Callable[[torch.Tensor], torch.Tensor],
+                     capture: FeatureCapture | None = None) -> torch.Tensor:
         """The head mixing and the final norm on the selected rows' streams only: at a
         4,096-token prefill that samples one row they took 117 us over all rows (H200)."""
-        return self.head(select(self.forward_streams(input_ids, ctx)))
+        return self.head(select(self.forward_streams(input_ids, ctx, capture)))
 
     def mtp_forward(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: ForwardContext,
                     k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer k: streams [T, n, Hd] at positions p (``ctx``), next_ids [T] the tokens at p+1
         -> (hidden [T, Hd] for compute_logits, predicting p+2; the layer's output streams [T, n, Hd])."""
+        if self.has_dspark:
+            raise NotImplementedError("this checkpoint's mtp.* tensors are a DSpark drafter (its config has "
+                                      "dspark_block_size), not MTP layers: use speculative_config method='dspark'")
         if not 0 <= k < len(self.mtp):
             raise ValueError(f"MTP layer {k} does not exist: this model has {len(self.mtp)} MTP layer(s)")
         layer = self.mtp[k]
@@ -461,5 +533,18 @@ class DeepseekV4ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF- or DeepSeek-named tensors, dequantising FP8/FP4 ones with their scales
         (the loader already does; direct callers may pass a raw checkpoint stream), except those
-        the model keeps as shipped (:meth:`keeps_quantized`)."""
+        the model keeps as shipped (:meth:`keeps_quantized`). A DSpark checkpoint's ``mtp.*``
+        tensors are kept in :attr:`drafter_tensors` (any still quantised with their scales,
+        paired when the drafter loads them)."""
+        if self.has_dspark:
+            weights = self._keep_drafter_tensors(weights)
         super().load_weights(pair_scales(weights, fp8_block=self.args.fp8_block, keep=self.keeps_quantized))
+
+    def _keep_drafter_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                              ) -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            m = _LAYER_NAME.match(name)
+            if m is not None and m["kind"] == "mtp":
+                self.drafter_tensors[name.removeprefix("model.")] = tensor
+            else:
+                yield name, tensor

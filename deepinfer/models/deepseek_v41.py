@@ -54,7 +54,7 @@ from deepinfer.layers.engram import (Engram, EngramLayout, EngramRows, build_tok
                                      table_in_host_memory)
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
-from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, FP8_LINEARS, remap_block_tensor
+from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, FP8_LINEARS, FeatureCapture, remap_block_tensor
 from deepinfer.models.quant import pair_scales
 from deepinfer.parallel.tensor import check_divides
 from deepinfer.transfer import to_device
@@ -362,41 +362,6 @@ class DeepseekV41Model(nn.Module):
         """The first layer after the last KV source: the layers bounded replay truncates."""
         sources = [layer.layer_idx for layer in self.layers if layer.self_attn.role.kv_source]
         return sources[-1] + 1 if sources else 0
-
-
-@dataclass
-class FeatureCapture:
-    """A forward's request for DSpark target features (models/dspark.py): for each asked row,
-    the mean of the n streams *entering* each of ``layer_ids`` (``num_hidden_layers``: the
-    final streams), concatenated in that order into ``out`` [R, M*Hd], which the forward
-    writes in place (a fixed buffer: CUDA-graph replays write it again; no host sync).
-
-    Bounded replay: the layers from ``late_start`` on compute only each sequence's replayed
-    rows (positions >= its ``replay_start``), so a row asked of such a layer must be a replayed
-    one; a row that is not gets zeros there. DSpark reads the last ``sliding_window``
-    committed positions, which replay always covers (``replay_keep_tokens`` keeps at least a
-    window), so the rows to ask are at most the last window of each sequence's new tokens.
-    """
-
-    layer_ids: tuple[int, ...]
-    rows: torch.Tensor                  # [R] int64 rows of the flattened batch
-    out: torch.Tensor                   # [R, M*Hd]
-
-    @classmethod
-    def new(cls, layer_ids: tuple[int, ...], rows: torch.Tensor, hidden_size: int,
-            dtype: torch.dtype) -> "FeatureCapture":
-        return cls(tuple(layer_ids), rows, torch.zeros(rows.shape[0], len(layer_ids) * hidden_size,
-                                                       dtype=dtype, device=rows.device))
-
-    def record(self, layer_idx: int, streams: torch.Tensor, rows: torch.Tensor) -> None:
-        """streams [T', n, Hd] entering layer ``layer_idx``; rows [R] each asked row's index in
-        them (-1: not computed here)."""
-        if layer_idx not in self.layer_ids:
-            return
-        d = streams.shape[-1]
-        k = self.layer_ids.index(layer_idx)
-        mean = streams.index_select(0, rows.clamp(min=0)).float().mean(dim=1)           # [R, Hd]
-        self.out[:, k * d:(k + 1) * d] = torch.where(rows[:, None] >= 0, mean, 0.0).to(self.out.dtype)
 
 
 @dataclass

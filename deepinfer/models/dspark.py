@@ -43,16 +43,22 @@ Forward (dspark_module.md §2):
    head), then left to right ``z_i = U_i + markov_head . markov_embed[prev_i]`` in float32,
    ``d_i`` = argmax or a sample of ``softmax(z_i / T)``, ``prev_{i+1} = d_i``.
 
-DeepSeek-V4 (non-.1) drafters (``variant="v4"``): per-head q RMS, the backbone's
-non-lagged mHC, a learned ``hc_head`` in the last stage, Markov tensors named
-``markov_w1``/``markov_w2``, the backbone's routed experts, ``dspark_target_layer_ids`` in
-capture-after semantics (layer L's *output*, i.e. the streams entering L + 1). No reference
-outputs exist for it: only its loading and shapes are tested.
+DeepSeek-V4 (non-.1) drafters (``variant="v4"``: V4-Flash-0731, V4-Flash-DSpark; the same
+module, these switches): per-head q RMS (after ``wq_b``, weightless, before rope), the
+backbone's non-lagged mHC, a learned ``hc_head`` in the last stage collapsing the streams
+(instead of V4.1's last FFN pre), Markov tensors named ``markov_w1``/``markov_w2``, the
+backbone's routed experts, no ``bias_vl``, ``dspark_target_layer_ids`` in capture-after
+semantics (layer L's *output*, i.e. the streams entering L + 1; the last layer's output is
+the final streams before the head), stages counted from the ``mtp.N`` tensors (the HF config's
+``num_nextn_predict_layers`` says 1 for 3 stages). No reference outputs exist for it: each of
+these differences is tested against an independent re-implementation, and the engine's
+drafts against this module's, but not against DeepSeek's code.
 
 Release KV rounding (``round_kv``): V4.1 rounds context and block rows to MXFP8 (32
-channels a scale); V4 rounds only the non-rope channels, 64 a scale. The release also
-rounds ``main_proj``'s input to FP8 per 32: like the backbone's GEMM-input rounding, that is
-not done here.
+channels a scale); V4 rounds only the non-rope channels, to E4M3 with a power-of-two scale
+per 64 (the grid of the V4 backbone's FP8 KV records), the rope channels left as computed.
+The release also rounds ``main_proj``'s input to FP8 per 32: like the backbone's GEMM-input
+rounding, that is not done here.
 """
 
 from __future__ import annotations
@@ -122,9 +128,12 @@ class DSparkConfig:
             raise ValueError("dspark_target_layer_ids is empty: the drafter reads at least one target layer")
 
     @classmethod
-    def from_target(cls, cfg: dict, num_layers: int, variant: str = "v4.1") -> "DSparkConfig":
+    def from_target(cls, cfg: dict, num_layers: int, variant: str = "v4.1",
+                    num_stages: int | None = None) -> "DSparkConfig":
         """From the target's flattened text config (HF ``text_config`` names, defaults filled in).
-        ``num_layers``: the target's layer count (V4's capture-after ids may name the last)."""
+        ``num_layers``: the target's layer count (V4's capture-after ids may name the last);
+        ``num_stages``: the stages the checkpoint ships, when counted from its tensors (else
+        ``n_mtp_layers`` / ``num_nextn_predict_layers``)."""
         if "dspark_block_size" not in cfg:
             raise ValueError("the checkpoint's config has no dspark_block_size: it ships no DSpark drafter")
         ids = tuple(int(i) for i in cfg["dspark_target_layer_ids"])
@@ -135,7 +144,7 @@ class DSparkConfig:
         if bad:
             raise ValueError(f"dspark_target_layer_ids {list(cfg['dspark_target_layer_ids'])} read layer(s) "
                              f"{bad} outside the target's {num_layers}")
-        stages = int(cfg.get("n_mtp_layers") or cfg.get("num_nextn_predict_layers") or 0)
+        stages = num_stages or int(cfg.get("n_mtp_layers") or cfg.get("num_nextn_predict_layers") or 0)
         return cls(
             variant=variant, num_stages=stages, block_size=int(cfg["dspark_block_size"]),
             noise_token_id=int(cfg["dspark_noise_token_id"]), target_layer_ids=ids,
@@ -315,7 +324,8 @@ _HEAD_RENAMES = {
 _SHARED_RENAMES = {"main_proj.weight": "main_proj.weight", "main_norm.weight": "main_norm.weight",
                    "norm.weight": "norm.weight", "confidence_head.proj.weight": "confidence.weight"}
 _MTP_NAME = re.compile(r"^mtp\.(?P<idx>\d+)\.(?P<rest>.+)$")
-# Vision-only routing bias (``gate.bias_vl``): the engine serves the target text-only.
+# V4.1's vision-only routing bias (``gate.bias_vl``): the engine serves the target text-only.
+# V4 ships none (there it is an unknown tensor).
 _SKIPPED_SUFFIXES = (".gate.bias_vl",)
 
 
@@ -328,10 +338,7 @@ class DSparkDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         d = cfg.hidden_size
-        # The release rounds context and block rows to MXFP8 (V4.1; V4's per-64 rounding of the
-        # non-rope channels is not implemented).
-        if round_kv and cfg.variant != "v4.1":
-            raise NotImplementedError("release KV rounding is implemented for V4.1 drafters only")
+        # The release rounds context and block rows (V4.1: MXFP8; V4: the non-rope channels per 64).
         self.round_kv = round_kv
         self.main_proj = nn.Linear(cfg.feature_size, d, bias=False)
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -347,22 +354,32 @@ class DSparkDrafter(nn.Module):
 
     @classmethod
     def from_target(cls, target: nn.Module) -> "DSparkDrafter":
-        """The V4.1 drafter of a loaded DeepseekV41ForCausalLM: built on the target's device and
-        dtype, sharing its embedding and head, rounding its rows as the target's KV
-        (``kv_cache_dtype`` "auto"), loaded from the ``mtp.*`` tensors the target kept
-        (``drafter_tensors``; any still quantised are dequantised with their scales by
-        ``pair_scales``, as the loader does for the backbone). A V4 drafter is built with the
-        constructor: DeepseekV4ForCausalLM does not keep ``mtp.*`` tensors for it."""
+        """The drafter of a loaded DeepseekV41ForCausalLM (variant "v4.1") or
+        DeepseekV4ForCausalLM with a DSpark config (variant "v4"): built on the target's device
+        and dtype, sharing its embedding and head, rounding its rows as the release when the
+        target keeps the release's KV formats (V4.1: ``kv_cache_dtype`` "auto"; V4: "fp8"),
+        loaded from the ``mtp.*`` tensors the target kept (``drafter_tensors``; any still
+        quantised are dequantised with their scales by ``pair_scales``, as the loader does for
+        the backbone), or drawn from the target's seed when its weights are random."""
+        from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, has_dspark, text_config
         from deepinfer.models.loader import fp8_block_size
 
-        cfg = DSparkConfig.from_target(target.args.cfg, len(target.model.layers))
+        if isinstance(target, DeepseekV4ForCausalLM):
+            if not has_dspark(target.hf_config):
+                raise ValueError("the checkpoint's config has no dspark_block_size: it ships no DSpark drafter")
+            cfg = DSparkConfig.from_target(_v4_dspark_config(target, text_config(target.hf_config)),
+                                           len(target.model.layers), variant="v4",
+                                           num_stages=_count_stages(target.drafter_tensors))
+            round_kv = target.kv_cache_dtype == "fp8"
+        else:
+            cfg = DSparkConfig.from_target(target.args.cfg, len(target.model.layers))
+            round_kv = getattr(target, "kv_cache_dtype", "auto") == "auto"
         weight = target.lm_head.weight
         previous = torch.get_default_dtype()
         torch.set_default_dtype(weight.dtype)
         try:
             with torch.device(weight.device):
-                drafter = cls(cfg, target.model.embed_tokens, target.lm_head,
-                              round_kv=getattr(target, "kv_cache_dtype", "auto") == "auto")
+                drafter = cls(cfg, target.model.embed_tokens, target.lm_head, round_kv=round_kv)
         finally:
             torch.set_default_dtype(previous)
         if target.drafter_tensors:
@@ -388,12 +405,17 @@ class DSparkDrafter(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r} is not a drafter (mtp.*) tensor")
         i, rest = int(m["idx"]), m["rest"]
         if i >= self.cfg.num_stages:
-            raise ValueError(f"checkpoint tensor {name!r} belongs to stage {i}, but the config has "
-                             f"{self.cfg.num_stages} (num_nextn_predict_layers)")
-        if rest.endswith(_SKIPPED_SUFFIXES):
+            raise ValueError(f"checkpoint tensor {name!r} belongs to stage {i}, but the drafter has "
+                             f"{self.cfg.num_stages} stages (num_nextn_predict_layers; V4: its mtp.N tensors)")
+        if rest.endswith(_SKIPPED_SUFFIXES) and self.cfg.variant == "v4.1":
             return None
         own = _HEAD_RENAMES[self.cfg.variant].get(rest) or _SHARED_RENAMES.get(rest)
         if own is not None:
+            # main_proj / main_norm live in the first stage, the heads in the last.
+            want = 0 if rest.startswith("main_") else self.cfg.num_stages - 1
+            if i != want:
+                raise ValueError(f"checkpoint tensor {name!r}: the drafter's {rest} belongs to stage {want} "
+                                 f"(mtp.{want}.{rest}) of its {self.cfg.num_stages}")
             return own
         return remap_block_tensor(self, name, f"stages.{i}", rest, BLOCK_RENAMES)
 
@@ -408,7 +430,10 @@ class DSparkDrafter(nn.Module):
     def _round(self, rows: torch.Tensor) -> torch.Tensor:
         if not self.round_kv:
             return rows
-        rounded = reference.round_mxfp8(rows)
+        if self.cfg.variant == "v4.1":
+            rounded = reference.round_mxfp8(rows)
+        else:
+            rounded = round_v4_kv(rows, self.cfg.rope_dim)
         # Training (rows that need a gradient): straight through, the rounding's gradient
         # taken as the identity. Otherwise the rounded rows themselves.
         return rows + (rounded - rows).detach() if rows.requires_grad else rounded
@@ -418,7 +443,7 @@ class DSparkDrafter(nn.Module):
 
         features: [T, M*Hd] the target's features of those positions (the n-stream means of
         the streams entering each target layer, concatenated in ``target_layer_ids`` order);
-        positions: [T] -> [S, T, D] (roped at their positions; MXFP8-rounded with round_kv).
+        positions: [T] -> [S, T, D] (roped at their positions; rounded as the release with round_kv).
         """
         main_x = self.main_norm(self.main_proj(features.to(self.main_proj.weight.dtype)))   # [T, Hd]
         return torch.stack([self._round(stage.self_attn.kv_rows(main_x, positions, self.rope))
@@ -507,6 +532,28 @@ class DSparkDrafter(nn.Module):
             prev = token
         return DraftProposal(tokens=torch.stack(tokens, 1), confidence_logits=torch.stack(conf, 1),
                              logits=torch.stack(logits, 1), probs=torch.stack(probs, 1))
+
+
+def round_v4_kv(rows: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """DeepSeek-V4's DSpark KV rounding: rows [..., D] with their first D - R channels rounded to
+    E4M3 with a power-of-two scale per 64 (as the V4 backbone's FP8 KV records hold them) and
+    the trailing ``rope_dim`` channels kept as they are -> rows' shape and dtype."""
+    rounded = reference.round_ds_mla(rows, rope_dim)
+    return torch.cat([rounded[..., :-rope_dim], rows[..., -rope_dim:]], dim=-1)
+
+
+def _count_stages(tensors: dict[str, torch.Tensor]) -> int | None:
+    """1 + the highest ``mtp.N`` among checkpoint tensors, None when there are none."""
+    stages = [int(m["idx"]) for m in map(_MTP_NAME.match, tensors) if m is not None]
+    return max(stages) + 1 if stages else None
+
+
+def _v4_dspark_config(target: nn.Module, cfg: dict) -> dict:
+    """A DeepSeek-V4 target's config as DSparkConfig.from_target reads it: the drafter's rope
+    is the window layers' ("main": no YaRN), its width from head_dim * partial_rotary_factor."""
+    main = target.args.rope_parameters["main"]
+    return {**cfg, "qk_rope_head_dim": int(target.args.head_dim * main.get("partial_rotary_factor", 1.0)),
+            "rope_theta": float(main["rope_theta"])}
 
 
 def pick_draft(z: torch.Tensor, sampling: DraftSampling | None, noise: torch.Tensor | None

@@ -251,5 +251,5 @@ def make_drafter(config: SpeculativeConfig, model: nn.Module) -> Drafter | Model
         return MTPEngineDrafter.for_model(config, model)
     raise NotImplementedError(
         f"speculative_config method={config.method!r} is not built yet for {type(model).__name__}; "
-        "methods available: 'ngram', 'dspark' for DeepSeek-V4.1 checkpoints with a DSpark module, "
+        "methods available: 'ngram', 'dspark' for DeepSeek-V4.1 / V4 checkpoints with a DSpark module, "
         "and 'mtp' for DeepSeek-V3 checkpoints with MTP layers")

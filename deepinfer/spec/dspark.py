@@ -1,5 +1,6 @@
-"""DSpark in the engine: the drafter of a DeepSeek-V4.1 checkpoint (models/dspark.py) run
-inside each step, its context rows kept in the engine's paged KV cache.
+"""DSpark in the engine: the drafter of a DeepSeek-V4.1 checkpoint, or of a DeepSeek-V4 one
+that ships it (V4-Flash-0731, V4-Flash-DSpark; models/dspark.py), run inside each step, its
+context rows kept in the engine's paged KV cache.
 
 Per step (the runner calls these in order):
 
@@ -102,12 +103,18 @@ class DSparkEngineDrafter(ModelDrafter):
 
     @classmethod
     def for_model(cls, config: SpeculativeConfig, model: nn.Module) -> "DSparkEngineDrafter":
+        from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, has_dspark
         from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 
-        if not isinstance(model, DeepseekV41ForCausalLM):
+        if isinstance(model, DeepseekV4ForCausalLM):
+            if not has_dspark(model.hf_config):
+                raise ValueError("speculative_config method='dspark': this DeepSeek-V4 checkpoint has no DSpark "
+                                 "module (its config has no dspark_block_size; V4-Flash-0731 and V4-Flash-DSpark "
+                                 "ship one); use method='ngram'")
+        elif not isinstance(model, DeepseekV41ForCausalLM):
             raise NotImplementedError(
-                f"speculative_config method='dspark' runs the DSpark module of DeepSeek-V4.1 checkpoints; "
-                f"{type(model).__name__} has none (method='ngram' works with any model)")
+                f"speculative_config method='dspark' runs the DSpark module of DeepSeek-V4.1 and DeepSeek-V4 "
+                f"DSpark checkpoints; {type(model).__name__} has none (method='ngram' works with any model)")
         if not model.drafter_tensors and model.dummy_seed is None:
             raise ValueError("speculative_config method='dspark': the checkpoint has no DSpark module "
                              "(no mtp.* tensors); use method='ngram'")
@@ -122,7 +129,7 @@ class DSparkEngineDrafter(ModelDrafter):
                 select: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, None]:
         """The target's forward keeping the features of every row, then each stage's context
         rows of the step's positions written into the cache."""
-        from deepinfer.models.deepseek_v41 import FeatureCapture
+        from deepinfer.models.deepseek_v4 import FeatureCapture
 
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         capture = FeatureCapture.new(self.module.cfg.target_layer_ids, rows, self.module.cfg.hidden_size,

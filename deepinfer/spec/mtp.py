@@ -121,11 +121,15 @@ class MTPEngineDrafter(ModelDrafter):
                 raise NotImplementedError(
                     "speculative_config method='mtp' runs DeepSeek-V3 MTP modules; a DeepSeek-V4.1 checkpoint's "
                     "mtp.* tensors are its DSpark drafter: use method='dspark'")
+            if "DeepseekV4" in name and getattr(model, "has_dspark", False):
+                raise NotImplementedError(
+                    "speculative_config method='mtp' runs DeepSeek-V3 MTP modules; this DeepSeek-V4 checkpoint's "
+                    "mtp.* tensors are its DSpark drafter (its config has dspark_block_size): use method='dspark'")
             if "DeepseekV4" in name:
                 raise NotImplementedError(
                     f"speculative_config method='mtp' runs DeepSeek-V3 MTP modules; {name}'s MTP layers "
                     "(mtp_forward: hyper-connection streams, sliding-window and compressed caches) are not "
-                    "wired as a drafter yet; use method='dspark' (V4.1 checkpoints) or 'ngram'")
+                    "wired as a drafter yet; use method='dspark' (V4.1 and V4 DSpark checkpoints) or 'ngram'")
             raise NotImplementedError(
                 f"speculative_config method='mtp' runs the MTP module of DeepSeek-V3-architecture "
                 f"checkpoints (V3, R1, V3.1); {name} is not supported (method='ngram' works with any model)")

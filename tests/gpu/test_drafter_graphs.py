@@ -7,7 +7,8 @@ rows written) and the proposal's graph (DraftGraphs). In float32 the tokens equa
 the eager engine with the same drafter (``enforce_eager=True``), and the step counters show
 that the drafter's steps went through the graphs: the embedded default model with its
 trained DSpark drafter (full-width and varlen verification, greedy and seeded sampled
-requests) and a tiny DeepSeek-V3 with an MTP module.
+requests), a tiny DeepSeek-V4 checkpoint shipping a V4 DSpark drafter, and a tiny
+DeepSeek-V3 with an MTP module.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.runner.cuda_graph import DRAFT_MODES
 
 from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
+from ..models.v4_dspark_checkpoint import BLOCK as V4_BLOCK
+from ..models.v4_dspark_checkpoint import write_bigram_checkpoint, write_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -111,6 +114,27 @@ def test_dspark_varlen_graphs_match_eager_float32(replays):
     spec = {"method": "dspark", "num_speculative_tokens": BLOCK, "varlen": True,
             "sps_table": ((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0))}
     check_graphs_match_eager(DEFAULT_MODEL, spec, TEXT, greedy(), replays)
+
+
+@pytest.fixture(scope="module")
+def v4_dspark_dir(tmp_path_factory) -> Path:
+    """The tiny V4 DSpark checkpoint with a drafter that knows the target's greedy bigrams
+    (derived on the CPU), so verification accepts drafts."""
+    random = write_checkpoint(tmp_path_factory.mktemp("v4dspark") / "random")
+    base = LLM(model=str(random), device="cpu", dtype="float32")
+    outs = tokens(base, V4_PROMPTS, greedy())
+    return write_bigram_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram",
+                                   [(p["prompt_token_ids"], o) for p, o in zip(V4_PROMPTS, outs)])
+
+
+V4_PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 1000 for j in range(n)]}
+              for i, n in enumerate([11, 29, 5, 40, 17])]
+
+
+@pytest.mark.parametrize("params", [greedy, seeded], ids=["greedy", "seeded"])
+def test_v4_dspark_graphs_match_eager_float32(v4_dspark_dir, params, replays):
+    check_graphs_match_eager(str(v4_dspark_dir), {"method": "dspark", "num_speculative_tokens": V4_BLOCK},
+                             V4_PROMPTS, params(), replays)
 
 
 def test_mtp_graphs_match_eager_float32(v3_repeat_dir, replays):
