@@ -148,7 +148,8 @@ class Engine:
                              replay_keep_tokens=replay_keep,
                              num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                              varlen_sps=varlen_sps, num_lookahead_tokens=self.runner.num_lookahead_tokens,
-                             prefix_hit_margin=self.runner.prefix_hit_margin)
+                             prefix_hit_margin=self.runner.prefix_hit_margin,
+                             drafts_on_device=self.runner.drafts_on_device)
 
         if par.dp > 1:
             # Attention data parallelism: each DP rank's own KV cache (of num_blocks blocks on
