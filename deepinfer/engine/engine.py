@@ -15,8 +15,10 @@ it (update, detokenise, stop checks) while the device runs N+1:
 
 The first call after idle only launches; outputs trail their step by one call.
 When the in-flight step's ``sync_reason`` is set (scheduler docstring: grammar,
-penalties, bad words, n > 1 fork, prompt logprobs) N is finished and updated before N+1 is
-scheduled. A step launched when nothing is left unfinished (every sequence in it
+penalties, bad words, n > 1 fork, prompt logprobs, drafts from the host or varlen
+verification) N is finished and updated before N+1 is scheduled. A speculative step with a
+model drafter overlaps too: the runner makes N+1's planned-ahead sequences concrete from N's
+result at launch (scheduler docstring). A step launched when nothing is left unfinished (every sequence in it
 ended on its previous token) is finished at once, so an idle engine holds no
 launched step and every block is back in the pool.
 

@@ -45,8 +45,12 @@ feeds its last sampled token plus as many drafts as the budget, ``max_tokens`` a
 accepted drafts and the target's own next token are appended (stopping at the first that
 ends the sequence) and ``num_computed_tokens`` falls back to the tokens actually committed:
 the rejected drafts' KV entries stay in held blocks and are overwritten by position, so
-nothing else rolls back. Every step with speculation is synchronous (the next plan needs to
-know how many tokens were accepted). With varlen verification (``varlen_sps``), each
+nothing else rolls back. With a model drafter (``drafts_on_device``) the next step of a
+sequence whose speculative step is in flight is planned ahead of it (``_scheduled_ahead``,
+``ScheduledSeq.ahead``): from where it starts when every draft in flight is accepted, with
+blocks for that case; landing the in-flight step sets its true start (``_resolve_ahead``).
+A sequence the in-flight step may end by length waits for it instead. Drafts from the host
+(n-gram) and varlen verification keep speculative steps synchronous. With varlen verification (``varlen_sps``), each
 decoding sequence verifies the prefix of its drafts that DSpark's hardware-aware scheduler
 picks from the drafts' confidences (``_varlen_lengths``); otherwise all of them.
 A model drafter that writes cache slots past the fed tokens while proposing (the chained MTP
