@@ -121,18 +121,29 @@ def test_mtp_greedy_and_seeded_equal_the_synchronous_path(v3_repeat_dir):  # noq
     assert pair[0].engine.stats.overlapped_steps > 0.5 * pair[0].engine.stats.steps
 
 
+def test_mtp_max_model_len_reached_inside_drafts(v3_repeat_dir):  # noqa: F811
+    # No max_tokens: every sequence runs to max_model_len, which the tokens in flight may reach.
+    pair = tuple(LLM(model=str(v3_repeat_dir), device="cpu", speculative_config=MTP, async_scheduling=a,
+                     max_model_len=37, batch_invariant=True) for a in (True, False))
+    params = [SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
+              SamplingParams(temperature=0.5, seed=1, max_tokens=None, ignore_eos=True)]
+    fast, slow = run_both(pair, prompts(2), params)
+    assert_same(fast, slow)
+    assert [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in fast] == [37, 37]
+    assert all(o.outputs[0].finish_reason == "length" for o in fast)
+    assert pair[0].engine.stats.overlapped_steps > 0
+
+
 def test_varlen_and_host_drafts_stay_synchronous(v3_mtp_dir, monkeypatch):  # noqa: F811
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ngram = LLM(model=str(v3_mtp_dir), device="cpu", speculative_config={"method": "ngram",
                                                                          "num_speculative_tokens": 3})
     engine = ngram.engine
-    engine.add_request([1, 2, 3, 1, 2, 3, 1, 2], greedy)
-    engine.step()
-    assert engine._in_flight is None or engine._in_flight.plan.sync_reason == (
-        "speculative decoding: drafts proposed on the host")
-    while engine.has_unfinished():
-        engine.step()
+    assert engine.scheduler._speculative_sync_reason() == "speculative decoding: drafts proposed on the host"
+    drive(ngram, [[1, 2, 3, 1, 2, 3, 1, 2]], [greedy])
     assert engine.stats.overlapped_steps == 0
+    assert engine.stats.sync_steps > 0
+    assert engine.scheduler.spec_stats.num_draft_tokens > 0
     # Varlen verification (DSpark's confidences pick how many drafts each step verifies).
     monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     varlen = LLM(device="cpu", speculative_config=DSPARK)
