@@ -50,9 +50,10 @@ sequence whose speculative step is in flight is planned ahead of it (``_schedule
 ``ScheduledSeq.ahead``): from where it starts when every draft in flight is accepted, with
 blocks for that case; landing the in-flight step sets its true start (``_resolve_ahead``).
 A sequence the in-flight step may end by length waits for it instead. Drafts from the host
-(n-gram) and varlen verification keep speculative steps synchronous. With varlen verification (``varlen_sps``), each
-decoding sequence verifies the prefix of its drafts that DSpark's hardware-aware scheduler
-picks from the drafts' confidences (``_varlen_lengths``); otherwise all of them.
+(n-gram) and varlen verification keep speculative steps synchronous. With varlen
+verification (``varlen_sps``), each decoding sequence verifies the prefix of its drafts that
+DSpark's hardware-aware scheduler picks from the drafts' confidences (``_varlen_lengths``);
+otherwise all of them.
 A model drafter that writes cache slots past the fed tokens while proposing (the chained MTP
 drafter: ``num_lookahead_tokens``) gets blocks for them too when the pool has room; they are
 never worth a preemption.
