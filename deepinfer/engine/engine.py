@@ -15,8 +15,10 @@ it (update, detokenise, stop checks) while the device runs N+1:
 
 The first call after idle only launches; outputs trail their step by one call.
 When the in-flight step's ``sync_reason`` is set (scheduler docstring: grammar,
-penalties, bad words, n > 1 fork, prompt logprobs) N is finished and updated before N+1 is
-scheduled. A step launched when nothing is left unfinished (every sequence in it
+penalties, bad words, n > 1 fork, prompt logprobs, drafts from the host or varlen
+verification) N is finished and updated before N+1 is scheduled. A speculative step with a
+model drafter overlaps too: the runner makes N+1's planned-ahead sequences concrete from N's
+result at launch (scheduler docstring). A step launched when nothing is left unfinished (every sequence in it
 ended on its previous token) is finished at once, so an idle engine holds no
 launched step and every block is back in the pool.
 
@@ -148,7 +150,8 @@ class Engine:
                              replay_keep_tokens=replay_keep,
                              num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                              varlen_sps=varlen_sps, num_lookahead_tokens=self.runner.num_lookahead_tokens,
-                             prefix_hit_margin=self.runner.prefix_hit_margin)
+                             prefix_hit_margin=self.runner.prefix_hit_margin,
+                             drafts_on_device=self.runner.drafts_on_device)
 
         if par.dp > 1:
             # Attention data parallelism: each DP rank's own KV cache (of num_blocks blocks on

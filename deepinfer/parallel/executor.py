@@ -243,7 +243,7 @@ class Worker:
         r = self.runner
         return dict(replay_keep=self.replay_keep, kv_cache_specs=r.kv_cache_specs(),
                     num_lookahead_tokens=r.num_lookahead_tokens, prefix_hit_margin=r.prefix_hit_margin,
-                    drafter_has_confidences=r.drafter_has_confidences)
+                    drafter_has_confidences=r.drafter_has_confidences, drafts_on_device=r.drafts_on_device)
 
     def execute(self, plan: StepPlan, after_idle: bool,
                 join_collectives: bool = False) -> tuple[StepResult, EPLBStats | None] | None:
@@ -390,6 +390,7 @@ class MultiprocExecutor:
         self.num_lookahead_tokens: int = info["num_lookahead_tokens"]
         self.prefix_hit_margin: int = info["prefix_hit_margin"]
         self.drafter_has_confidences: bool = info["drafter_has_confidences"]
+        self.drafts_on_device: bool = info["drafts_on_device"]
 
     @property
     def pids(self) -> list[int]:

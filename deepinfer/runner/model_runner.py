@@ -20,6 +20,7 @@ scheduling decisions (scheduler/), model math (models/, layers/), sampling math
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -121,6 +122,9 @@ class StepHandle:
     end: torch.cuda.Event | None = None        # CUDA: after the last copy to the host
     prev_end: torch.cuda.Event | None = None   # CUDA: ``end`` of the step launched before, if measured
     tier_loads: list[Future] = field(default_factory=list)   # KV tier loads (runner/kv_offload.py)
+    # Its result, once built: early when the next launch plans a step ahead of this one
+    # (``ScheduledSeq.ahead``), and ``finish`` then returns it.
+    result: StepResult | None = None
 
 
 class ModelRunner:
@@ -153,6 +157,7 @@ class ModelRunner:
         # the next launch's placeholder tokens come from here.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] | None = None
         self._prev_end: torch.cuda.Event | None = None   # CUDA: end event of the last launch
+        self._last_handle: StepHandle | None = None      # the last launch that ran a forward
         # Speculative decoding: proposes each sampled sequence's drafts for its next step.
         self.drafter: Drafter | ModelDrafter | None = (None if config.speculative is None
                                                        else make_drafter(config.speculative, model))
@@ -265,6 +270,12 @@ class ModelRunner:
     def prefix_hit_margin(self) -> int:
         """Positions a prefix-cache hit stops short of, for the drafter to recompute."""
         return getattr(self.drafter, "prefix_hit_margin", 0)
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """The drafter proposes on the device inside the step (a model drafter), so the next
+        speculative step may be planned before this one's drafts reach the host."""
+        return isinstance(self.drafter, ModelDrafter)
 
     @property
     def drafter_has_confidences(self) -> bool:
@@ -386,6 +397,8 @@ class ModelRunner:
         if plan.is_empty:
             return handle
 
+        if any(seq.ahead for seq in plan.seqs):
+            plan = self._resolve_ahead(plan)
         with record_function("deepinfer.prepare"):
             input_ids, ctx, starts = self._prepare(plan.seqs)
             self._fill_placeholders(input_ids, starts, plan.seqs)
@@ -436,7 +449,30 @@ class ModelRunner:
             handle.end = torch.cuda.Event(enable_timing=True)
             handle.end.record()
             self._prev_end = handle.end
+        self._last_handle = handle
         return handle
+
+    def _resolve_ahead(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with its planned-ahead sequences (``ScheduledSeq.ahead``) made concrete from
+        the previous launch's result, built now (a wait for that step's device work): each
+        starts at its last committed token and verifies the drafts that step proposed, up to
+        the number planned. The scheduler makes the same sequences when that step lands."""
+        prev = self._last_handle
+        if prev is None:
+            raise RuntimeError("a plan was made ahead of a step, but no step was launched before it")
+        if prev.result is None:
+            prev.result = self._finish(prev)
+        seqs = []
+        for seq in plan.seqs:
+            if seq.ahead:
+                state = self.requests[seq.req_id]
+                drafts = prev.result.draft_token_ids.get(seq.req_id, [])[:seq.num_draft]
+                seq = dataclasses.replace(
+                    seq, start_pos=len(state.prompt_token_ids) + len(state.output_token_ids) - 1,
+                    token_ids=[state.output_token_ids[-1], *drafts], num_draft=len(drafts),
+                    placeholder=False, ahead=False)
+            seqs.append(seq)
+        return dataclasses.replace(plan, seqs=seqs)
 
     def _launch_sampling(self, plan: StepPlan, logits: torch.Tensor, handle: StepHandle
                          ) -> tuple[torch.Tensor | None, VerifyTensors | None] | None:
@@ -587,6 +623,8 @@ class ModelRunner:
             return self._finish(handle)
 
     def _finish(self, handle: StepHandle) -> StepResult:
+        if handle.result is not None:
+            return handle.result
         result = StepResult()
         if handle.tier_loads:
             result.kv_load_failures = self.kv_tiers.wait(handle.tier_loads)
@@ -621,6 +659,7 @@ class ModelRunner:
                         result.draft_confidences[req_id] = confidences[i][:len(drafts)]
         elif isinstance(self.drafter, Drafter):
             self._propose(result)
+        handle.result = result
         return result
 
     @staticmethod

@@ -78,6 +78,12 @@ class ScheduledSeq:
     # Speculative decoding: the last num_draft token_ids are draft tokens, verified this step
     # (the token before them is the last one sampled). Logits come from all 1 + num_draft rows.
     num_draft: int = 0
+    # Speculative decoding, overlapped: planned while the sequence's previous step was in flight,
+    # before its accepted drafts were known. ``start_pos`` is then the position the step starts
+    # at when every draft in flight is accepted and ``token_ids`` are placeholders; the runner
+    # takes the true start, the token the previous step committed last and the drafts it
+    # proposed (the first ``num_draft`` of them, or as many as there are) from that step's result.
+    ahead: bool = False
 
 
 @dataclass

@@ -45,10 +45,15 @@ feeds its last sampled token plus as many drafts as the budget, ``max_tokens`` a
 accepted drafts and the target's own next token are appended (stopping at the first that
 ends the sequence) and ``num_computed_tokens`` falls back to the tokens actually committed:
 the rejected drafts' KV entries stay in held blocks and are overwritten by position, so
-nothing else rolls back. Every step with speculation is synchronous (the next plan needs to
-know how many tokens were accepted). With varlen verification (``varlen_sps``), each
-decoding sequence verifies the prefix of its drafts that DSpark's hardware-aware scheduler
-picks from the drafts' confidences (``_varlen_lengths``); otherwise all of them.
+nothing else rolls back. With a model drafter (``drafts_on_device``) the next step of a
+sequence whose speculative step is in flight is planned ahead of it (``_scheduled_ahead``,
+``ScheduledSeq.ahead``): from where it starts when every draft in flight is accepted, with
+blocks for that case; landing the in-flight step sets its true start (``_resolve_ahead``).
+A sequence the in-flight step may end by length waits for it instead. Drafts from the host
+(n-gram) and varlen verification keep speculative steps synchronous. With varlen
+verification (``varlen_sps``), each decoding sequence verifies the prefix of its drafts that
+DSpark's hardware-aware scheduler picks from the drafts' confidences (``_varlen_lengths``);
+otherwise all of them.
 A model drafter that writes cache slots past the fed tokens while proposing (the chained MTP
 drafter: ``num_lookahead_tokens``) gets blocks for them too when the pool has room; they are
 never worth a preemption.
@@ -97,13 +102,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  eos_token_ids: Iterable[int], replay_keep_tokens: int | None = None,
                  num_speculative_tokens: int = 0, varlen_sps: SPSTable | None = None,
-                 num_lookahead_tokens: int = 0, prefix_hit_margin: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, prefix_hit_margin: int = 0,
+                 drafts_on_device: bool = False) -> None:
         self.config = config
         # Speculative decoding: the most draft tokens a sequence verifies per step (0: off),
         # and with varlen verification the target's steps per second by token batch size.
         self.num_speculative_tokens = num_speculative_tokens
         self.varlen_sps = varlen_sps
         self._draft_budget: dict[str, int] = {}     # varlen: req_id -> drafts this plan verifies
+        # The drafter proposes on the device inside the step (a model drafter): a speculative
+        # step may be planned before the one in flight lands (see the module docstring).
+        self.drafts_on_device = drafts_on_device
         # Slots past a step's last fed token a model drafter writes while proposing (a chained
         # drafter's later steps): held when the pool has room, never at the cost of a preemption.
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -132,6 +141,9 @@ class Scheduler:
         self._in_flight: dict[str, list[int]] = {}
         # req_id -> tokens sampled for it in launched plans that have not landed.
         self._pending: dict[str, int] = {}
+        # req_id -> its sampled seqs in launched plans that have not landed, oldest first: the
+        # most tokens those plans commit (speculative decoding) is the sum of 1 + num_draft.
+        self._sampled_in_flight: dict[str, list[ScheduledSeq]] = {}
         # Ended sequences whose blocks and runner state wait for their launched plans to land.
         self._deferred: set[str] = set()
         # req_id -> its prefix hit being loaded from a lower tier (kept until it is adopted).
@@ -221,9 +233,19 @@ class Scheduler:
             if pending and self._ends_on_pending(req, pending):
                 i += 1
                 continue
-            want = min(req.num_tokens + pending - req.num_computed_tokens, budget)
-            num_draft = self._num_draft(req, budget) if want == 1 and not pending else 0
-            want += num_draft
+            ahead = bool(pending and self.num_speculative_tokens)
+            if ahead:
+                # Its speculative step is in flight: plan the next one now, for the most tokens.
+                num_draft = self._num_draft_ahead(req, budget)
+                if num_draft < 0:
+                    # Its length limit may fall within the tokens in flight: it waits for them.
+                    i += 1
+                    continue
+                want = 1 + num_draft
+            else:
+                want = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+                num_draft = self._num_draft(req, budget) if want == 1 and not pending else 0
+                want += num_draft
             while not (n := self._allocate(req, want)):
                 victim = self.running[-1]
                 alone = victim is req and len(self.running) == 1
@@ -242,7 +264,10 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                seqs.append(self._scheduled(req, n, new_requests, num_draft=max(0, min(num_draft, n - 1))))
+                if ahead:
+                    seqs.append(self._scheduled_ahead(req, n))
+                else:
+                    seqs.append(self._scheduled(req, n, new_requests, num_draft=max(0, min(num_draft, n - 1))))
                 budget -= n
                 i += 1
                 continue
@@ -332,6 +357,22 @@ class Scheduler:
             room = min(room, p.max_tokens - req.num_output_tokens - 1)
         return max(0, min(len(req.spec_token_ids), room))
 
+    def _max_in_flight(self, req_id: str) -> int:
+        """The most tokens ``req_id``'s launched plans that have not landed commit."""
+        return sum(1 + s.num_draft for s in self._sampled_in_flight.get(req_id, ()))
+
+    def _num_draft_ahead(self, req: Request, budget: int) -> int:
+        """How many drafts the step planned ahead of ``req``'s in-flight one verifies: every
+        draft a model drafter proposes, up to the budget left after its own token and the room
+        ``max_tokens`` and ``max_model_len`` leave when every token in flight is committed;
+        -1 when they may leave none (the sequence may end on a token in flight)."""
+        most = self._max_in_flight(req.request_id)
+        room = min(budget, self.max_model_len - req.num_tokens - most) - 1
+        p = req.params
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - req.num_output_tokens - most - 1)
+        return max(-1, min(self.num_speculative_tokens, room))
+
     def _varlen_lengths(self) -> dict[str, int]:
         """Varlen verification: how many of its drafts each decoding sequence verifies, by the
         hardware-aware prefix scheduler (spec/scheduling.py, with its early stop) over the
@@ -408,12 +449,51 @@ class Scheduler:
                     replay_start=r.replay_start))
             self._in_flight.setdefault(r.request_id, []).append(start)
         req.num_computed_tokens = start + n
+        seq = ScheduledSeq(req_id=req.request_id, token_ids=token_ids,
+                           start_pos=start, block_tables=self.kv.block_tables(req.request_id),
+                           sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids,
+                           placeholder=bool(pending), num_draft=num_draft)
         if sample:
             self._pending[req.request_id] = pending + 1
-        return ScheduledSeq(req_id=req.request_id, token_ids=token_ids,
-                            start_pos=start, block_tables=self.kv.block_tables(req.request_id),
-                            sample=sample, prompt_logprob_rows=rows, fork_ids=fork_ids,
-                            placeholder=bool(pending), num_draft=num_draft)
+            self._sampled_in_flight.setdefault(req.request_id, []).append(seq)
+        return seq
+
+    def _scheduled_ahead(self, req: Request, n: int) -> ScheduledSeq:
+        """Plan ``req``'s next speculative step while its previous one is in flight: its last
+        committed token and ``n - 1`` drafts, from where the step starts when every token in
+        flight is committed (``ScheduledSeq.ahead``). Its blocks cover that case; when fewer are
+        accepted the step starts earlier, and landing the previous step puts the sequence's
+        view (start, tokens, ``num_computed_tokens``) right (:meth:`_resolve_ahead`)."""
+        start = req.num_computed_tokens
+        prev = self._sampled_in_flight[req.request_id][-1]
+        # The earliest the step can start (every draft in flight rejected): the sliding-window
+        # blocks that position reads stay held until the step lands.
+        self._in_flight[req.request_id].append(start - prev.num_draft)
+        req.num_computed_tokens = start + n
+        self._pending[req.request_id] += 1
+        seq = ScheduledSeq(req_id=req.request_id, token_ids=[PLACEHOLDER_TOKEN_ID] * n, start_pos=start,
+                           block_tables=self.kv.block_tables(req.request_id), sample=True,
+                           placeholder=True, num_draft=n - 1, ahead=True)
+        self._sampled_in_flight[req.request_id].append(seq)
+        return seq
+
+    def _resolve_ahead(self, req: Request, result: StepResult) -> None:
+        """The step before ``req``'s planned-ahead step landed and ``req`` goes on: that step
+        starts at its last committed token and verifies the drafts the landed step proposed
+        (as many as it planned for, or fewer), as the runner resolved it at launch."""
+        later = self._sampled_in_flight.get(req.request_id, [])
+        if not later:
+            req.num_computed_tokens = req.num_tokens - 1     # the cache holds all but the last
+            return
+        seq = later[0]
+        if not seq.ahead:
+            return
+        drafts = result.draft_token_ids.get(req.request_id, [])[:seq.num_draft]
+        seq.start_pos = req.num_tokens - 1
+        seq.token_ids = [req.output_token_ids[-1], *drafts]
+        seq.num_draft = len(drafts)
+        seq.placeholder = seq.ahead = False
+        req.num_computed_tokens = seq.start_pos + len(seq.token_ids)
 
     def _sync_reason(self, seqs: list[ScheduledSeq]) -> str | None:
         """Why the plan after these ``seqs`` needs their sampled tokens on the host first
@@ -423,8 +503,6 @@ class Scheduler:
                 return "prompt logprobs"
             if not seq.sample:
                 continue
-            if self.num_speculative_tokens:
-                return "speculative decoding"
             if seq.fork_ids:
                 return "n > 1 fork"
             if seq.req_id in self._grammars:
@@ -434,6 +512,20 @@ class Scheduler:
                 return "penalties"
             if any(len(word) > 1 for word in p.bad_words_token_ids or ()):
                 return "bad words"
+            if self.num_speculative_tokens:
+                reason = self._speculative_sync_reason()
+                if reason is not None:
+                    return reason
+        return None
+
+    def _speculative_sync_reason(self) -> str | None:
+        """Why a speculative step cannot be planned before the one in flight lands, or None:
+        its drafts or how many of them it verifies come from the host (an n-gram drafter,
+        varlen verification by the drafts' confidences)."""
+        if not self.drafts_on_device:
+            return "speculative decoding: drafts proposed on the host"
+        if self.varlen_sps is not None:
+            return "speculative decoding: varlen verification schedules by the drafts' confidences"
         return None
 
     # -- results ---------------------------------------------------------------
@@ -471,6 +563,8 @@ class Scheduler:
                 touched.append(child)
             self._append(req, result.sampled[req.request_id])
             self._take_drafts(req, result)
+            if self.num_speculative_tokens and not req.is_finished:
+                self._resolve_ahead(req, result)
             touched.append(req)
         return touched
 
@@ -484,9 +578,9 @@ class Scheduler:
             if req.is_finished:
                 return
         done = seq.start_pos + len(seq.token_ids) - seq.num_draft + len(accepted)
-        req.num_computed_tokens = done
         self.kv.cache_blocks(req.request_id, req.all_token_ids, done)
         self._take_drafts(req, result)
+        self._resolve_ahead(req, result)
 
     def _land_tier_loads(self, plan: StepPlan, failed: set[bytes], corrupt: bool = True) -> None:
         """The plan's tier loads are done: register what arrived intact (``failed``: keys
@@ -526,6 +620,9 @@ class Scheduler:
                 self._pending[seq.req_id] -= 1
                 if not self._pending[seq.req_id]:
                     del self._pending[seq.req_id]
+                self._sampled_in_flight[seq.req_id].pop(0)
+                if not self._sampled_in_flight[seq.req_id]:
+                    del self._sampled_in_flight[seq.req_id]
             for req_id in [seq.req_id, *seq.fork_ids]:
                 self._in_flight[req_id].pop(0)     # plans land in launch order
                 if not self._in_flight[req_id]:
