@@ -94,6 +94,7 @@ def test_host_memory_engram_tables_match_the_official_reference(expected, monkey
         assert got == expected["greedy_noquant"].tolist()
 
 
+@pytest.mark.slow          # Triton's interpreter, ~45 s; on a GPU the `-m gpu` V4.1 checks run the same kernels
 def test_triton_kernels_match_the_official_reference(expected, monkeypatch):
     # The CUDA path's kernels (sparse attention, rope, kv norm, store, indexer scores and
     # top-k, pair pooling, candidate blocks, fused MoE, hyper-connections, the engram gate and

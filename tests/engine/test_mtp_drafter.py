@@ -117,7 +117,8 @@ def test_mtp_greedy_equals_no_speculation(v3_mtp_dir, settings):
     assert all_blocks_free(spec)
 
 
-@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+@pytest.mark.parametrize("settings", [pytest.param(v, marks=pytest.mark.slow) if k == "preempting" else v
+                                      for k, v in SETTINGS.items()], ids=SETTINGS.keys())
 def test_mtp_greedy_equal_with_accepted_drafts(v3_repeat_dir, settings):
     """With drafts that are often right (see ``v3_repeat_dir``): steps accept some drafts and
     reject others, the MTP KV rolls back with the target's, and greedy output is unchanged."""

@@ -100,7 +100,8 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+@pytest.mark.parametrize("settings", [pytest.param(v, marks=pytest.mark.slow) if k == "preempting" else v
+                                      for k, v in SETTINGS.items()], ids=SETTINGS.keys())
 def test_embedded_v41_greedy_equal_with_drafts(settings):
     spec = check_equal_with_drafts(None, settings)
     if "num_kv_blocks" in settings:
