@@ -49,5 +49,6 @@ def test_example_runs_on_two_cpu_ranks(flag, layout):
 def test_example_runs_data_parallel_on_two_cpu_ranks():
     res = run("--device", "cpu", "--ep", "2", "--dp", "2", "--max-tokens", "4")
     assert res.returncode == 0, res.stderr
-    assert "world 2 ranks: tp=1 (attention shards), dp=2 (request shards)" in res.stdout
+    assert res.stdout.splitlines()[0] == ("rank layout: world=2; dp=2 (attention data-parallel rank of ranks "
+                                          "0..1: 0, 1); ep=2 (expert-parallel groups of ranks [0..1])")
     assert res.stdout.count(" -> ") == 4
