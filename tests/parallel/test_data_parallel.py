@@ -8,9 +8,6 @@ anything loads."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from deepinfer.parallel.expert import ExpertParallelConfig, use_expert_parallel
 from tests.engine.conftest import make_checkpoint
 from tests.parallel.ep_harness import HF_MOE, HF_TINY, moe_layers, randomize
 from tests.parallel.shapes import ENGINE_OPTIONS, LOGPROB_TOL, MOE, TINY_V4, V3
+from tests.parallel.workers import kill_and_drain
 
 NEW_TOKENS = 6
 
@@ -162,23 +160,7 @@ def test_killed_worker_fails_requests_without_hanging(checkpoints, victim):
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in _prompts()]
     assert {engine.scheduler.rank_of[i] for i in ids} == {0, 1}
-    engine.step()
-    engine.step()
-    os.kill(engine.runner.pids[victim], signal.SIGKILL)
-    finished: dict[str, str | None] = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "the engine did not fail its requests"
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.error
-    assert sorted(finished) == sorted(ids)
-    for error in finished.values():
-        assert error is not None and f"worker rank {victim}" in error and "died" in error, error
-    with pytest.raises(RuntimeError, match=f"cannot run requests any more: worker rank {victim}"):
-        engine.add_request([1, 2, 3], params)
-    llm.close()
-    assert not any(p.is_alive() for p in engine.runner.procs)
+    kill_and_drain(llm, ids, engine.runner.pids[victim], victim, params)
     for kv in engine.kv.managers:
         assert kv.num_free_blocks == kv.pool.num_blocks - 1
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from deepinfer.parallel.tensor import (
 )
 from tests.engine.conftest import make_checkpoint
 from tests.parallel.shapes import ENGINE_OPTIONS, LOGPROB_TOL, MOE, TINY_V4, V3
+from tests.parallel.workers import kill_and_drain
 
 NEW_TOKENS = 8
 
@@ -205,23 +204,7 @@ def test_killed_worker_fails_requests_without_hanging(checkpoints, victim):
     pids = engine.runner.pids
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in _prompts()]
-    engine.step()
-    engine.step()
-    os.kill(pids[victim], signal.SIGKILL)
-    finished: dict[str, str | None] = {}
-    deadline = time.monotonic() + 60
-    while engine.has_unfinished():
-        assert time.monotonic() < deadline, "the engine did not fail its requests"
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.error
-    assert sorted(finished) == sorted(ids)
-    for error in finished.values():
-        assert error is not None and f"worker rank {victim}" in error and "died" in error, error
-    with pytest.raises(RuntimeError, match=f"cannot run requests any more: worker rank {victim}"):
-        engine.add_request([1, 2, 3], params)
-    llm.close()
-    assert not any(p.is_alive() for p in engine.runner.procs)
+    kill_and_drain(llm, ids, pids[victim], victim, params)
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks - 1
 
 
