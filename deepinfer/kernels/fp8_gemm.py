@@ -31,6 +31,8 @@ Shapes: M tokens, K input width, N output width.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,27 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _group_scale(amax, POW2: tl.constexpr):
+    """The float32 scale of an activation group with absolute maximum ``amax``."""
+    # Correctly rounded divisions (``/`` on the GPU is approximate), so the scales and codes are
+    # the reference's bit for bit.
+    s = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if POW2:
+        # 2 ** ceil(log2(s)) from the bits (exact; the hardware log2 is approximate): the exponent,
+        # plus one unless the mantissa is zero.
+        bits = s.to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        s = (e << 23).to(tl.float32, bitcast=True)
+    return s
+
+
+@triton.jit
+def _quant_codes(x, s):
+    """float32 x divided by its group's scale s, as e4m3."""
+    return _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0)).to(tl.float8e4nv)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
                       GROUP: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
@@ -59,19 +82,14 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4)
-    # Correctly rounded divisions (``/`` on the GPU is approximate), so the scales and codes are
-    # the reference's bit for bit.
-    s = tl.div_rn(amax, 448.0)
-    if POW2:
-        # 2 ** ceil(log2(s)) from the bits (exact; the hardware log2 is approximate): the exponent,
-        # plus one unless the mantissa is zero.
-        bits = s.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        s = (e << 23).to(tl.float32, bitcast=True)
-    q = _round_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty))
+    s = _group_scale(tl.max(tl.abs(x), axis=0), POW2)
+    tl.store(q_ptr + row * stride_q + cols, _quant_codes(x, s))
     tl.store(s_ptr + row * stride_s + g, s)
+
+
+def _check_group(group: int, k: int) -> None:
+    if group < 16 or group & (group - 1) or k % group:
+        raise ValueError(f"fp8_act_quant: group={group} must be a power of two >= 16 dividing K={k}")
 
 
 def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,8 +99,7 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
         raise ValueError(f"fp8_act_quant: x must be [M, K] with unit column stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
-    if group < 16 or group & (group - 1) or k % group:
-        raise ValueError(f"fp8_act_quant: group={group} must be a power of two >= 16 dividing K={k}")
+    _check_group(group, k)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
     if m:
@@ -93,35 +110,104 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, m, n, k,
-                 stride_a, stride_as, stride_w, stride_ws, stride_out,
+def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, n, k,
+                 stride_a, stride_as, stride_w, stride_ws, stride_out, stride_part,
                  GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FUSED: tl.constexpr = False, POW2: tl.constexpr = False, SPLIT: tl.constexpr = 1,
                  PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                            # [BLOCK_M] of M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of N
     row_ok, col_ok = rows < m, cols < n
-    ks = tl.arange(0, BLOCK_K)
+    # This program's K slice: ``chunks`` activation groups from group c0 on (all of K unless split).
+    chunks = k // GROUP // SPLIT
+    c0 = tl.program_id(2) * chunks
+    ks = c0 * GROUP + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + ks[None, :]    # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None]    # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_as                         # [BLOCK_M]
     ws_ptrs = ws_ptr + (cols // WBN).to(tl.int64) * stride_ws                # [BLOCK_N]
+    if FUSED:
+        # The activations' first group, [BLOCK_M, GROUP], for its scale.
+        g_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + (c0 * GROUP + tl.arange(0, GROUP))[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(k // BLOCK_K):
-        k0 = step * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-        b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-        sa = tl.load(as_ptrs + k0 // GROUP, mask=row_ok, other=0.0)
-        sw = tl.load(ws_ptrs + k0 // WBK, mask=col_ok, other=0)
-        if W_E8M0:
-            sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)           # 2 ** (b - 127)
-        acc += tl.dot(a, b) * (sa[:, None] * sw[None, :])
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    for c in range(c0, c0 + chunks):
+        # One activation group: its scale, then GROUP / BLOCK_K steps (several when the weight
+        # blocks are narrower than the group).
+        if FUSED:
+            # _act_quant_kernel's arithmetic on the same values: the same scales and codes.
+            xg = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sa = _group_scale(tl.max(tl.abs(xg), axis=1), POW2)
+            g_ptrs += GROUP
+        else:
+            sa = tl.load(as_ptrs + c, mask=row_ok, other=0.0)
+        for j in tl.static_range(GROUP // BLOCK_K):
+            if FUSED:
+                if GROUP == BLOCK_K:
+                    a = _quant_codes(xg, sa[:, None])
+                else:
+                    # Reloaded per step (a cache hit): register tensors cannot be sliced along K.
+                    xj = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                    a = _quant_codes(xj, sa[:, None])
+            else:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            sw = tl.load(ws_ptrs + (c * GROUP + j * BLOCK_K) // WBK, mask=col_ok, other=0)
+            if W_E8M0:
+                sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)       # 2 ** (b - 127)
+            acc += tl.dot(a, b) * (sa[:, None] * sw[None, :])
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    out_mask = row_ok[:, None] & col_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Split K: each slice stores its float32 partial [SPLIT, M, N]; the tile's last slice to
+        # finish adds them in slice order 0, 1, ... (the same sums whichever program is last) and
+        # puts the tile's counter back to zero for the next launch or CUDA-graph replay.
+        offs = rows[:, None].to(tl.int64) * n + cols[None, :]
+        tl.store(part_ptr + tl.program_id(2).to(tl.int64) * stride_part + offs, acc, mask=out_mask)
+        tl.debug_barrier()                       # every thread's partial is written before the count
+        tile = pid_m * tl.num_programs(1) + pid_n
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            total = tl.load(part_ptr + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                total += tl.load(part_ptr + s * stride_part + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+FUSE_MAX_M = 16
+"""fp8_linear quantises the activations inside the GEMM up to this many tokens: one launch instead
+of two, at the price of every N-tile quantising its M x K activations again (cheap while M is small)."""
+
+MAX_SPLIT = 8
+"""The most K slices a small-N GEMM is split into."""
+
+_COUNTERS = 4096
+"""Tile counters per (device, stream) for split K; a split GEMM has at most this many tiles."""
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one set per stream (GEMMs on one stream run one after another; the
+    last program of each tile zeroes its counter again)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _counters:
+        _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[key]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132                                # the interpreter stands in for an H100/H200
 
 
 def pick_tiles(m: int, n: int) -> tuple[int, int, int, int]:
@@ -138,6 +224,17 @@ def pick_tiles(m: int, n: int) -> tuple[int, int, int, int]:
     return tiles[0], block_n, tiles[2], tiles[3]
 
 
+def pick_split(tiles: int, chunks: int, sms: int, max_split: int = MAX_SPLIT) -> int:
+    """K slices for a GEMM of ``tiles`` output tiles over ``chunks`` activation groups: the largest
+    power of two S <= ``max_split`` with tiles * S programs still within the ``sms`` SMs, S dividing
+    the groups and every slice at least two groups long. 1 when the tiles alone fill the GPU."""
+    s = 1
+    while (2 * s <= max_split and tiles * 2 * s <= sms and chunks % (2 * s) == 0
+           and chunks // (2 * s) >= 2):
+        s *= 2
+    return s
+
+
 def _check_weight(w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], k: int) -> None:
     bn, bk = block
     n = w.shape[0]
@@ -152,41 +249,81 @@ def _check_weight(w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], k: 
         raise ValueError(f"fp8_gemm: weight scales must be float32 or UE8M0 bytes (uint8), got {ws.dtype}")
 
 
+def _k_step(group: int, block_k: int) -> int:
+    step = min(group, block_k)
+    if step < 32 or step & (step - 1):
+        raise ValueError(f"fp8_gemm: the K step min(group={group}, block_k={block_k}) must be a power of "
+                         "two >= 32")
+    return step
+
+
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor,
+          block: tuple[int, int], group: int, pow2_scale: bool, out_dtype: torch.dtype, invariant: bool,
+          split: int | None, tiles: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """The GEMM launch: ``a`` e4m3 with ``a_scale``, or (``a_scale`` None) 16/32-bit activations
+    quantised per group inside the kernel."""
+    m, k = a.shape
+    n = w.shape[0]
+    block_k = _k_step(group, block[1])
+    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    bm, bn, warps, stages = tiles or pick_tiles(64 if invariant else m, n)
+    m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    chunks = k // group
+    if split is None:
+        # Batch-invariant mode: the same S for every M (as if one M-tile), so every row's sums are too.
+        split = pick_split(n_tiles if invariant else m_tiles * n_tiles, chunks, _sm_count(a.device))
+    if split < 1 or split & (split - 1) or chunks % split:
+        raise ValueError(f"fp8_gemm: split={split} must be a power of two dividing the K/group={chunks} groups")
+    if split > 1 and m_tiles * n_tiles > _COUNTERS:
+        raise ValueError(f"fp8_gemm: split K takes at most {_COUNTERS} output tiles, got "
+                         f"{m_tiles * n_tiles} (M={m}, N={n} in {bm} x {bn} tiles)")
+    part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
+    counts = _tile_counters(a.device) if split > 1 else out
+    fused = a_scale is None
+    _gemm_kernel[(m_tiles, n_tiles, split)](
+        a, a if fused else a_scale, w, ws, out, part, counts, m, n, k,
+        a.stride(0), 0 if fused else a_scale.stride(0), w.stride(0), ws.stride(0), out.stride(0), m * n,
+        GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, FUSED=fused, POW2=pow2_scale, SPLIT=split,
+        num_warps=warps, num_stages=stages, **pdl.flags(a.device))
+    return out
+
+
 def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
-                   block: tuple[int, int], out_dtype: torch.dtype, invariant: bool = False) -> torch.Tensor:
+                   block: tuple[int, int], out_dtype: torch.dtype, invariant: bool = False, *,
+                   split: int | None = None, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """(xq [M, K] e4m3, xs [M, K/group] float32) x (w [N, K] e4m3, ws [N/bn, K/bk] float32 or
     UE8M0 bytes) -> [M, N] in ``out_dtype``; see :func:`reference.fp8_block_gemm`. ``group`` is
     K / xs.shape[1]; it and ``block``'s bk must be powers of two >= 32 dividing K (the FP8 MMA's
-    reduction is 32 wide). ``invariant`` (batch-invariant mode): the tiles of M = 64 for every M."""
+    reduction is 32 wide). ``invariant`` (batch-invariant mode): the tiles of M = 64 and one K split
+    for every M. ``split`` (K slices, default :func:`pick_split`) and ``tiles`` (default
+    :func:`pick_tiles`) override the launch configuration."""
     m, k = xq.shape
     _check_weight(w, ws, block, k)
     if xs.dim() != 2 or xs.shape[0] != m or xs.shape[1] == 0 or k % xs.shape[1]:
         raise ValueError(f"fp8_gemm: activation scales must be [M={m}, K/group], got {tuple(xs.shape)}")
-    group = k // xs.shape[1]
-    block_k = min(group, block[1])
-    if block_k < 32 or block_k & (block_k - 1):
-        raise ValueError(f"fp8_gemm: the K step min(group={group}, block_k={block[1]}) must be a power of "
-                         "two >= 32")
-    n = w.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    if m == 0 or n == 0:
-        return out
-    bm, bn, warps, stages = pick_tiles(64 if invariant else m, n)
-    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xq, xs, w, ws, out, m, n, k,
-        xq.stride(0), xs.stride(0), w.stride(0), ws.stride(0), out.stride(0),
-        GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl.flags(xq.device))
-    return out
+    return _gemm(xq, xs, w, ws, block, k // xs.shape[1], False, out_dtype, invariant, split, tiles)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
-               group: int = 128, pow2_scale: bool = False, invariant: bool = False) -> torch.Tensor:
+               group: int = 128, pow2_scale: bool = False, invariant: bool = False, *,
+               fuse_max_m: int = FUSE_MAX_M, split: int | None = None,
+               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
-    in x's dtype; see :func:`reference.fp8_linear`."""
+    in x's dtype; see :func:`reference.fp8_linear`. Up to ``fuse_max_m`` tokens the quantisation
+    runs inside the GEMM (bit for bit the same result); ``split`` and ``tiles`` as
+    :func:`fp8_block_gemm`."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    xq, xs = fp8_act_quant(x2, group, pow2_scale)
-    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype, invariant).view(*x.shape[:-1], w.shape[0])
+    if x2.shape[0] <= fuse_max_m:
+        _check_group(group, k)
+        _check_weight(w, ws, block, k)
+        out = _gemm(x2, None, w, ws, block, group, pow2_scale, x.dtype, invariant, split, tiles)
+    else:
+        xq, xs = fp8_act_quant(x2, group, pow2_scale)
+        out = fp8_block_gemm(xq, xs, w, ws, block, x.dtype, invariant, split=split, tiles=tiles)
+    return out.view(*x.shape[:-1], w.shape[0])
