@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from deepinfer.kernels import reference
-from deepinfer.kernels.fp8_gemm import fp8_act_quant, fp8_block_gemm, fp8_linear, pick_tiles
+from deepinfer.kernels.fp8_gemm import (_tile_counters, fp8_act_quant, fp8_block_gemm, fp8_linear, pick_split,
+                                        pick_tiles)
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block
 
 ON_CUDA = torch.cuda.is_available()
@@ -94,6 +96,86 @@ def test_pick_tiles_decode_and_prefill():
     assert pick_tiles(1, 4096)[:2] == (16, 32) and pick_tiles(64, 16384)[:2] == (64, 64)
     assert pick_tiles(4096, 4096)[:2] == (128, 128)
     assert pick_tiles(3, 20)[1] == 32                                    # tiles never exceed the problem much
+
+
+def random_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows spanning five decades across K, with one all-zero group (the 1e-4 amax floor)."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * torch.logspace(-3, 2, k)
+    x[0, 128:256] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("block,scale_format", FORMATS)
+@pytest.mark.parametrize("m,n,k,split", [(1, 96, 256, 1), (5, 200, 512, 2), (16, 64, 1024, 4)])
+def test_fused_quantisation_is_bit_identical_to_quant_then_gemm(m, n, k, split, block, scale_format, device):
+    """The GEMM that quantises its activations itself (one launch) against fp8_act_quant then the
+    GEMM: the same codes, scales and sums, so the same bits, with or without split K."""
+    pow2 = scale_format == "ue8m0"
+    w, ws = make_weight(n, k, block, scale_format, device, seed=n + k)
+    x = random_activations(m, k, seed=m).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        fused = fp8_linear(xd, w, ws, block, 128, pow2, fuse_max_m=m, split=split)
+        unfused = fp8_linear(xd, w, ws, block, 128, pow2, fuse_max_m=0, split=split)
+        assert fused.dtype == dtype and fused.shape == (m, n)
+        assert torch.equal(fused, unfused)
+        xq, xs = reference.fp8_act_quant(xd, 128, pow2)
+        ref = reference.fp8_block_gemm(xq, xs, w, ws, block, dtype)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(fused, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("block,scale_format", FORMATS)
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_split_k_matches_reference(split, block, scale_format, device):
+    m, n, k = 3, 160, 1024
+    w, ws = make_weight(n, k, block, scale_format, device, seed=split)
+    xq, xs = reference.fp8_act_quant(random_activations(m, k, seed=split).to(device), 128)
+    ref = reference.fp8_block_gemm(xq, xs, w, ws, block, torch.float32)
+    for _ in range(2):                                   # the tile counters are back at zero after a launch
+        out = fp8_block_gemm(xq, xs, w, ws, block, torch.float32, split=split)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert not _tile_counters(xq.device).any()
+
+
+@pytest.mark.parametrize("block,scale_format", FORMATS)
+def test_invariant_mode_rows_are_identical_for_every_batch_size(block, scale_format, device):
+    """Batch-invariant mode: one tile shape and one K split for every M, the fused quantisation
+    bit for bit the separate one, so a row's output does not depend on the rows beside it."""
+    n, k = 96, 512
+    assert pick_split(triton.cdiv(n, 32), k // 128, 132) == 2              # split K is exercised
+    w, ws = make_weight(n, k, block, scale_format, device, seed=3)
+    x = random_activations(80, k, seed=4).to(device)
+    pow2 = scale_format == "ue8m0"
+    full = fp8_linear(x, w, ws, block, 128, pow2, invariant=True)
+    for m in (1, 7, 16, 33):
+        assert torch.equal(fp8_linear(x[:m], w, ws, block, 128, pow2, invariant=True), full[:m])
+
+
+def test_pick_split_fills_the_sms_only_when_the_tiles_do_not():
+    assert pick_split(16, 32, 132) == 8                                  # V4 kv: N = 512, K = 4096
+    assert pick_split(32, 32, 132) == 4                                  # V4 q_a: N = 1024
+    assert pick_split(128, 32, 132) == 1                                 # N = 4096 fills the GPU
+    assert pick_split(16, 32, 132, max_split=2) == 2
+    assert pick_split(1, 4, 132) == 2                                    # slices of two groups at least
+    assert pick_split(1, 6, 132) == 2 and pick_split(1, 3, 132) == 1     # S divides the groups
+
+
+def test_fused_and_split_reject_bad_operands(device):
+    w, ws = make_weight(64, 256, (128, 128), "float32", device)
+    x = torch.randn(2, 256).to(device)
+    with pytest.raises(ValueError, match="group=48"):
+        fp8_linear(x, w, ws, (128, 128), group=48)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_linear(x, w.float(), ws, (128, 128))
+    with pytest.raises(ValueError, match="scales of shape"):
+        fp8_linear(x, w, ws[:, :1], (128, 128))
+    with pytest.raises(ValueError, match="K step"):
+        fp8_linear(x, w, ws, (128, 128), group=16)
+    with pytest.raises(ValueError, match="split=3"):
+        fp8_linear(x, w, ws, (128, 128), split=3)
+    with pytest.raises(ValueError, match="split=4"):                      # two groups, four slices
+        fp8_linear(x, w, ws, (128, 128), split=4)
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
