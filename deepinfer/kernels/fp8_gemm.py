@@ -16,6 +16,20 @@ launchers. What does not: choosing which weights are FP8 or quantising them (``m
   in float32 (DeepSeek's fp8_gemm does the same with 128-wide steps). V4's 128 x 128 weight
   scales give 128-wide steps; V4.1's 32 x 32 ones 32-wide steps, the narrowest FP8 MMA, with
   one activation scale spanning four of them.
+* Fused (``fp8_linear`` up to ``fuse_max_m`` tokens, :data:`FUSE_MAX_M`): the GEMM reads the
+  16/32-bit activations and quantises each group itself, with the act-quant kernel's own
+  arithmetic (the same jitted helpers), so the result is bit for bit the two-launch one; one
+  launch fewer per linear, at the price of every N-tile quantising the M x K activations again
+  (cheap at decode sizes). A group wider than the K step is scaled once, then reloaded (a cache
+  hit) per step.
+* Split K (grid M-tiles x N-tiles x S): when the output tiles alone leave SMs idle (decode at
+  N = 512 / 1024), S slices of K (:func:`pick_split`, a power of two dividing the groups) each
+  store a float32 partial; the tile's last slice to finish (an int32 counter per tile, taken
+  with an acquire-release atomic and put back to zero, so CUDA-graph replays find it zeroed)
+  adds the S partials in slice order 0, 1, ... and writes the output. The order is fixed, so
+  the result does not depend on which program finishes last (no float atomics), and no second
+  launch is needed: the partials, S x M x N float32, are small next to the weight bytes at the
+  sizes that split. Batch-invariant mode picks S from N and K alone, the same for every M.
 
 Weight scales are float32 or UE8M0 bytes (``uint8``, ``2 ** (b - 127)``, decoded in registers
 from their bits).

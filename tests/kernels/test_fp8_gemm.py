@@ -200,3 +200,42 @@ def test_fp8_linear_gpu_v4_sizes(nk, m, block, scale_format):
     assert rel_err(out, ref) < 1e-2                                      # bf16 output rounding
     exact = x.float() @ dequant_fp8_block(w, ws, block).t()
     assert rel_err(out, exact) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("block,scale_format", FORMATS)
+def test_fp8_linear_gpu_fused_split_k_deterministic_and_batch_invariant(block, scale_format):
+    """V4-Flash's kv projection (N = 512, K = 4096, split K at decode): fused equals quant-then-GEMM
+    bit for bit on the device too; runs, CUDA-graph replays and (batch-invariant mode) batch sizes
+    give the same bits."""
+    n, k = 512, 4096
+    pow2 = scale_format == "ue8m0"
+    w, ws = make_weight(n, k, block, scale_format, "cuda", seed=5)
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    x16 = x[:16].clone()
+
+    def linear(**kw):
+        return fp8_linear(x16, w, ws, block, 128, pow2, **kw)
+
+    assert torch.equal(linear(fuse_max_m=16, split=4), linear(fuse_max_m=0, split=4))
+    first = linear()
+    assert all(torch.equal(linear(), first) for _ in range(5))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        linear()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = linear()
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, first)
+    full = fp8_linear(x, w, ws, block, 128, pow2, invariant=True)
+    for m in (1, 5, 16, 33):
+        assert torch.equal(fp8_linear(x[:m], w, ws, block, 128, pow2, invariant=True), full[:m])
+    xq, xs = reference.fp8_act_quant(x16, 128, pow2)
+    assert rel_err(first, reference.fp8_block_gemm(xq, xs, w, ws, block, torch.float32)) < 1e-2
