@@ -124,6 +124,17 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
 
 
 @triton.jit
+def _scaled_step(acc, a, sa, w_ptrs, ws_ptrs, col_ok, W_E8M0: tl.constexpr):
+    """One K step: acc + (a @ w) * (activation scale x weight scale), a [BLOCK_M, BLOCK_K] e4m3,
+    sa [BLOCK_M], w_ptrs [BLOCK_K, BLOCK_N], ws_ptrs [BLOCK_N] the step's weight scales."""
+    b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+    sw = tl.load(ws_ptrs, mask=col_ok, other=0)
+    if W_E8M0:
+        sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)               # 2 ** (b - 127)
+    return acc + tl.dot(a, b) * (sa[:, None] * sw[None, :])
+
+
+@triton.jit
 def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, n, k,
                  stride_a, stride_as, stride_w, stride_ws, stride_out, stride_part,
                  GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
@@ -135,43 +146,42 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                            # [BLOCK_M] of M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of N
     row_ok, col_ok = rows < m, cols < n
-    # This program's K slice: ``chunks`` activation groups from group c0 on (all of K unless split).
-    chunks = k // GROUP // SPLIT
-    c0 = tl.program_id(2) * chunks
-    ks = c0 * GROUP + tl.arange(0, BLOCK_K)
+    # This program's K slice: ``steps`` K steps from step s0 on (all of K unless split; a slice is
+    # whole activation groups).
+    steps = k // BLOCK_K // SPLIT
+    s0 = tl.program_id(2) * steps
+    ks = s0 * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + ks[None, :]    # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None]    # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_as                         # [BLOCK_M]
     ws_ptrs = ws_ptr + (cols // WBN).to(tl.int64) * stride_ws                # [BLOCK_N]
-    if FUSED:
-        # The activations' first group, [BLOCK_M, GROUP], for its scale.
-        g_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + (c0 * GROUP + tl.arange(0, GROUP))[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for c in range(c0, c0 + chunks):
-        # One activation group: its scale, then GROUP / BLOCK_K steps (several when the weight
-        # blocks are narrower than the group).
-        if FUSED:
-            # _act_quant_kernel's arithmetic on the same values: the same scales and codes.
+    if FUSED and GROUP > BLOCK_K:
+        # A group spans GROUP / BLOCK_K steps: its scale from the whole group [BLOCK_M, GROUP],
+        # then each step's slice reloaded (a cache hit; register tensors cannot be sliced along K).
+        g_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + (s0 * BLOCK_K + tl.arange(0, GROUP))[None, :]
+        for g in range(s0 // (GROUP // BLOCK_K), (s0 + steps) // (GROUP // BLOCK_K)):
             xg = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
             sa = _group_scale(tl.max(tl.abs(xg), axis=1), POW2)
             g_ptrs += GROUP
-        else:
-            sa = tl.load(as_ptrs + c, mask=row_ok, other=0.0)
-        for j in tl.static_range(GROUP // BLOCK_K):
+            for j in tl.static_range(GROUP // BLOCK_K):
+                x = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                k0 = g * GROUP + j * BLOCK_K
+                acc = _scaled_step(acc, _quant_codes(x, sa[:, None]), sa, w_ptrs, ws_ptrs + k0 // WBK, col_ok, W_E8M0)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+    else:
+        for step in range(s0, s0 + steps):
+            k0 = step * BLOCK_K
             if FUSED:
-                if GROUP == BLOCK_K:
-                    a = _quant_codes(xg, sa[:, None])
-                else:
-                    # Reloaded per step (a cache hit): register tensors cannot be sliced along K.
-                    xj = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                    a = _quant_codes(xj, sa[:, None])
+                # _act_quant_kernel's arithmetic on the same values: the same scales and codes.
+                x = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+                sa = _group_scale(tl.max(tl.abs(x), axis=1), POW2)
+                a = _quant_codes(x, sa[:, None])
             else:
                 a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
-            sw = tl.load(ws_ptrs + (c * GROUP + j * BLOCK_K) // WBK, mask=col_ok, other=0)
-            if W_E8M0:
-                sw = (sw.to(tl.int32) << 23).to(tl.float32, bitcast=True)       # 2 ** (b - 127)
-            acc += tl.dot(a, b) * (sa[:, None] * sw[None, :])
+                sa = tl.load(as_ptrs + k0 // GROUP, mask=row_ok, other=0.0)
+            acc = _scaled_step(acc, a, sa, w_ptrs, ws_ptrs + k0 // WBK, col_ok, W_E8M0)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     out_mask = row_ok[:, None] & col_ok[None, :]
