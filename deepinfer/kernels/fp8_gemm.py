@@ -211,20 +211,20 @@ of two, at the price of every N-tile quantising its M x K activations again (che
 MAX_SPLIT = 8
 """The most K slices a small-N GEMM is split into."""
 
-_COUNTERS = 4096
-"""Tile counters per (device, stream) for split K; a split GEMM has at most this many tiles."""
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one set per stream (GEMMs on one stream run one after another; the
-    last program of each tile zeroes its counter again)."""
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed int32 counters for split K, one set per (device, stream): GEMMs on
+    one stream run one after another, and the last program of each tile zeroes its counter again.
+    A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
+    with it still uses it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _counters:
-        _counters[key] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[key]
+    held = _counters.setdefault((device, stream), [])
+    if not held or held[-1].numel() < tiles:
+        size = max(tiles, 2 * held[-1].numel() if held else 1024)
+        held.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return held[-1]
 
 
 @functools.cache
@@ -300,11 +300,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: to
         split = pick_split(n_tiles if invariant else m_tiles * n_tiles, chunks, _sm_count(a.device))
     if split < 1 or split & (split - 1) or chunks % split:
         raise ValueError(f"fp8_gemm: split={split} must be a power of two dividing the K/group={chunks} groups")
-    if split > 1 and m_tiles * n_tiles > _COUNTERS:
-        raise ValueError(f"fp8_gemm: split K takes at most {_COUNTERS} output tiles, got "
-                         f"{m_tiles * n_tiles} (M={m}, N={n} in {bm} x {bn} tiles)")
     part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
-    counts = _tile_counters(a.device) if split > 1 else out
+    counts = _tile_counters(a.device, m_tiles * n_tiles) if split > 1 else out
     fused = a_scale is None
     _gemm_kernel[(m_tiles, n_tiles, split)](
         a, a if fused else a_scale, w, ws, out, part, counts, m, n, k,
