@@ -364,6 +364,16 @@ class DraftGraphs(DraftGraphRunner):
         if capture:
             self._capture()
 
+    @staticmethod
+    def static_bytes(drafter: ModelDrafter, n: int, dtype: torch.dtype) -> int:
+        """Bytes of the static buffers :meth:`__init__` allocates for a largest bucket of ``n``
+        (the cache budget reserves them before the cache is laid out)."""
+        # The noise and the kept hidden rows; then the per-row scalars (3 int64, 3 float32, a bool)
+        # and a 64-byte allowance for the row's block table, which is small beside them.
+        per_row = (drafter.num_slots * drafter.vocab_size * 4 + drafter.row_state_size * dtype.itemsize
+                   + 3 * 8 + 3 * 4 + 1 + 64)
+        return n * per_row
+
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((n for n in self.sizes if n >= num_seqs), None)
 

@@ -195,11 +195,21 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(0, non_torch)
-        logger.info("KV cache budget %.2f GiB (peak %.2f GiB, total %.2f GiB)",
-                    budget / 2**30, peak / 2**30, total / 2**30)
+        drafts = self._draft_graph_bytes()
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - max(0, non_torch) - drafts
+        logger.info("KV cache budget %.2f GiB (peak %.2f GiB, draft graph buffers %.2f GiB, total %.2f GiB)",
+                    budget / 2**30, peak / 2**30, drafts / 2**30, total / 2**30)
         torch.cuda.empty_cache()
         return max(0, budget)
+
+    def _draft_graph_bytes(self) -> int:
+        """What :class:`DraftGraphs` will allocate after the cache is laid out (its sampling noise,
+        [largest bucket, draft slots, vocab] float32, dominates: ~165 MB at B = 64 for a
+        129k vocabulary and 5 slots), so the cache budget leaves it room; 0 without one."""
+        if not (isinstance(self.drafter, ModelDrafter) and self.graphs_serve_drafter
+                and self._why_no_cuda_graphs() is None):
+            return 0
+        return DraftGraphs.static_bytes(self.drafter, max(self.config.scheduler.graph_batch_sizes), self.dtype)
 
     def allocate_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         """One byte buffer of ``num_blocks`` pages; each layer gets a strided view

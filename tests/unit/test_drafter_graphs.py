@@ -310,3 +310,13 @@ def test_draft_graphs_pad_to_the_bucket_and_pick_the_mode():
     assert graphs.draft(_rows([1] * 5, [0] * 5, [[1]] * 5)) is None and graphs.steps == 3
     with pytest.raises(ValueError, match="block table of 4 blocks exceeds the 3"):
         graphs.draft(_rows([1], [0], [[1, 2, 3, 4]]))
+
+
+def test_draft_graph_static_bytes_cover_the_buffers_allocated():
+    # The cache budget reserves static_bytes before the cache exists; it must not undercount.
+    drafter = _EchoDrafter()
+    graphs = DraftGraphs(drafter, decode=None, sizes=[1, 4, 8], table_width=3, max_seq_len=64, dtype=torch.float32,
+                         device=torch.device("cpu"), capture=False)
+    allocated = sum(t.numel() * t.element_size() for t in vars(graphs).values() if isinstance(t, torch.Tensor))
+    reserved = DraftGraphs.static_bytes(drafter, 8, torch.float32)
+    assert allocated <= reserved <= allocated + 8 * 128
