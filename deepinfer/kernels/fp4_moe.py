@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm import fp8_act_quant
 from deepinfer.kernels.fused_moe import MoEConfig, _tile, check_routing, moe_align, pick_config, sum_slots
 
 GROUP = 32          # inputs per scale
@@ -163,6 +164,153 @@ def _fp4_down_kernel(
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
+# -- group path: unscaled e2m1 codes as e4m3 bytes, one scale per 32-input group after the dot ----
+
+# e2m1 code c (sign bit 3, magnitude bits 2..0) as the e4m3 byte ((c & 8) << 4) | ((c & 7) << 2):
+# the sign moves to bit 7 and the magnitude's 2 exponent bits and 1 mantissa bit land in e4m3's
+# low exponent bits and top mantissa bit, which is exactly the e2m1 value times 2^-6 (code 1, 0.5,
+# becomes e4m3's subnormal 2^-7). The kernels fold the 2^6 into the group's scale.
+_E4M3_FROM_E2M1 = tl.constexpr(64.0)
+
+# The same on 4 packed bytes at once (one 32-bit register; the masks keep each byte's bits in that
+# byte): about one instruction per value. Every read of $2 precedes the writes of $0 and $1, which
+# may share its register.
+_NIBBLES_TO_E4M3_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, c, d;
+shl.b32 a, $2, 4;
+shl.b32 b, $2, 2;
+shr.b32 c, $2, 2;
+and.b32 d, $2, 0x80808080;
+and.b32 a, a, 0x80808080;
+and.b32 b, b, 0x1C1C1C1C;
+and.b32 c, c, 0x1C1C1C1C;
+or.b32 $0, a, b;
+or.b32 $1, d, c;
+}
+""")
+
+
+@triton.jit
+def _nibbles_to_e4m3(b, ASM: tl.constexpr):
+    """uint8 packed bytes -> (e4m3 of the low nibbles, e4m3 of the high nibbles), each an e2m1
+    value times 2^-6, exactly. ``ASM``: 4 bytes a register by inline PTX (CUDA only; the CPU
+    interpreter runs the plain byte ops)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_TO_E4M3_ASM, "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8),
+                                           is_pure=True, pack=4)
+    else:
+        lo = ((b << 4) & 0x80) | ((b << 2) & 0x1C)
+        hi = (b & 0x80) | ((b >> 2) & 0x1C)
+    return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _group_dot(a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """One 32-input group: activations a [BLOCK_M, 32] (e4m3 with per-row scales sa [BLOCK_M] when
+    ``FP8``, else in the activations' dtype) times the group's weights, 16 packed bytes a column at
+    ``w_ptrs`` [BLOCK_N, 16] with one scale a column at ``s_ptrs`` [BLOCK_N] -> float32 [BLOCK_M,
+    BLOCK_N]. The dot runs on the unscaled codes (exact in e4m3, bf16, fp16) and the scale
+    multiplies its result, so each scale is loaded once per column and group."""
+    b = tl.load(w_ptrs, mask=mask_n[:, None] & ok, other=0)
+    lo, hi = _nibbles_to_e4m3(b, ASM)
+    w = tl.interleave(lo, hi)                                         # [BLOCK_N, 32]: inputs in order
+    s = tl.load(s_ptrs, mask=mask_n & ok, other=0)
+    if S_E8M0:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)      # 2 ** (b - 127)
+    s = s * _E4M3_FROM_E2M1
+    if FP8:
+        return tl.dot(a, tl.trans(w)) * (sa[:, None] * s[None, :])
+    return tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+
+
+@triton.jit
+def _fp4g_gate_up_kernel(
+    x, xs, wq, ws, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, num_pid_m, limit,
+    stride_x, stride_xs, stride_qe, stride_qn, stride_se, stride_sn, stride_act,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
+    ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
+    FP8: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pdl.enter(PDL)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):                        # past the padded total: exit
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of I
+    col_ok = cols < inter
+    token = (pair // TOP_K).to(tl.int64)
+    a_ptrs = x + token[:, None] * stride_x + tl.arange(0, 32)[None, :]       # [BLOCK_M, 32]
+    sa_ptrs = xs + token * stride_xs                                           # [BLOCK_M]
+    g_ptrs = wq + expert * stride_qe + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, 16)[None, :]
+    u_ptrs = g_ptrs + inter * stride_qn                                         # [BLOCK_N, 16]
+    gs_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn          # [BLOCK_N]
+    us_ptrs = gs_ptrs + inter * stride_sn
+    groups = hidden // 32
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(tl.cdiv(groups, G)):
+        for g in tl.static_range(G):
+            q = k * G + g                                                     # the 32-input group
+            ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
+            a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
+            sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
+            gate += _group_dot(a, sa, g_ptrs + q * 16, gs_ptrs + q, col_ok, ok,
+                               S_E8M0, FP8, ASM, DOT_PRECISION)
+            up += _group_dot(a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
+                             S_E8M0, FP8, ASM, DOT_PRECISION)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_act + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp4g_down_kernel(
+    act, act_s, wq, ws, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, num_pid_m,
+    stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
+    GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pdl.enter(PDL)
+    pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < num_pairs
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of H
+    col_ok = cols < hidden
+    out_rows = pair.to(tl.int64)
+    a_ptrs = act + out_rows[:, None] * stride_act + tl.arange(0, 32)[None, :]    # [BLOCK_M, 32]
+    sa_ptrs = act_s + out_rows * stride_as
+    w_ptrs = wq + expert * stride_qe + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, 16)[None, :]
+    s_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn
+    groups = inter // 32
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(tl.cdiv(groups, G)):
+        for g in tl.static_range(G):
+            q = k * G + g
+            ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
+            a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
+            sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
+            acc += _group_dot(a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
+                              S_E8M0, FP8, ASM, DOT_PRECISION)
+    weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
 def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                     elem_bytes: int = 2) -> MoEConfig:
     """:func:`fused_moe.pick_config`'s tiles by pairs per expert, with pointer loads (the packed
@@ -177,6 +325,47 @@ def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
                                block_k2=max(32, cfg.block_k2), num_stages=min(cfg.num_stages, 3))
 
 
+PATHS = ("dequant", "group")
+DOTS = ("bf16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class FP4Kernel:
+    """Which FP4 kernels run (the tiles are a :class:`fused_moe.MoEConfig`).
+
+    path: ``"group"`` (unscaled codes as e4m3, one scale per 32-input group after the dot) or
+    ``"dequant"`` (each weight decoded and scaled before the dot: the reference's products exactly).
+    The rest is the group path's: ``dot`` ``"bf16"`` (dots in the activations' dtype, bf16 in
+    serving) or ``"fp8"`` (activations quantised to e4m3 per token and ``act_group`` inputs, FP8
+    dots); ``groups`` 32-input groups per K step (unrolled); ``asm``: the nibble decode by inline
+    PTX, 4 bytes a register (CUDA only; the CPU interpreter uses the plain byte ops regardless).
+    """
+
+    path: str = "group"
+    dot: str = "bf16"
+    groups: int = 2
+    act_group: int = 32
+    asm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"FP4Kernel: path={self.path!r} is not one of {PATHS}")
+        if self.dot not in DOTS:
+            raise ValueError(f"FP4Kernel: dot={self.dot!r} is not one of {DOTS}")
+        if self.groups not in (1, 2, 4, 8):
+            raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
+        if self.act_group not in (32, 64, 128):
+            raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
+
+
+def fp4_pick_kernel(num_tokens: int) -> FP4Kernel:
+    """The group path with bf16 dots for every batch: it keeps the reference's accuracy (FP8 dots
+    add the activations' e4m3 rounding) and decodes each weight in about one instruction, where
+    the dequant path spends 15-20. Two groups a K step: 32 contiguous bytes a weight row, a whole
+    32-byte sector per load. ``scripts/probes/fp4_moe_variants.py`` times the alternatives."""
+    return FP4Kernel()
+
+
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
     if q.dtype != torch.uint8 or tuple(q.shape) != (e, n, k // 2) or q.stride(2) != 1:
         raise ValueError(f"fp4_moe: {name} must be uint8 [E={e}, {n}, {k // 2}] (two e2m1 codes a byte) with "
@@ -186,9 +375,68 @@ def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: s
                          f"{k // GROUP}] with unit last stride, got {s.dtype} shape {tuple(s.shape)}")
 
 
+def _dequant_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out, sorted_pairs, block_expert,
+                  num_padded, cfg: MoEConfig, k: int, swiglu_limit: float, s_e8m0: bool, precision: str) -> None:
+    pairs, h = out.shape
+    i = act.shape[1]
+    num_pid_m = block_expert.shape[0]
+    _fp4_gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
+        x, gate_up_q, gate_up_s, act, sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m, float(swiglu_limit),
+        x.stride(0), gate_up_q.stride(0), gate_up_q.stride(1), gate_up_s.stride(0), gate_up_s.stride(1),
+        act.stride(0),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
+        HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+    _fp4_down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
+        act, down_q, down_s, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m,
+        act.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1), out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
+        S_E8M0=s_e8m0, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+
+
+def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out, sorted_pairs, block_expert,
+                num_padded, cfg: MoEConfig, kern: FP4Kernel, k: int, swiglu_limit: float, s_e8m0: bool,
+                precision: str) -> None:
+    pairs, h = out.shape
+    i = act.shape[1]
+    num_pid_m = block_expert.shape[0]
+    fp8 = kern.dot == "fp8"
+    asm = kern.asm and x.device.type == "cuda"
+    if fp8:
+        # One e4m3 copy of x for all its K experts; power-of-two scales beside UE8M0 weights (as
+        # DeepSeek's act quant with scale_fmt), so their products with the weight scales are exact.
+        xa, xs = fp8_act_quant(x, kern.act_group, s_e8m0)
+    else:
+        xa, xs = x, x                                                     # xs unused
+    _fp4g_gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
+        xa, xs, gate_up_q, gate_up_s, act, sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m, float(swiglu_limit),
+        xa.stride(0), xs.stride(0), gate_up_q.stride(0), gate_up_q.stride(1), gate_up_s.stride(0),
+        gate_up_s.stride(1), act.stride(0),
+        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
+        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, ASM=asm, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+    if fp8:
+        aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
+    else:
+        aa, as_ = act, act
+    _fp4g_down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
+        aa, as_, down_q, down_s, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
+        pairs, h, i, num_pid_m,
+        aa.stride(0), as_.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1),
+        out.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
+        S_E8M0=s_e8m0, FP8=fp8, ASM=asm, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+
+
 def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, down_q: torch.Tensor,
             down_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-            swiglu_limit: float = 0.0, config: MoEConfig | None = None, invariant: bool = False) -> torch.Tensor:
+            swiglu_limit: float = 0.0, config: MoEConfig | None = None, invariant: bool = False,
+            kernel: FP4Kernel | None = None) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t), with the
     experts' weights in FP4 (see :func:`reference.fp4_moe_experts`).
 
@@ -197,7 +445,8 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     alike); topk_weights [T, K] float32; topk_ids [T, K] integer -> [T, H] in x's dtype. A slot whose
     id is outside [0, E) contributes nothing. ``config`` overrides :func:`fp4_pick_config`;
     ``invariant`` (batch-invariant mode) takes its decode config for every T (as
-    :func:`fused_moe.fused_moe`).
+    :func:`fused_moe.fused_moe`); ``kernel`` overrides :func:`fp4_pick_kernel` (with ``dot="fp8"``
+    the result is :func:`reference.fp4_moe_experts_fp8`'s).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"fp4_moe: x must be [T, H] with unit column stride, got shape {tuple(x.shape)}")
@@ -219,25 +468,21 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
+    kern = kernel or fp4_pick_kernel(1 if invariant else t)
+    if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
+        raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
+                         f"H={h} and I={i}")
+    if kern.path == "group" and cfg.block_m < 16:
+        raise ValueError(f"fp4_moe: block_m={cfg.block_m} is below the MMA's 16 rows")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     s_e8m0 = gate_up_s.dtype == torch.uint8
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
-    num_pid_m = block_expert.shape[0]
     act = torch.empty(pairs, i, dtype=x.dtype, device=x.device)             # [P, I]
-    _fp4_gate_up_kernel[(num_pid_m * triton.cdiv(i, cfg.block_n1),)](
-        x, gate_up_q, gate_up_s, act, sorted_pairs, block_expert, num_padded,
-        pairs, h, i, num_pid_m, float(swiglu_limit),
-        x.stride(0), gate_up_q.stride(0), gate_up_q.stride(1), gate_up_s.stride(0), gate_up_s.stride(1),
-        act.stride(0),
-        TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, BLOCK_K=cfg.block_k1, GROUP_M=cfg.group_m,
-        HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
-    _fp4_down_kernel[(num_pid_m * triton.cdiv(h, cfg.block_n2),)](
-        act, down_q, down_s, out, topk_weights.contiguous(), sorted_pairs, block_expert, num_padded,
-        pairs, h, i, num_pid_m,
-        act.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1), out.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, BLOCK_K=cfg.block_k2, GROUP_M=cfg.group_m,
-        S_E8M0=s_e8m0, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
+    if kern.path == "dequant":
+        _dequant_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out, sorted_pairs, block_expert,
+                      num_padded, cfg, k, swiglu_limit, s_e8m0, precision)
+    else:
+        _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out, sorted_pairs, block_expert,
+                    num_padded, cfg, kern, k, swiglu_limit, s_e8m0, precision)
     return sum_slots(out, t, k)
