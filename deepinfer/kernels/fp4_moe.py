@@ -206,13 +206,16 @@ def _nibbles_to_e4m3(b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
-    """One 32-input group: activations a [BLOCK_M, 32] (e4m3 with per-row scales sa [BLOCK_M] when
-    ``FP8``, else in the activations' dtype) times the group's weights, 16 packed bytes a column at
-    ``w_ptrs`` [BLOCK_N, 16] with one scale a column at ``s_ptrs`` [BLOCK_N] -> float32 [BLOCK_M,
-    BLOCK_N]. The dot runs on the unscaled codes (exact in e4m3, bf16, fp16) and the scale
-    multiplies its result, so each scale is loaded once per column and group."""
+def _group_dot(acc, a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8: tl.constexpr,
+               SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] float32 plus one 32-input group's product: activations a [BLOCK_M, 32]
+    (e4m3 with per-row scales sa [BLOCK_M] when ``FP8``, else in the activations' dtype) times the
+    group's weights, 16 packed bytes a column at ``w_ptrs`` [BLOCK_N, 16] with one scale a column
+    at ``s_ptrs`` [BLOCK_N]. Each scale is loaded once per column and group. ``SCALE_W`` 0: the
+    dot runs on the unscaled codes (exact in e4m3, bf16, fp16) and the scale multiplies its
+    result; 1: the codes times the scale in float32, rounded to a's dtype (the reference's
+    weights), accumulate in the MMA; 2: the same product in a's dtype (exact for power-of-two
+    scales in bf16's range)."""
     b = tl.load(w_ptrs, mask=mask_n[:, None] & ok, other=0)
     lo, hi = _nibbles_to_e4m3(b, ASM)
     w = tl.interleave(lo, hi)                                         # [BLOCK_N, 32]: inputs in order
@@ -221,8 +224,14 @@ def _group_dot(a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8: tl.
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)      # 2 ** (b - 127)
     s = s * _E4M3_FROM_E2M1
     if FP8:
-        return tl.dot(a, tl.trans(w)) * (sa[:, None] * s[None, :])
-    return tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+        return acc + tl.dot(a, tl.trans(w)) * (sa[:, None] * s[None, :])
+    if SCALE_W == 0:
+        return acc + tl.dot(a, tl.trans(w.to(a.dtype)), input_precision=DOT_PRECISION) * s[None, :]
+    if SCALE_W == 1:
+        ws = (w.to(tl.float32) * s[:, None]).to(a.dtype)
+    else:
+        ws = w.to(a.dtype) * s.to(a.dtype)[:, None]
+    return tl.dot(a, tl.trans(ws), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -232,7 +241,8 @@ def _fp4g_gate_up_kernel(
     stride_x, stride_xs, stride_qe, stride_qn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
-    FP8: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    FP8: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -260,10 +270,10 @@ def _fp4g_gate_up_kernel(
             ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
             a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
             sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
-            gate += _group_dot(a, sa, g_ptrs + q * 16, gs_ptrs + q, col_ok, ok,
-                               S_E8M0, FP8, ASM, DOT_PRECISION)
-            up += _group_dot(a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
-                             S_E8M0, FP8, ASM, DOT_PRECISION)
+            gate = _group_dot(gate, a, sa, g_ptrs + q * 16, gs_ptrs + q, col_ok, ok,
+                              S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+            up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
+                            S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -278,7 +288,7 @@ def _fp4g_down_kernel(
     num_pairs, hidden, inter, num_pid_m,
     stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
-    GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr,
+    GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
@@ -304,8 +314,8 @@ def _fp4g_down_kernel(
             ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
             a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
             sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
-            acc += _group_dot(a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
-                              S_E8M0, FP8, ASM, DOT_PRECISION)
+            acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
+                             S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
     weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
@@ -327,6 +337,7 @@ def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
 
 PATHS = ("dequant", "group")
 DOTS = ("bf16", "fp8")
+SCALES = ("dot", "weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +349,11 @@ class FP4Kernel:
     The rest is the group path's: ``dot`` ``"bf16"`` (dots in the activations' dtype, bf16 in
     serving) or ``"fp8"`` (activations quantised to e4m3 per token and ``act_group`` inputs, FP8
     dots); ``groups`` 32-input groups per K step (unrolled); ``asm``: the nibble decode by inline
-    PTX, 4 bytes a register (CUDA only; the CPU interpreter uses the plain byte ops regardless).
+    PTX, 4 bytes a register (CUDA only; the CPU interpreter uses the plain byte ops regardless);
+    ``scale`` (bf16 dots) ``"dot"``: each group's dot result times the column's scale (BLOCK_M x
+    BLOCK_N multiplies a group, cheap for decode's 16-row blocks), or ``"weight"``: the decoded
+    [BLOCK_N, 32] tile times the scales before the dot (BLOCK_N x 32 multiplies a group, cheaper
+    for prefill's 128-row blocks; the MMA accumulates in place). FP8 dots always scale after.
     """
 
     path: str = "group"
@@ -346,6 +361,7 @@ class FP4Kernel:
     groups: int = 2
     act_group: int = 32
     asm: bool = True
+    scale: str = "dot"
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -354,6 +370,8 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: dot={self.dot!r} is not one of {DOTS}")
         if self.groups not in (1, 2, 4, 8):
             raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
+        if self.scale not in SCALES:
+            raise ValueError(f"FP4Kernel: scale={self.scale!r} is not one of {SCALES}")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -405,6 +423,9 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
     num_pid_m = block_expert.shape[0]
     fp8 = kern.dot == "fp8"
     asm = kern.asm and x.device.type == "cuda"
+    # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
+    # float32's exponent range; fp16 has not).
+    scale_w = 0 if kern.scale == "dot" else 2 if s_e8m0 and x.dtype == torch.bfloat16 else 1
     if fp8:
         # One e4m3 copy of x for all its K experts; power-of-two scales beside UE8M0 weights (as
         # DeepSeek's act quant with scale_fmt), so their products with the weight scales are exact.
@@ -417,7 +438,8 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         xa.stride(0), xs.stride(0), gate_up_q.stride(0), gate_up_q.stride(1), gate_up_s.stride(0),
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
-        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, ASM=asm, DOT_PRECISION=precision,
+        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, ASM=asm,
+        DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -429,7 +451,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         aa.stride(0), as_.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
-        S_E8M0=s_e8m0, FP8=fp8, ASM=asm, DOT_PRECISION=precision,
+        S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, ASM=asm, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 

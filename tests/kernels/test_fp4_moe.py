@@ -40,7 +40,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-KERNELS = [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4)]
+KERNELS = [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4),
+           FP4Kernel(groups=2, scale="weight")]
 
 
 @triton.jit
@@ -62,7 +63,7 @@ def test_nibbles_to_e4m3_all_codes():
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}")
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}")
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
@@ -161,6 +162,8 @@ def test_fp4_kernel_rejects_bad_choices(device):
         FP4Kernel(dot="fp4")
     with pytest.raises(ValueError, match="groups=3"):
         FP4Kernel(groups=3)
+    with pytest.raises(ValueError, match="scale='row'"):
+        FP4Kernel(scale="row")
     gate_up, down = make_experts(2, 96, 32, torch.float32, "cpu")
     weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
     topk_weights, ids = make_routing(3, 1, [0, 1], device)
@@ -193,8 +196,9 @@ def v4_fp4_experts_gpu(request):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2),
-                                    FP4Kernel(groups=2, asm=False), FP4Kernel(dot="fp8", groups=2)],
-                         ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}{'-asm' if k.asm else ''}")
+                                    FP4Kernel(groups=2, asm=False), FP4Kernel(groups=2, scale="weight"),
+                                    FP4Kernel(dot="fp8", groups=2)],
+                         ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-asm' if k.asm else ''}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
