@@ -1,12 +1,26 @@
 """Fused mixture-of-experts over FP4 experts as shipped: routed SwiGLU experts as two grouped
 GEMMs whose weights are packed e2m1 (two values a byte, low nibble first) with one scale per 32
-inputs, float32 (DeepSeek-V4) or UE8M0 bytes (V4.1, i.e. MXFP4); reference:
-:func:`reference.fp4_moe_experts`.
+inputs, float32 (DeepSeek-V4) or UE8M0 bytes (V4.1, i.e. MXFP4); references:
+:func:`reference.fp4_moe_experts`, :func:`reference.fp4_moe_experts_fp8` (FP8 dots).
 
-Hopper has no FP4 tensor cores: each weight tile is dequantised in registers (code -> value,
-times its group's scale, in float32, rounded once to the activations' dtype) and multiplied on
-the 16-bit tensor cores. The weights are read as bytes, a quarter of bf16's, which is what
-decode is bound by.
+Hopper has no FP4 tensor cores: the weights are read as bytes, a quarter of bf16's (what decode
+is bound by), and decoded in registers. Two paths (:class:`FP4Kernel`, picked by
+:func:`fp4_pick_kernel`):
+
+* group (default): each K step covers whole 32-input groups. A group's 16 bytes a column are
+  turned into e4m3 bytes with a few integer ops (code c -> ``((c & 8) << 4) | ((c & 7) << 2)``,
+  exactly the e2m1 value times 2^-6; on CUDA by inline PTX on 4 bytes a register), the low and
+  high nibbles interleaved back into input order ([BLOCK_N, 32], K contiguous, used transposed
+  as the dot's B operand), and the group's scale (one load a column, 2^6 folded in) applied
+  after the group's dot, or (``scale="weight"``, the prefill blocks) to the decoded tile before
+  a dot that accumulates in place. Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
+  convert exactly), or FP8 (``dot="fp8"``): x quantised once per token and 32 (or 64, 128)
+  inputs to e4m3 with float32 scales (powers of two beside UE8M0 weights, as DeepSeek's
+  ``scale_fmt``) by :func:`fp8_gemm.fp8_act_quant`, act likewise after gate_up, and each group's
+  FP8 product scaled by the activation and weight scales.
+* dequant (the first kernels, kept to compare against): each weight decoded to float32 (about
+  15-20 instructions a value), times its scale, rounded to the activations' dtype, and the even
+  and odd inputs of the bytes multiplied by two half-width MMAs.
 
 Same routing interface and sorting as :mod:`fused_moe` (whose align and slot-sum kernels this
 file reuses, so the MoE layers switch by weight format alone): pairs sorted by expert into
@@ -18,15 +32,19 @@ file reuses, so the MoE layers switch by weight format alone): pairs sorted by e
   float32 routing weight, rounded once; then each token's K rows summed in float32.
 
 No host synchronisation (grids from T, K and E alone), so decode steps can be captured in CUDA
-graphs. The packed byte j of a row holds inputs 2j (low nibble) and 2j+1 (high nibble); rather
-than interleave the two halves of the weight tile in registers, the activation tile is split into
-its even and odd columns and each K step runs two MMAs of half width.
+graphs.
 
-Accuracy: the kernel computes exactly the reference's products of x with the dequantised
-(rounded to x's dtype) weights, up to float32 accumulation order: the same tolerance as the
-bf16 fused MoE kernel. Against the original unquantised weights the error is the format's: e2m1
-keeps 1 mantissa bit, about 0.10-0.12 relative RMS error per weight on Gaussian values, and the
-routed output (two FP4 GEMMs) about 0.2 relative (tests/kernels/test_fp4_moe.py allows 0.3).
+Accuracy. bf16 dots: the reference's products of x with the dequantised weights up to float32
+accumulation order (the same tolerance as the bf16 fused MoE kernel): for UE8M0 scales the
+products are bit-identical to dequantise-then-multiply; for float32 scales the group path is at
+least as accurate (the scale stays float32 instead of being folded into a weight rounded to
+bf16). FP8 dots: :func:`reference.fp4_moe_experts_fp8` up to accumulation order (and an act
+element that lands on the other side of an e4m3 rounding boundary); the activations' e4m3
+rounding (at most 2^-4 relative an element, twice: x and act) puts the output about 0.03-0.06
+relative from the bf16-dot result on random data (tests allow 0.1). Against the original
+unquantised weights the error is the format's: e2m1 keeps 1 mantissa bit, about 0.10-0.12
+relative RMS error per weight on Gaussian values, and the routed output (two FP4 GEMMs) about 0.2
+relative (tests/kernels/test_fp4_moe.py allows 0.3).
 
 Shapes: T tokens, H hidden, E experts, K experts per token, I expert width (H and I multiples of
 32), P = T*K (token, slot) pairs.
@@ -376,12 +394,16 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
 
-def fp4_pick_kernel(num_tokens: int) -> FP4Kernel:
-    """The group path with bf16 dots for every batch: it keeps the reference's accuracy (FP8 dots
-    add the activations' e4m3 rounding) and decodes each weight in about one instruction, where
-    the dequant path spends 15-20. Two groups a K step: 32 contiguous bytes a weight row, a whole
-    32-byte sector per load. ``scripts/probes/fp4_moe_variants.py`` times the alternatives."""
-    return FP4Kernel()
+def fp4_pick_kernel(config: MoEConfig) -> FP4Kernel:
+    """The group path with bf16 dots: it keeps the reference's accuracy (FP8 dots add the
+    activations' e4m3 rounding) and decodes each weight in about one instruction, where the
+    dequant path spends 15-20. Two groups a K step (32 contiguous bytes a weight row, a whole
+    32-byte sector). Scales after the dot for decode's small blocks; on the weight tile for blocks
+    of 64 rows and more, where scaling the [BLOCK_M, BLOCK_N] products a group costs more than the
+    [BLOCK_N, 32] weights and the extra accumulator spilled (sm_90 compile,
+    ``scripts/probes/quant_sm90_resources.py``). ``scripts/probes/fp4_moe_variants.py`` times
+    the alternatives."""
+    return FP4Kernel(groups=2, scale="weight" if config.block_m >= 64 else "dot")
 
 
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
@@ -490,7 +512,7 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
-    kern = kernel or fp4_pick_kernel(1 if invariant else t)
+    kern = kernel or fp4_pick_kernel(cfg)
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")

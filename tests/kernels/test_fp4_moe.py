@@ -175,7 +175,8 @@ def test_fp4_pick_config_uses_pointer_loads():
     cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
     assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
-    assert fp4_pick_kernel(1).path == "group" and fp4_pick_kernel(4096).path == "group"
+    decode, prefill = fp4_pick_kernel(fp4_pick_config(1, 6, 256, 4096, 2048)), fp4_pick_kernel(cfg)
+    assert decode.path == prefill.path == "group" and (decode.scale, prefill.scale) == ("dot", "weight")
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
@@ -195,9 +196,8 @@ def v4_fp4_experts_gpu(request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2),
-                                    FP4Kernel(groups=2, asm=False), FP4Kernel(groups=2, scale="weight"),
-                                    FP4Kernel(dot="fp8", groups=2)],
+@pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), FP4Kernel(groups=2), FP4Kernel(groups=1, asm=False),
+                                    FP4Kernel(groups=2, scale="weight"), FP4Kernel(dot="fp8", groups=2)],
                          ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-asm' if k.asm else ''}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
