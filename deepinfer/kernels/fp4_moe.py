@@ -13,7 +13,8 @@ is bound by), and decoded in registers. Two paths (:class:`FP4Kernel`, picked by
   high nibbles interleaved back into input order ([BLOCK_N, 32], K contiguous, used transposed
   as the dot's B operand), and the group's scale (one load a column, 2^6 folded in) applied
   after the group's dot, or (``scale="weight"``, the prefill blocks) to the decoded tile before
-  a dot that accumulates in place. Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
+  a dot that accumulates in place (``wide``: a K step's groups as one byte load and one dot,
+  instead of one a group). Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
   convert exactly), or FP8 (``dot="fp8"``): x quantised once per token and 32 (or 64, 128)
   inputs to e4m3 with float32 scales (powers of two beside UE8M0 weights, as DeepSeek's
   ``scale_fmt``) by :func:`fp8_gemm.fp8_act_quant`, act likewise after gate_up, and each group's
@@ -253,14 +254,37 @@ def _group_dot(acc, a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8
 
 
 @triton.jit
+def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
+              S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc plus K step k as one dot over its G groups: a [BLOCK_M, 32G] in the activations' dtype,
+    the weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts
+    ``w_rows`` [BLOCK_N], decoded, interleaved into input order and times their scales (``SCALE_W``
+    as :func:`_group_dot`'s 1 or 2), each scale loaded once and broadcast over its 32 inputs."""
+    kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
+    kg = k * G + tl.arange(0, G)                                              # [G] groups
+    b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
+    lo, hi = _nibbles_to_e4m3(b, ASM)
+    w = tl.interleave(lo, hi)                                                 # [BLOCK_N, 32G]
+    s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=0)
+    if S_E8M0:
+        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    s = tl.reshape(tl.broadcast_to((s * _E4M3_FROM_E2M1)[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, 32 * G])
+    if SCALE_W == 1:
+        ws = (w.to(tl.float32) * s).to(a.dtype)
+    else:
+        ws = w.to(a.dtype) * s.to(a.dtype)
+    return tl.dot(a, tl.trans(ws), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _fp4g_gate_up_kernel(
     x, xs, wq, ws, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, num_pid_m, limit,
     stride_x, stride_xs, stride_qe, stride_qn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
-    FP8: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -275,23 +299,34 @@ def _fp4g_gate_up_kernel(
     token = (pair // TOP_K).to(tl.int64)
     a_ptrs = x + token[:, None] * stride_x + tl.arange(0, 32)[None, :]       # [BLOCK_M, 32]
     sa_ptrs = xs + token * stride_xs                                           # [BLOCK_M]
-    g_ptrs = wq + expert * stride_qe + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, 16)[None, :]
-    u_ptrs = g_ptrs + inter * stride_qn                                         # [BLOCK_N, 16]
+    g_rows = wq + expert * stride_qe + cols.to(tl.int64) * stride_qn          # [BLOCK_N] row starts
+    u_rows = g_rows + inter * stride_qn
+    g_ptrs = g_rows[:, None] + tl.arange(0, 16)[None, :]                       # [BLOCK_N, 16]
+    u_ptrs = u_rows[:, None] + tl.arange(0, 16)[None, :]
     gs_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn          # [BLOCK_N]
     us_ptrs = gs_ptrs + inter * stride_sn
     groups = hidden // 32
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        for g in tl.static_range(G):
-            q = k * G + g                                                     # the 32-input group
-            ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
-            a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
-            sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
-            gate = _group_dot(gate, a, sa, g_ptrs + q * 16, gs_ptrs + q, col_ok, ok,
-                              S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
-            up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
-                            S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+        if WIDE:
+            ka = k * (32 * G) + tl.arange(0, 32 * G)
+            a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
+                        other=0.0)                                            # [BLOCK_M, 32G]
+            gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
+                             S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+            up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
+                           S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+        else:
+            for g in tl.static_range(G):
+                q = k * G + g                                                 # the 32-input group
+                ok = tl.full([1], q, tl.int32) < groups      # ragged tail; a tensor, as the interpreter masks
+                a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
+                sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
+                gate = _group_dot(gate, a, sa, g_ptrs + q * 16, gs_ptrs + q, col_ok, ok,
+                                  S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+                up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
+                                S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -306,8 +341,8 @@ def _fp4g_down_kernel(
     num_pairs, hidden, inter, num_pid_m,
     stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
-    GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
+    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -322,18 +357,26 @@ def _fp4g_down_kernel(
     out_rows = pair.to(tl.int64)
     a_ptrs = act + out_rows[:, None] * stride_act + tl.arange(0, 32)[None, :]    # [BLOCK_M, 32]
     sa_ptrs = act_s + out_rows * stride_as
-    w_ptrs = wq + expert * stride_qe + cols[:, None].to(tl.int64) * stride_qn + tl.arange(0, 16)[None, :]
+    w_rows = wq + expert * stride_qe + cols.to(tl.int64) * stride_qn          # [BLOCK_N] row starts
+    w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]                       # [BLOCK_N, 16]
     s_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn
     groups = inter // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        for g in tl.static_range(G):
-            q = k * G + g
-            ok = tl.full([1], q, tl.int32) < groups          # ragged tail; a tensor, as the interpreter masks
-            a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
-            sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
-            acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
-                             S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+        if WIDE:
+            ka = k * (32 * G) + tl.arange(0, 32 * G)
+            a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
+                        mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
+            acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
+                            S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+        else:
+            for g in tl.static_range(G):
+                q = k * G + g
+                ok = tl.full([1], q, tl.int32) < groups
+                a = tl.load(a_ptrs + q * 32, mask=valid[:, None] & ok, other=0.0)
+                sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
+                acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
+                                 S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
     weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
@@ -372,6 +415,8 @@ class FP4Kernel:
     BLOCK_N multiplies a group, cheap for decode's 16-row blocks), or ``"weight"``: the decoded
     [BLOCK_N, 32] tile times the scales before the dot (BLOCK_N x 32 multiplies a group, cheaper
     for prefill's 128-row blocks; the MMA accumulates in place). FP8 dots always scale after.
+    ``wide`` (with ``scale="weight"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
+    one dot over 32G inputs, instead of a load and a dot a group.
     """
 
     path: str = "group"
@@ -380,6 +425,7 @@ class FP4Kernel:
     act_group: int = 32
     asm: bool = True
     scale: str = "dot"
+    wide: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -390,6 +436,8 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
         if self.scale not in SCALES:
             raise ValueError(f"FP4Kernel: scale={self.scale!r} is not one of {SCALES}")
+        if self.wide and (self.dot != "bf16" or self.scale != "weight"):
+            raise ValueError("FP4Kernel: wide=True (one dot a K step) needs dot='bf16' and scale='weight'")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -460,8 +508,8 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         xa.stride(0), xs.stride(0), gate_up_q.stride(0), gate_up_q.stride(1), gate_up_s.stride(0),
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
-        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, ASM=asm,
-        DOT_PRECISION=precision,
+        GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide,
+        ASM=asm, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -473,7 +521,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         aa.stride(0), as_.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
-        S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, ASM=asm, DOT_PRECISION=precision,
+        S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, ASM=asm, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 

@@ -5,7 +5,7 @@ float32-scale row a T).
 
 For each T in 1, 16, 64, 4096: the dequant path (the current kernels, fp4_pick_config's tiles)
 and the group path's variants (dot type, groups a K step, where the scale is applied, inline PTX
-decode, a few tile shapes), each one line: microseconds (CUDA events, median of 20 CUDA-graph
+decode or not, one load and dot a K step or one a group, a few tile shapes), each one line: microseconds (CUDA events, median of 20 CUDA-graph
 replays after warm-up, the L2 evicted before each; the whole fp4_moe, routing sort, activation
 quantisation and slot sum included), the bytes that must move
 (the distinct experts touched times their packed weights and scales, plus x, act, the slot
@@ -115,6 +115,7 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
     out = [("dequant", base, FP4Kernel(path="dequant"))]
     if DRY:
         return out + [("bf16 g2 dot", base, FP4Kernel()), ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
+                      ("bf16 g2 weight wide", base, FP4Kernel(scale="weight", wide=True)),
                       ("fp8 g2 a32", base, FP4Kernel(dot="fp8")), ("fp8 g4 a128", base,
                                                                     FP4Kernel(dot="fp8", groups=4, act_group=128))]
     if base.block_m <= 32:                                    # decode: weight streaming
@@ -126,6 +127,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
             ("bf16 g4 dot", base, FP4Kernel(groups=4)),
             ("bf16 g2 dot noasm", base, FP4Kernel(groups=2, asm=False)),
             ("bf16 g2 weight", base, FP4Kernel(groups=2, scale="weight")),
+            ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
+            ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
             ("bf16 g2 dot n64/128", wide, FP4Kernel(groups=2)),
             ("bf16 g2 dot n16/32", narrow, FP4Kernel(groups=2)),
             ("bf16 g2 dot s4", rep(base, num_stages=4), FP4Kernel(groups=2)),
@@ -143,9 +146,12 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
             ("bf16 g2 weight n128/128", n128, FP4Kernel(groups=2, scale="weight")),
             ("bf16 g2 weight n128/256", n256, FP4Kernel(groups=2, scale="weight")),
             ("bf16 g2 weight n128/128 s4", rep(n128, num_stages=4), FP4Kernel(groups=2, scale="weight")),
+            ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
+            ("bf16 g2 weight wide n128/128", n128, FP4Kernel(groups=2, scale="weight", wide=True)),
+            ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
             ("bf16 g1 dot", base, FP4Kernel(groups=1)),
+            ("fp8 g1 a32", base, FP4Kernel(dot="fp8", groups=1)),
             ("fp8 g2 a32", base, FP4Kernel(dot="fp8", groups=2)),
-            ("fp8 g2 a32 n128/128 w8", n128, FP4Kernel(dot="fp8", groups=2)),
         ]
     return out
 

@@ -41,7 +41,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 KERNELS = [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4),
-           FP4Kernel(groups=2, scale="weight")]
+           FP4Kernel(groups=2, scale="weight"), FP4Kernel(groups=2, scale="weight", wide=True),
+           FP4Kernel(groups=4, scale="weight", wide=True)]
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def test_nibbles_to_e4m3_all_codes():
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}")
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}")
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
@@ -164,6 +165,8 @@ def test_fp4_kernel_rejects_bad_choices(device):
         FP4Kernel(groups=3)
     with pytest.raises(ValueError, match="scale='row'"):
         FP4Kernel(scale="row")
+    with pytest.raises(ValueError, match="wide=True"):
+        FP4Kernel(wide=True)
     gate_up, down = make_experts(2, 96, 32, torch.float32, "cpu")
     weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
     topk_weights, ids = make_routing(3, 1, [0, 1], device)
