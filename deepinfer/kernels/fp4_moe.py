@@ -12,9 +12,9 @@ is bound by), and decoded in registers. Two paths (:class:`FP4Kernel`, picked by
   exactly the e2m1 value times 2^-6; on CUDA by inline PTX on 4 bytes a register), the low and
   high nibbles interleaved back into input order ([BLOCK_N, 32], K contiguous, used transposed
   as the dot's B operand), and the group's scale (one load a column, 2^6 folded in) applied
-  after the group's dot, or (``scale="weight"``, the prefill blocks) to the decoded tile before
+  after the group's dot, or (``scale="weight"``) to the decoded tile before
   a dot that accumulates in place (``wide``: a K step's groups as one byte load and one dot,
-  instead of one a group). Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
+  instead of one a group; the default, :func:`fp4_pick_kernel`). Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
   convert exactly), or FP8 (``dot="fp8"``): x quantised once per token and 32 (or 64, 128)
   inputs to e4m3 with float32 scales (powers of two beside UE8M0 weights, as DeepSeek's
   ``scale_fmt``) by :func:`fp8_gemm.fp8_act_quant`, act likewise after gate_up, and each group's
@@ -442,16 +442,16 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
 
-def fp4_pick_kernel(config: MoEConfig) -> FP4Kernel:
-    """The group path with bf16 dots: it keeps the reference's accuracy (FP8 dots add the
-    activations' e4m3 rounding) and decodes each weight in about one instruction, where the
-    dequant path spends 15-20. Two groups a K step (32 contiguous bytes a weight row, a whole
-    32-byte sector). Scales after the dot for decode's small blocks; on the weight tile for blocks
-    of 64 rows and more, where scaling the [BLOCK_M, BLOCK_N] products a group costs more than the
-    [BLOCK_N, 32] weights and the extra accumulator spilled (sm_90 compile,
-    ``scripts/probes/quant_sm90_resources.py``). ``scripts/probes/fp4_moe_variants.py`` times
-    the alternatives."""
-    return FP4Kernel(groups=2, scale="weight" if config.block_m >= 64 else "dot")
+def fp4_pick_kernel() -> FP4Kernel:
+    """The group path with bf16 dots, scaled weight tiles and wide K steps of two groups, for every
+    batch size. bf16 dots keep the reference's accuracy (FP8 dots add the activations' e4m3
+    rounding). In the sm_90 SASS of the down kernel's K loop (``scripts/probes/quant_sm90_resources.py``
+    compiles it without a GPU) this variant spends about 10 instructions a weight at the decode
+    tiles and 9 at the prefill tiles, against 27-30 for the dequant path and 12 (decode) or 32
+    with spills (prefill: the extra float32 product tile a group) for scales after the dot; two
+    groups a step read 32 contiguous bytes a weight row, a whole sector.
+    ``scripts/probes/fp4_moe_variants.py`` times the alternatives on the device."""
+    return FP4Kernel(groups=2, scale="weight", wide=True)
 
 
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
@@ -560,7 +560,7 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
-    kern = kernel or fp4_pick_kernel(cfg)
+    kern = kernel or fp4_pick_kernel()
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")

@@ -178,8 +178,7 @@ def test_fp4_pick_config_uses_pointer_loads():
     cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
     assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
-    decode, prefill = fp4_pick_kernel(fp4_pick_config(1, 6, 256, 4096, 2048)), fp4_pick_kernel(cfg)
-    assert decode.path == prefill.path == "group" and (decode.scale, prefill.scale) == ("dot", "weight")
+    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True)
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
