@@ -14,7 +14,9 @@ is bound by), and decoded in registers. Two paths (:class:`FP4Kernel`, picked by
   as the dot's B operand), and the group's scale (one load a column, 2^6 folded in) applied
   after the group's dot, or (``scale="weight"``) to the decoded tile before
   a dot that accumulates in place (``wide``: a K step's groups as one byte load and one dot,
-  instead of one a group; the default, :func:`fp4_pick_kernel`). Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
+  instead of one a group; ``split``: the low and high nibbles kept apart and multiplied by the
+  activations' even and odd inputs in two dots, no shuffle of the weight tile; wide and split
+  are the default, :func:`fp4_pick_kernel`). Dots in the activations' dtype (``dot="bf16"``; the e4m3 codes
   convert exactly), or FP8 (``dot="fp8"``): x quantised once per token and 32 (or 64, 128)
   inputs to e4m3 with float32 scales (powers of two beside UE8M0 weights, as DeepSeek's
   ``scale_fmt``) by :func:`fp8_gemm.fp8_act_quant`, act likewise after gate_up, and each group's
@@ -254,26 +256,42 @@ def _group_dot(acc, a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8
 
 
 @triton.jit
+def _scaled(w, s, SCALE_W: tl.constexpr, dtype: tl.constexpr):
+    """Decoded e4m3 tile w times the broadcast scales s (float32, same shape) in ``dtype``
+    (``SCALE_W`` as :func:`_group_dot`'s 1 or 2)."""
+    if SCALE_W == 1:
+        return (w.to(tl.float32) * s).to(dtype)
+    return w.to(dtype) * s.to(dtype)
+
+
+@triton.jit
 def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
-              S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc plus K step k as one dot over its G groups: a [BLOCK_M, 32G] in the activations' dtype,
-    the weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts
-    ``w_rows`` [BLOCK_N], decoded, interleaved into input order and times their scales (``SCALE_W``
-    as :func:`_group_dot`'s 1 or 2), each scale loaded once and broadcast over its 32 inputs."""
+              S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """acc plus K step k over its G groups: a [BLOCK_M, 32G] in the activations' dtype, the
+    weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts ``w_rows``
+    [BLOCK_N], decoded and times their scales, each loaded once and broadcast over its inputs.
+    One dot over the low and high nibbles interleaved into input order, or (``SPLIT``) two dots of
+    16G inputs, the low nibbles with a's even columns and the high with its odd ones (no shuffle of
+    the weight tile; a's, BLOCK_M x 32G, is the smaller at decode)."""
     kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
     kg = k * G + tl.arange(0, G)                                              # [G] groups
     b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
     lo, hi = _nibbles_to_e4m3(b, ASM)
-    w = tl.interleave(lo, hi)                                                 # [BLOCK_N, 32G]
     s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=0)
     if S_E8M0:
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    s = tl.reshape(tl.broadcast_to((s * _E4M3_FROM_E2M1)[:, :, None], [BLOCK_N, G, 32]), [BLOCK_N, 32 * G])
-    if SCALE_W == 1:
-        ws = (w.to(tl.float32) * s).to(a.dtype)
+    s = (s * _E4M3_FROM_E2M1)[:, :, None]                                   # [BLOCK_N, G, 1]
+    if SPLIT:
+        s16 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 16]), [BLOCK_N, 16 * G])
+        a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], 16 * G, 2]))    # inputs 2j, 2j+1
+        acc = tl.dot(a_even, tl.trans(_scaled(lo, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_odd, tl.trans(_scaled(hi, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
     else:
-        ws = w.to(a.dtype) * s.to(a.dtype)
-    return tl.dot(a, tl.trans(ws), acc, input_precision=DOT_PRECISION)
+        s32 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 32]), [BLOCK_N, 32 * G])
+        w = _scaled(tl.interleave(lo, hi), s32, SCALE_W, a.dtype)            # [BLOCK_N, 32G] in input order
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -283,7 +301,7 @@ def _fp4g_gate_up_kernel(
     stride_x, stride_xs, stride_qe, stride_qn, stride_se, stride_sn, stride_act,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
-    FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, ASM: tl.constexpr,
+    FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
@@ -314,9 +332,9 @@ def _fp4g_gate_up_kernel(
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
             gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
-                             S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
             up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
-                           S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
         else:
             for g in tl.static_range(G):
                 q = k * G + g                                                 # the 32-input group
@@ -342,7 +360,7 @@ def _fp4g_down_kernel(
     stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
-    ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -368,7 +386,7 @@ def _fp4g_down_kernel(
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
             acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
-                            S_E8M0, SCALE_W, ASM, DOT_PRECISION)
+                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
         else:
             for g in tl.static_range(G):
                 q = k * G + g
@@ -416,7 +434,8 @@ class FP4Kernel:
     [BLOCK_N, 32] tile times the scales before the dot (BLOCK_N x 32 multiplies a group, cheaper
     for prefill's 128-row blocks; the MMA accumulates in place). FP8 dots always scale after.
     ``wide`` (with ``scale="weight"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
-    one dot over 32G inputs, instead of a load and a dot a group.
+    one dot over 32G inputs, instead of a load and a dot a group; ``split`` (with ``wide``): the
+    low and high nibbles left apart, times the activations' even and odd inputs in two dots.
     """
 
     path: str = "group"
@@ -426,6 +445,7 @@ class FP4Kernel:
     asm: bool = True
     scale: str = "dot"
     wide: bool = False
+    split: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -438,20 +458,22 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: scale={self.scale!r} is not one of {SCALES}")
         if self.wide and (self.dot != "bf16" or self.scale != "weight"):
             raise ValueError("FP4Kernel: wide=True (one dot a K step) needs dot='bf16' and scale='weight'")
+        if self.split and not self.wide:
+            raise ValueError("FP4Kernel: split=True (even and odd inputs as two dots) needs wide=True")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
 
 def fp4_pick_kernel() -> FP4Kernel:
-    """The group path with bf16 dots, scaled weight tiles and wide K steps of two groups, for every
-    batch size. bf16 dots keep the reference's accuracy (FP8 dots add the activations' e4m3
-    rounding). In the sm_90 SASS of the down kernel's K loop (``scripts/probes/quant_sm90_resources.py``
-    compiles it without a GPU) this variant spends about 10 instructions a weight at the decode
-    tiles and 9 at the prefill tiles, against 27-30 for the dequant path and 12 (decode) or 32
-    with spills (prefill: the extra float32 product tile a group) for scales after the dot; two
-    groups a step read 32 contiguous bytes a weight row, a whole sector.
+    """The group path with bf16 dots, scaled weight tiles and wide, split K steps of two groups,
+    for every batch size. bf16 dots keep the reference's accuracy (FP8 dots add the activations'
+    e4m3 rounding). In the sm_90 SASS of the K loops (``scripts/probes/fp4_moe_sass.py`` compiles
+    them without a GPU) this variant spends about 7 instructions a weight at the decode tiles and
+    7-9 at the prefill tiles, against 26-30 for the dequant path, 12 (decode) or 32 with spills
+    (prefill: a float32 product tile a group) with the scales after the dot, and 9-11 with the
+    nibbles interleaved; two groups a step read 32 contiguous bytes a weight row, a whole sector.
     ``scripts/probes/fp4_moe_variants.py`` times the alternatives on the device."""
-    return FP4Kernel(groups=2, scale="weight", wide=True)
+    return FP4Kernel(groups=2, scale="weight", wide=True, split=True)
 
 
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
@@ -509,7 +531,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide,
-        ASM=asm, DOT_PRECISION=precision,
+        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -521,7 +543,8 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         aa.stride(0), as_.stride(0), down_q.stride(0), down_q.stride(1), down_s.stride(0), down_s.stride(1),
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
-        S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, ASM=asm, DOT_PRECISION=precision,
+        S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, SPLIT=kern.split, ASM=asm,
+        DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 

@@ -63,6 +63,8 @@ VARIANTS = [("dequant", None), ("bf16 g1 dot", FP4Kernel(groups=1)), ("bf16 g2 d
             ("bf16 g2 dot noasm", FP4Kernel(groups=2, asm=False)), ("bf16 g2 weight", FP4Kernel(scale="weight")),
             ("bf16 g2 weight wide", FP4Kernel(scale="weight", wide=True)),
             ("bf16 g4 weight wide", FP4Kernel(groups=4, scale="weight", wide=True)),
+            ("bf16 g2 weight split", FP4Kernel(scale="weight", wide=True, split=True)),
+            ("bf16 g4 weight split", FP4Kernel(groups=4, scale="weight", wide=True, split=True)),
             ("fp8 g2", FP4Kernel(dot="fp8"))]
 
 for t in (1, 4096):

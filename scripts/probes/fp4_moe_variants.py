@@ -116,6 +116,7 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
     if DRY:
         return out + [("bf16 g2 dot", base, FP4Kernel()), ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
                       ("bf16 g2 weight wide", base, FP4Kernel(scale="weight", wide=True)),
+                      ("bf16 g2 weight split", base, FP4Kernel(scale="weight", wide=True, split=True)),
                       ("fp8 g2 a32", base, FP4Kernel(dot="fp8")), ("fp8 g4 a128", base,
                                                                     FP4Kernel(dot="fp8", groups=4, act_group=128))]
     if base.block_m <= 32:                                    # decode: weight streaming
@@ -129,6 +130,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
             ("bf16 g2 weight", base, FP4Kernel(groups=2, scale="weight")),
             ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
             ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
+            ("bf16 g2 weight split", base, FP4Kernel(groups=2, scale="weight", wide=True, split=True)),
+            ("bf16 g4 weight split", base, FP4Kernel(groups=4, scale="weight", wide=True, split=True)),
             ("bf16 g2 dot n64/128", wide, FP4Kernel(groups=2)),
             ("bf16 g2 dot n16/32", narrow, FP4Kernel(groups=2)),
             ("bf16 g2 dot s4", rep(base, num_stages=4), FP4Kernel(groups=2)),
@@ -149,6 +152,7 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
             ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
             ("bf16 g2 weight wide n128/128", n128, FP4Kernel(groups=2, scale="weight", wide=True)),
             ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
+            ("bf16 g2 weight split", base, FP4Kernel(groups=2, scale="weight", wide=True, split=True)),
             ("bf16 g1 dot", base, FP4Kernel(groups=1)),
             ("fp8 g1 a32", base, FP4Kernel(dot="fp8", groups=1)),
             ("fp8 g2 a32", base, FP4Kernel(dot="fp8", groups=2)),

@@ -73,7 +73,7 @@ def group_gate_up(cfg: fp4_moe.MoEConfig, kern: fp4_moe.FP4Kernel, e8m0: bool = 
            "stride_x", "stride_xs", "stride_qe", "stride_qn", "stride_se", "stride_sn", "stride_act"}
     return Case(fp4_moe._fp4g_gate_up_kernel, types, dict(TOP_K=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1,
                 G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m, HAS_LIMIT=True, S_E8M0=e8m0,
-                FP8=fp8, SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, ASM=kern.asm, DOT_PRECISION="tf32",
+                FP8=fp8, SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, SPLIT=kern.split, ASM=kern.asm, DOT_PRECISION="tf32",
                 PDL=True),
                 div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
@@ -89,7 +89,7 @@ def group_down(cfg: fp4_moe.MoEConfig, kern: fp4_moe.FP4Kernel, e8m0: bool = Tru
            "hidden", "inter", "stride_act", "stride_as", "stride_qe", "stride_qn", "stride_se", "stride_out"}
     return Case(fp4_moe._fp4g_down_kernel, types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups,
                 ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m, S_E8M0=e8m0, FP8=fp8,
-                SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, ASM=kern.asm,
+                SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, SPLIT=kern.split, ASM=kern.asm,
                 DOT_PRECISION="tf32", PDL=True),
                 div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
@@ -103,8 +103,10 @@ for t in (1, 64, 4096):
     for kern in (fp4_moe.FP4Kernel(groups=1), fp4_moe.FP4Kernel(groups=2), fp4_moe.FP4Kernel(groups=2, asm=False),
                  fp4_moe.FP4Kernel(groups=1, scale="weight"), fp4_moe.FP4Kernel(groups=2, scale="weight"),
                  fp4_moe.FP4Kernel(groups=2, scale="weight", wide=True),
-                 fp4_moe.FP4Kernel(groups=4, scale="weight", wide=True), fp4_moe.FP4Kernel(dot="fp8", groups=2)):
-        name = f"{kern.dot}_g{kern.groups}_{kern.scale}{'_wide' if kern.wide else ''}{'_asm' if kern.asm else ''}_T{t}"
+                 fp4_moe.FP4Kernel(groups=4, scale="weight", wide=True),
+                 fp4_moe.FP4Kernel(groups=2, scale="weight", wide=True, split=True), fp4_moe.FP4Kernel(dot="fp8", groups=2)):
+        name = (f"{kern.dot}_g{kern.groups}_{kern.scale}{'_wide' if kern.wide else ''}{'_split' if kern.split else ''}"
+                f"{'_asm' if kern.asm else ''}_T{t}")
         cases[f"fp4g_gate_up_{name}"] = group_gate_up(cfg, kern)
         cases[f"fp4g_down_{name}"] = group_down(cfg, kern)
 for name, case in cases.items():

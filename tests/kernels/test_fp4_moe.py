@@ -42,7 +42,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 KERNELS = [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4),
            FP4Kernel(groups=2, scale="weight"), FP4Kernel(groups=2, scale="weight", wide=True),
-           FP4Kernel(groups=4, scale="weight", wide=True)]
+           FP4Kernel(groups=4, scale="weight", wide=True), FP4Kernel(groups=1, scale="weight", wide=True, split=True),
+           FP4Kernel(groups=2, scale="weight", wide=True, split=True)]
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def test_nibbles_to_e4m3_all_codes():
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}")
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}")
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
@@ -167,6 +168,8 @@ def test_fp4_kernel_rejects_bad_choices(device):
         FP4Kernel(scale="row")
     with pytest.raises(ValueError, match="wide=True"):
         FP4Kernel(wide=True)
+    with pytest.raises(ValueError, match="split=True"):
+        FP4Kernel(scale="weight", split=True)
     gate_up, down = make_experts(2, 96, 32, torch.float32, "cpu")
     weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
     topk_weights, ids = make_routing(3, 1, [0, 1], device)
@@ -178,7 +181,7 @@ def test_fp4_pick_config_uses_pointer_loads():
     cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
     assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
-    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True)
+    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True, split=True)
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
