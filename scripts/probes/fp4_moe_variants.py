@@ -109,33 +109,31 @@ def time_us(fn) -> float:
 
 
 def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
-    """(name, tiles, kernel) for T: the dequant path at fp4_pick_config's tiles first."""
+    """(name, tiles, kernel) for T: the dequant path at fp4_pick_config's tiles first, then the
+    default (fp4_pick_kernel)."""
     base = fp4_pick_config(t, K, E, H, I)
     rep = dataclasses.replace
     out = [("dequant", base, FP4Kernel(path="dequant"))]
     if DRY:
-        return out + [("bf16 g2 dot", base, FP4Kernel()), ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
+        return out + [("bf16 g2 weight split", base, FP4Kernel(scale="weight", wide=True, split=True)),
+                      ("bf16 g2 dot", base, FP4Kernel()), ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
                       ("bf16 g2 weight wide", base, FP4Kernel(scale="weight", wide=True)),
-                      ("bf16 g2 weight split", base, FP4Kernel(scale="weight", wide=True, split=True)),
                       ("fp8 g2 a32", base, FP4Kernel(dot="fp8")), ("fp8 g4 a128", base,
                                                                     FP4Kernel(dot="fp8", groups=4, act_group=128))]
+    split = FP4Kernel(groups=2, scale="weight", wide=True, split=True)          # fp4_pick_kernel's
     if base.block_m <= 32:                                    # decode: weight streaming
         wide = rep(base, block_n1=64, block_n2=128)
-        narrow = rep(base, block_n1=16, block_n2=32)
         out += [
+            ("bf16 g2 weight split", base, split),
+            ("bf16 g4 weight split", base, rep(split, groups=4)),
+            ("bf16 g2 weight split n64/128", wide, split),
+            ("bf16 g2 weight split s4", rep(base, num_stages=4), split),
+            ("bf16 g2 weight split noasm", base, rep(split, asm=False)),
+            ("bf16 g2 weight wide", base, rep(split, split=False)),
+            ("bf16 g4 weight wide", base, rep(split, groups=4, split=False)),
             ("bf16 g1 dot", base, FP4Kernel(groups=1)),
             ("bf16 g2 dot", base, FP4Kernel(groups=2)),
-            ("bf16 g4 dot", base, FP4Kernel(groups=4)),
             ("bf16 g2 dot noasm", base, FP4Kernel(groups=2, asm=False)),
-            ("bf16 g2 weight", base, FP4Kernel(groups=2, scale="weight")),
-            ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
-            ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
-            ("bf16 g2 weight split", base, FP4Kernel(groups=2, scale="weight", wide=True, split=True)),
-            ("bf16 g4 weight split", base, FP4Kernel(groups=4, scale="weight", wide=True, split=True)),
-            ("bf16 g2 dot n64/128", wide, FP4Kernel(groups=2)),
-            ("bf16 g2 dot n16/32", narrow, FP4Kernel(groups=2)),
-            ("bf16 g2 dot s4", rep(base, num_stages=4), FP4Kernel(groups=2)),
-            ("bf16 g4 dot w2 s4", rep(base, num_warps=2, num_stages=4), FP4Kernel(groups=4)),
             ("fp8 g2 a32", base, FP4Kernel(dot="fp8", groups=2)),
             ("fp8 g4 a128", base, FP4Kernel(dot="fp8", groups=4, act_group=128)),
             ("fp8 g2 a32 n64/128", wide, FP4Kernel(dot="fp8", groups=2)),
@@ -144,15 +142,14 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         n128 = rep(base, block_n1=128, block_n2=128)
         n256 = rep(base, block_n1=128, block_n2=256)
         out += [
-            ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
+            ("bf16 g2 weight split", base, split),
+            ("bf16 g2 weight split n128/128", n128, split),
+            ("bf16 g2 weight split n128/256", n256, split),
+            ("bf16 g4 weight split", base, rep(split, groups=4)),
+            ("bf16 g2 weight split n128/128 s4", rep(n128, num_stages=4), split),
+            ("bf16 g2 weight wide", base, rep(split, split=False)),
+            ("bf16 g2 weight wide n128/128", n128, rep(split, split=False)),
             ("bf16 g2 weight", base, FP4Kernel(groups=2, scale="weight")),
-            ("bf16 g2 weight n128/128", n128, FP4Kernel(groups=2, scale="weight")),
-            ("bf16 g2 weight n128/256", n256, FP4Kernel(groups=2, scale="weight")),
-            ("bf16 g2 weight n128/128 s4", rep(n128, num_stages=4), FP4Kernel(groups=2, scale="weight")),
-            ("bf16 g2 weight wide", base, FP4Kernel(groups=2, scale="weight", wide=True)),
-            ("bf16 g2 weight wide n128/128", n128, FP4Kernel(groups=2, scale="weight", wide=True)),
-            ("bf16 g4 weight wide", base, FP4Kernel(groups=4, scale="weight", wide=True)),
-            ("bf16 g2 weight split", base, FP4Kernel(groups=2, scale="weight", wide=True, split=True)),
             ("bf16 g1 dot", base, FP4Kernel(groups=1)),
             ("fp8 g1 a32", base, FP4Kernel(dot="fp8", groups=1)),
             ("fp8 g2 a32", base, FP4Kernel(dot="fp8", groups=2)),

@@ -201,9 +201,11 @@ def v4_fp4_experts_gpu(request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), FP4Kernel(groups=2), FP4Kernel(groups=1, asm=False),
-                                    FP4Kernel(groups=2, scale="weight"), FP4Kernel(dot="fp8", groups=2)],
-                         ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-asm' if k.asm else ''}")
+@pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
+                                    FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
+                                    FP4Kernel(dot="fp8", groups=2)],
+                         ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}"
+                                       f"{'-split' if k.split else ''}{'-asm' if k.asm else ''}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
