@@ -421,10 +421,11 @@ SCALES = ("dot", "weight")
 
 @dataclasses.dataclass(frozen=True)
 class FP4Kernel:
-    """Which FP4 kernels run (the tiles are a :class:`fused_moe.MoEConfig`).
+    """Which FP4 kernels run (the tiles are a :class:`fused_moe.MoEConfig`; the field defaults are
+    the plainest group-path kernel, :func:`fp4_pick_kernel` names the one :func:`fp4_moe` runs).
 
-    path: ``"group"`` (unscaled codes as e4m3, one scale per 32-input group after the dot) or
-    ``"dequant"`` (each weight decoded and scaled before the dot: the reference's products exactly).
+    path: ``"group"`` (codes turned into e4m3 bytes by integer ops, one scale load a column and
+    32-input group) or ``"dequant"`` (each weight decoded to float32 and scaled before the dot).
     The rest is the group path's: ``dot`` ``"bf16"`` (dots in the activations' dtype, bf16 in
     serving) or ``"fp8"`` (activations quantised to e4m3 per token and ``act_group`` inputs, FP8
     dots); ``groups`` 32-input groups per K step (unrolled); ``asm``: the nibble decode by inline
