@@ -40,10 +40,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-KERNELS = [FP4Kernel(path="dequant"), FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4),
-           FP4Kernel(groups=2, scale="weight"), FP4Kernel(groups=2, scale="weight", wide=True),
-           FP4Kernel(groups=4, scale="weight", wide=True), FP4Kernel(groups=1, scale="weight", wide=True, split=True),
-           FP4Kernel(groups=2, scale="weight", wide=True, split=True)]
+# The dequant path and the default kernel over every batch shape; the other group-path variants
+# (scale after the dot or on the tile, a load a group or a step, nibbles interleaved or split;
+# 4 groups a step: a ragged last step over H = 96) at one.
+KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pick_kernel())
+                 for t, limit in ((1, 0.0), (7, 0.7), (40, 7.0))]
+                + [(kern, 7, 0.7) for kern in (
+                    FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4), FP4Kernel(groups=2, scale="weight"),
+                    FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
+                    FP4Kernel(groups=1, scale="weight", wide=True, split=True),
+                    FP4Kernel(groups=4, scale="weight", wide=True, split=True))])
+
+
+def kernel_id(k: FP4Kernel) -> str:
+    return f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
 
 
 @triton.jit
@@ -65,10 +75,9 @@ def test_nibbles_to_e4m3_all_codes():
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
 
 
-@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: f"{k.path}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}")
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
+@pytest.mark.parametrize("kernel,t,limit", KERNEL_CASES, ids=lambda v: kernel_id(v) if isinstance(v, FP4Kernel) else str(v))
 def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, kernel, device, poison_empty):
     e, h, i, k = 6, 96, 64, 2                            # H = 3 groups: a ragged last step for 2 and 4 a step
     gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=t)
@@ -204,8 +213,7 @@ def v4_fp4_experts_gpu(request):
 @pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
                                     FP4Kernel(dot="fp8", groups=2)],
-                         ids=lambda k: f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}"
-                                       f"{'-split' if k.split else ''}{'-asm' if k.asm else ''}")
+                         ids=lambda k: kernel_id(k) + ("-asm" if k.asm else ""))
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
