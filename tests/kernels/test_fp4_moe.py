@@ -57,19 +57,21 @@ def kernel_id(k: FP4Kernel) -> str:
 
 
 @triton.jit
-def _decode_bytes_kernel(b_ptr, lo_ptr, hi_ptr):
+def _decode_bytes_kernel(b_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
     offs = tl.arange(0, 256)
-    lo, hi = _nibbles_to_e4m3(tl.load(b_ptr + offs), False)
+    lo, hi = _nibbles_to_e4m3(tl.load(b_ptr + offs), ASM)
     tl.store(lo_ptr + offs, lo.to(tl.float32))
     tl.store(hi_ptr + offs, hi.to(tl.float32))
 
 
-def test_nibbles_to_e4m3_all_codes():
+@pytest.mark.parametrize("asm", [False] + ([True] if ON_CUDA else []))
+def test_nibbles_to_e4m3_all_codes(asm, device):
     """Every byte: each nibble's e4m3 byte is its e2m1 value times 2^-6 exactly (16 codes, both
-    nibbles, -0 included)."""
+    nibbles, -0 included); on CUDA the inline PTX (4 bytes a register) too."""
     b = torch.arange(256, dtype=torch.uint8)
-    lo, hi = torch.empty(256), torch.empty(256)
-    _decode_bytes_kernel[(1,)](b, lo, hi)
+    lo, hi = torch.empty(256, device=device), torch.empty(256, device=device)
+    _decode_bytes_kernel[(1,)](b.to(device), lo, hi, asm)
+    lo, hi = lo.cpu(), hi.cpu()
     assert torch.equal(lo * 64, reference._e2m1_values(b & 15))
     assert torch.equal(hi * 64, reference._e2m1_values(b >> 4))
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
