@@ -185,7 +185,7 @@ def _fp4_down_kernel(
              (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-# -- group path: unscaled e2m1 codes as e4m3 bytes, one scale per 32-input group after the dot ----
+# -- group path: e2m1 codes as e4m3 bytes, one scale load per column and 32-input group ---------
 
 # e2m1 code c (sign bit 3, magnitude bits 2..0) as the e4m3 byte ((c & 8) << 4) | ((c & 7) << 2):
 # the sign moves to bit 7 and the magnitude's 2 exponent bits and 1 mantissa bit land in e4m3's
