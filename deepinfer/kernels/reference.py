@@ -1262,3 +1262,34 @@ def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.T
         h = clamped_swiglu(gate, up, swiglu_limit) @ down.t()                 # [n, H]
         out.index_add_(0, tok, (h * topk_weights[tok, slot, None]).to(out.dtype))
     return out
+
+
+def fp4_moe_experts_fp8(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor,
+                        down_q: torch.Tensor, down_s: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, swiglu_limit: float, act_group: int = 32,
+                        pow2_scale: bool = False, group: int = 32) -> torch.Tensor:
+    """Routed experts over FP4 weights with FP8 activations, as the FP4 kernels' FP8 dots compute them.
+
+    x is quantised once per token and ``act_group`` inputs (:func:`fp8_act_quant`, power-of-two
+    scales with ``pow2_scale``); each routed expert's gate_up is the float32 product of those e4m3
+    activations (times their scales) with the exactly dequantised weights; the clamped SwiGLU is
+    rounded to x's dtype, quantised the same way, and multiplied by the dequantised down weights in
+    float32; each slot's output times its routing weight is rounded to x's dtype and the K slots
+    are summed in float32, then rounded. Shapes as :func:`fp4_moe_experts`.
+    """
+    from deepinfer.models.quant import dequant_fp4_e2m1
+
+    def fp8(v: torch.Tensor) -> torch.Tensor:
+        q, s = fp8_act_quant(v, act_group, pow2_scale)
+        return q.float() * s.repeat_interleave(act_group, dim=1)
+
+    t, k = topk_ids.shape
+    xa = fp8(x)                                                                 # [T, H] float32
+    out = torch.zeros(t, k, x.shape[1], dtype=torch.float32, device=x.device)   # [T, K, H]
+    for e in topk_ids.unique().tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate, up = (xa[tok] @ dequant_fp4_e2m1(gate_up_q[e], gate_up_s[e], group).t()).chunk(2, dim=-1)
+        act = fp8(clamped_swiglu(gate, up, swiglu_limit).to(x.dtype))          # [n, I]
+        h = act @ dequant_fp4_e2m1(down_q[e], down_s[e], group).t()          # [n, H]
+        out[tok, slot] = (h * topk_weights[tok, slot, None]).to(x.dtype).float()
+    return out.sum(dim=1).to(x.dtype)

@@ -2,7 +2,8 @@
 compiled for sm_90 without a GPU (``scripts/probes/sm90_resources.py`` does the compiling), at
 DeepSeek-V4-Flash shapes: the activation quantisation, the FP8 GEMM's decode and prefill tiles
 with 128 x 128 float32 and 32 x 32 UE8M0 weight scales (also quantising its activations itself
-and split K), the FP4 MoE's gate_up and down configs at T = 1, 64, 4096.
+and split K), the FP4 MoE's gate_up and down configs at T = 1, 64, 4096 (the dequant path, and
+the group path with bf16 and FP8 dots).
 
     python scripts/probes/quant_sm90_resources.py          # every case
     python scripts/probes/quant_sm90_resources.py fp4      # cases whose name starts so
@@ -67,6 +68,38 @@ def down(cfg: fp4_moe.MoEConfig, e8m0: bool = True) -> Case:
                 div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
 
 
+def group_gate_up(cfg: fp4_moe.MoEConfig, kern: fp4_moe.FP4Kernel, e8m0: bool = True) -> Case:
+    fp8 = kern.dot == "fp8"
+    types = {"x": "*fp8e4nv" if fp8 else "*bf16", "xs": "*fp32" if fp8 else "*bf16", "wq": "*u8",
+             "ws": "*u8" if e8m0 else "*fp32", "act_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+             "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32", "inter": "i32", "num_pid_m": "i32",
+             "limit": "fp32", "stride_x": "i32", "stride_xs": "i32", "stride_qe": "i32", "stride_qn": "i32",
+             "stride_se": "i32", "stride_sn": "i32", "stride_act": "i32"}
+    div = {"x", "xs", "wq", "ws", "act_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr", "hidden", "inter",
+           "stride_x", "stride_xs", "stride_qe", "stride_qn", "stride_se", "stride_sn", "stride_act"}
+    return Case(fp4_moe._fp4g_gate_up_kernel, types, dict(TOP_K=6, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1,
+                G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m, HAS_LIMIT=True, S_E8M0=e8m0,
+                FP8=fp8, SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, SPLIT=kern.split, ASM=kern.asm, DOT_PRECISION="tf32",
+                PDL=True),
+                div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
+
+
+def group_down(cfg: fp4_moe.MoEConfig, kern: fp4_moe.FP4Kernel, e8m0: bool = True) -> Case:
+    fp8 = kern.dot == "fp8"
+    types = {"act": "*fp8e4nv" if fp8 else "*bf16", "act_s": "*fp32" if fp8 else "*bf16", "wq": "*u8",
+             "ws": "*u8" if e8m0 else "*fp32", "out_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ptr": "*i32",
+             "block_expert_ptr": "*i32", "num_padded_ptr": "*i32", "num_pairs": "i32", "hidden": "i32",
+             "inter": "i32", "num_pid_m": "i32", "stride_act": "i32", "stride_as": "i32", "stride_qe": "i32",
+             "stride_qn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_out": "i32"}
+    div = {"act", "act_s", "wq", "ws", "out_ptr", "weights_ptr", "sorted_ptr", "block_expert_ptr", "num_padded_ptr",
+           "hidden", "inter", "stride_act", "stride_as", "stride_qe", "stride_qn", "stride_se", "stride_out"}
+    return Case(fp4_moe._fp4g_down_kernel, types, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups,
+                ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m, S_E8M0=e8m0, FP8=fp8,
+                SCALE_W=0 if kern.scale == "dot" else 2, WIDE=kern.wide, SPLIT=kern.split, ASM=kern.asm,
+                DOT_PRECISION="tf32", PDL=True),
+                div, cfg.num_warps, cfg.num_stages, options={"launch_pdl": True})
+
+
 cases = {"act_quant": act_quant(False), "act_quant_pow2": act_quant(True), "gemm_dec": gemm(16, 32, 4, 4),
          "gemm_dec64": gemm(64, 64, 4, 4), "gemm_pre": gemm(128, 128, 8, 3),
          "gemm_pre_32": gemm(128, 128, 8, 3, bk=32, e8m0=True), "gemm_dec_32": gemm(16, 32, 4, 4, bk=32, e8m0=True),
@@ -78,6 +111,15 @@ for t in (1, 64, 4096):
     cfg = fp4_pick_config(t, 6, 256, 4096, 2048)
     cases[f"fp4_gate_up_T{t}"] = gate_up(cfg)
     cases[f"fp4_down_T{t}"] = down(cfg)
+    for kern in (fp4_moe.FP4Kernel(groups=1), fp4_moe.FP4Kernel(groups=2), fp4_moe.FP4Kernel(groups=2, asm=False),
+                 fp4_moe.FP4Kernel(groups=1, scale="weight"), fp4_moe.FP4Kernel(groups=2, scale="weight"),
+                 fp4_moe.FP4Kernel(groups=2, scale="weight", wide=True),
+                 fp4_moe.FP4Kernel(groups=4, scale="weight", wide=True),
+                 fp4_moe.FP4Kernel(groups=2, scale="weight", wide=True, split=True), fp4_moe.FP4Kernel(dot="fp8", groups=2)):
+        name = (f"{kern.dot}_g{kern.groups}_{kern.scale}{'_wide' if kern.wide else ''}{'_split' if kern.split else ''}"
+                f"{'_asm' if kern.asm else ''}_T{t}")
+        cases[f"fp4g_gate_up_{name}"] = group_gate_up(cfg, kern)
+        cases[f"fp4g_down_{name}"] = group_down(cfg, kern)
 for name, case in cases.items():
     if len(sys.argv) > 1 and not name.startswith(sys.argv[1]):
         continue

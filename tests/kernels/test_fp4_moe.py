@@ -6,16 +6,20 @@ Accuracy stated in kernels/fp4_moe.py: against the reference the kernel differs 
 order only (the fused bf16 kernel's tolerances); against the unquantised experts the routed
 output's relative error is the format's, about 0.2 on Gaussian weights (allowed 0.3).
 The CPU interpreter sweeps float32 and float16 (it multiplies bfloat16 tiles wrongly,
-tests/kernels/conftest.py); bfloat16 runs on CUDA.
+tests/kernels/conftest.py); bfloat16 runs on CUDA. Both paths are swept: the group path (codes as
+e4m3, scale after each 32-input group's dot) with 1, 2 and 4 groups a K step, and the dequant
+path; the group path's FP8 dots against reference.fp4_moe_experts_fp8.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from deepinfer.kernels import reference
-from deepinfer.kernels.fp4_moe import fp4_moe, fp4_pick_config
+from deepinfer.kernels.fp4_moe import FP4Kernel, _nibbles_to_e4m3, fp4_moe, fp4_pick_config, fp4_pick_kernel
 from deepinfer.kernels.fused_moe import MoEConfig
 from deepinfer.models.quant import SCALE_FORMATS, quant_fp4_e2m1
 
@@ -36,20 +40,80 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+# The dequant path and the default kernel over every batch shape; the other group-path variants
+# (scale after the dot or on the tile, a load a group or a step, nibbles interleaved or split;
+# 4 groups a step: a ragged last step over H = 96) at one.
+KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pick_kernel())
+                 for t, limit in ((1, 0.0), (7, 0.7), (40, 7.0))]
+                + [(kern, 7, 0.7) for kern in (
+                    FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4), FP4Kernel(groups=2, scale="weight"),
+                    FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
+                    FP4Kernel(groups=1, scale="weight", wide=True, split=True),
+                    FP4Kernel(groups=4, scale="weight", wide=True, split=True))])
+
+
+def kernel_id(k: FP4Kernel) -> str:
+    return f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
+
+
+@triton.jit
+def _decode_bytes_kernel(b_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
+    offs = tl.arange(0, 256)
+    lo, hi = _nibbles_to_e4m3(tl.load(b_ptr + offs), ASM)
+    tl.store(lo_ptr + offs, lo.to(tl.float32))
+    tl.store(hi_ptr + offs, hi.to(tl.float32))
+
+
+@pytest.mark.parametrize("asm", [False] + ([True] if ON_CUDA else []))
+def test_nibbles_to_e4m3_all_codes(asm, device):
+    """Every byte: each nibble's e4m3 byte is its e2m1 value times 2^-6 exactly (16 codes, both
+    nibbles, -0 included); on CUDA the inline PTX (4 bytes a register) too."""
+    b = torch.arange(256, dtype=torch.uint8)
+    lo, hi = torch.empty(256, device=device), torch.empty(256, device=device)
+    _decode_bytes_kernel[(1,)](b.to(device), lo, hi, asm)
+    lo, hi = lo.cpu(), hi.cpu()
+    assert torch.equal(lo * 64, reference._e2m1_values(b & 15))
+    assert torch.equal(hi * 64, reference._e2m1_values(b >> 4))
+    assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
+
+
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
-def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, device, poison_empty):
-    e, h, i, k = 6, 64, 64, 2
+@pytest.mark.parametrize("kernel,t,limit", KERNEL_CASES, ids=lambda v: kernel_id(v) if isinstance(v, FP4Kernel) else str(v))
+def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, kernel, device, poison_empty):
+    e, h, i, k = 6, 96, 64, 2                            # H = 3 groups: a ragged last step for 2 and 4 a step
     gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=t)
     weights = quantised(gate_up, down, scale_format)
     weights = [w.to(device) for w in weights]
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(device)
     topk_weights, ids = make_routing(t, k, [0, 1, 3, 4, 5], device, seed=t)      # expert 2 gets nothing
-    out = fp4_moe(x, *weights, topk_weights, ids, limit)
+    out = fp4_moe(x, *weights, topk_weights, ids, limit, kernel=kernel)
     ref = reference.fp4_moe_experts(x, *weights, topk_weights, ids, limit)
     assert out.dtype == dtype and not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("scale_format", SCALE_FORMATS)
+@pytest.mark.parametrize("t,config", [(5, None), (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))])
+@pytest.mark.parametrize("act_group,groups", [(32, 2), (64, 1), (64, 4)])
+def test_fp4_moe_fp8_dots_match_their_reference(act_group, groups, t, config, scale_format, device, poison_empty):
+    """FP8 dots, decode-like (a few pairs an expert) and prefill-like (about 50 an expert, 64-row
+    blocks): the FP8 reference's result up to accumulation order, and within the activations' e4m3
+    rounding (about 2^-4 relative an element) of the bf16-dot reference."""
+    e, h, i, k = 4, 128, 64, 2
+    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=t)
+    weights = [w.to(device) for w in quantised(gate_up, down, scale_format)]
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(device)
+    topk_weights, ids = make_routing(t, k, list(range(e)), device, seed=t)
+    kernel = FP4Kernel(dot="fp8", groups=groups, act_group=act_group)
+    out = fp4_moe(x, *weights, topk_weights, ids, 7.0, config=config, kernel=kernel)
+    ref = reference.fp4_moe_experts_fp8(x, *weights, topk_weights, ids, 7.0, act_group, scale_format == "ue8m0")
+    assert not out.isnan().any()
+    # A float32 act that lands on the other side of an e4m3 rounding boundary moves one element by
+    # an e4m3 step; the rest is accumulation order.
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    exact = reference.fp4_moe_experts(x, *weights, topk_weights, ids, 7.0)
+    assert 0.005 < rel_err(out, exact) < 0.1
 
 
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
@@ -104,10 +168,31 @@ def test_fp4_moe_rejects_bad_weights(device):
         fp4_moe(x, gq.view(torch.int8), gs, dq, ds, topk_weights, ids)
 
 
+def test_fp4_kernel_rejects_bad_choices(device):
+    with pytest.raises(ValueError, match="path='fast'"):
+        FP4Kernel(path="fast")
+    with pytest.raises(ValueError, match="dot='fp4'"):
+        FP4Kernel(dot="fp4")
+    with pytest.raises(ValueError, match="groups=3"):
+        FP4Kernel(groups=3)
+    with pytest.raises(ValueError, match="scale='row'"):
+        FP4Kernel(scale="row")
+    with pytest.raises(ValueError, match="wide=True"):
+        FP4Kernel(wide=True)
+    with pytest.raises(ValueError, match="split=True"):
+        FP4Kernel(scale="weight", split=True)
+    gate_up, down = make_experts(2, 96, 32, torch.float32, "cpu")
+    weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
+    topk_weights, ids = make_routing(3, 1, [0, 1], device)
+    with pytest.raises(ValueError, match="per 64 inputs, which must divide H=96"):
+        fp4_moe(torch.randn(3, 96).to(device), *weights, topk_weights, ids, kernel=FP4Kernel(dot="fp8", act_group=64))
+
+
 def test_fp4_pick_config_uses_pointer_loads():
     cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
     assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
+    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True, split=True)
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
@@ -127,13 +212,21 @@ def v4_fp4_experts_gpu(request):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
+                                    FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
+                                    FP4Kernel(dot="fp8", groups=2)],
+                         ids=lambda k: kernel_id(k) + ("-asm" if k.asm else ""))
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
-def test_fp4_moe_gpu_v4_sizes(t, v4_fp4_experts_gpu):
+def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
                                          6, "sqrtsoftplus", 1.5)
-    out = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
-    ref = reference.fp4_moe_experts(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
+    out = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0, kernel=kernel)
+    if kernel.dot == "fp8":
+        pow2 = v4_fp4_experts_gpu[1].dtype == torch.uint8
+        ref = reference.fp4_moe_experts_fp8(x, *v4_fp4_experts_gpu, weights, ids, 10.0, kernel.act_group, pow2)
+    else:
+        ref = reference.fp4_moe_experts(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
 
