@@ -465,16 +465,22 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
 
-def fp4_pick_kernel() -> FP4Kernel:
-    """The group path with bf16 dots, scaled weight tiles and wide, split K steps of two groups,
-    for every batch size. bf16 dots keep the reference's accuracy (FP8 dots add the activations'
-    e4m3 rounding). In the sm_90 SASS of the K loops (``scripts/probes/fp4_moe_sass.py`` compiles
-    them without a GPU) this variant spends about 7 instructions a weight at the decode tiles and
-    7-9 at the prefill tiles, against 26-30 for the dequant path, 12 (decode) or 32 with spills
-    (prefill: a float32 product tile a group) with the scales after the dot, and 9-11 with the
-    nibbles interleaved; two groups a step read 32 contiguous bytes a weight row, a whole sector.
-    ``scripts/probes/fp4_moe_variants.py`` times the alternatives on the device."""
-    return FP4Kernel(groups=2, scale="weight", wide=True, split=True)
+def fp4_pick_kernel(cfg: MoEConfig | None = None) -> FP4Kernel:
+    """The group path with bf16 dots, scaled weight tiles and wide, split K steps: four groups a
+    step for decode's blocks (``cfg.block_m`` < 128, or no config), two for prefill's 128-row
+    blocks. bf16 dots keep the reference's accuracy (FP8 dots add the activations' e4m3
+    rounding).
+
+    Measured (H100, V4-Flash widths, UE8M0 scales, CUDA-graph replays with L2 flushed,
+    ``scripts/probes/fp4_moe_variants.py``): at T = 1 / 16 / 64 tokens this kernel takes 82.8 /
+    745 / 1,701 us against 383 / 3,938 / 8,923 us for the dequant path (4.6-5.3x); two groups a
+    step 94 / 826 / 1,851 us, scales after the dot 107-119 / 1,067-1,125 us, FP8 dots 108-110 /
+    1,069-1,099 us, the nibble decode without inline PTX 121 / 1,227 us. In the sm_90 SASS of the
+    K loops (``scripts/probes/fp4_moe_sass.py``) it spends about 6-7 instructions a weight against
+    26-30 for the dequant path; two groups a step read 32 contiguous bytes a weight row, a whole
+    sector. The prefill tiles (two groups) are unmeasured."""
+    groups = 2 if cfg is not None and cfg.block_m >= 128 else 4
+    return FP4Kernel(groups=groups, scale="weight", wide=True, split=True)
 
 
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
@@ -584,7 +590,7 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
-    kern = kernel or fp4_pick_kernel()
+    kern = kernel or fp4_pick_kernel(cfg)
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")

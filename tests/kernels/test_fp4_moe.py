@@ -49,7 +49,7 @@ KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pi
                     FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4), FP4Kernel(groups=2, scale="weight"),
                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
                     FP4Kernel(groups=1, scale="weight", wide=True, split=True),
-                    FP4Kernel(groups=4, scale="weight", wide=True, split=True))])
+                    FP4Kernel(groups=2, scale="weight", wide=True, split=True))])
 
 
 def kernel_id(k: FP4Kernel) -> str:
@@ -192,7 +192,10 @@ def test_fp4_pick_config_uses_pointer_loads():
     cfg = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert not cfg.tma and not cfg.sorted_act and cfg.block_m == 128
     assert fp4_pick_config(1, 6, 256, 4096, 2048).block_m == 16
-    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True, split=True)
+    assert fp4_pick_kernel() == FP4Kernel(path="group", dot="bf16", groups=4, scale="weight", wide=True, split=True)
+    prefill = fp4_pick_config(4096, 6, 256, 4096, 2048)
+    assert fp4_pick_kernel(prefill) == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True,
+                                                 split=True)
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
