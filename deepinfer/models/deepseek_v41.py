@@ -55,6 +55,7 @@ from deepinfer.layers.engram import (Engram, EngramLayout, EngramRows, build_tok
 from deepinfer.layers.hyper_connection import HyperConnection
 from deepinfer.models.base import CausalLM, ParamSlice
 from deepinfer.models.deepseek_v4 import BLOCK_RENAMES, FP8_LINEARS, FeatureCapture, remap_block_tensor
+from deepinfer.models.loader import fp8_block_size
 from deepinfer.models.quant import pair_scales
 from deepinfer.parallel.tensor import check_divides
 from deepinfer.transfer import to_device
@@ -580,7 +581,9 @@ class DeepseekV41ForCausalLM(CausalLM):
                 else:
                     yield name, tensor
 
-        super().load_weights(pair_scales(text_only(), fp8_block=32, keep=self.keeps_quantized))
+        # The release's blocks are 32 x 32 (its quantization_config); a config naming others wins.
+        block = fp8_block_size(self.args.cfg, default=32)
+        super().load_weights(pair_scales(text_only(), fp8_block=block, keep=self.keeps_quantized))
         if skipped:
             logger.info("skipped %d vision tensor(s): DeepSeek-V4.1 is served text-only", skipped)
         device = self.lm_head.weight.device

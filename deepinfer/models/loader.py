@@ -103,9 +103,10 @@ def iter_checkpoint(path: str, mapped: Callable[[str], bool] | None = None,
                     yield name, f.get_tensor(name)
 
 
-def fp8_block_size(hf_config: dict) -> int:
-    """FP8 block size from ``quantization_config.weight_block_size`` (square blocks; 128 by default)."""
-    block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or [128, 128]
+def fp8_block_size(hf_config: dict, default: int = 128) -> int:
+    """FP8 block size from ``quantization_config.weight_block_size`` (square blocks; ``default``
+    when the config names none)."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or [default, default]
     if len(set(block)) != 1:
         raise NotImplementedError(f"quantization_config.weight_block_size={block}: only square "
                                   "blocks are supported")

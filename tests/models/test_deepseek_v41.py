@@ -145,3 +145,29 @@ def test_unknown_tensors_are_named(tmp_path, extra, message):
 def test_mis_shaped_tensors_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.attn_sink.*shape \(5,\)"):
         _load_dir(_copy_with(tmp_path, {"layers.0.attn.attn_sink": torch.randn(5)}))
+
+
+def test_load_weights_takes_the_fp8_block_its_config_names():
+    # The release's blocks are 32 x 32; a config naming 16 x 16 must be dequantised per 16.
+    from deepinfer.config import flatten_text_config
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from tests.models.v41_reference import (dequantized, quantize_fp8_block, random_v41_weights, release_config,
+                                            storage_format, tiny_v41_text_config)
+
+    text = tiny_v41_text_config()
+    weights = random_v41_weights(text, seed=3)
+    qweights = {}
+    for name, t in weights.items():
+        if storage_format(name) == "fp8":
+            q, s = quantize_fp8_block(t, block=16)
+            qweights[name], qweights[name.removesuffix(".weight") + ".scale"] = q, s
+        else:
+            qweights[name] = t
+    cfg = flatten_text_config(release_config(text))
+    cfg["quantization_config"] = {**(cfg.get("quantization_config") or {}), "weight_block_size": [16, 16]}
+    model = DeepseekV41ForCausalLM(cfg, torch.float32)
+    model.load_weights(iter(qweights.items()))
+    expected = dequantized(qweights, fp8_block=16)["layers.0.attn.wq_a.weight"]
+    loaded = next(p for n, p in model.named_parameters() if n.endswith("layers.0.self_attn.q_a_proj.weight")
+                  or n.endswith("layers.0.attn.wq_a.weight"))
+    assert torch.equal(loaded, expected)
