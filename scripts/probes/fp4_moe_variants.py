@@ -44,7 +44,9 @@ BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", "170"))      # seconds of timi
 if DRY:
     E, K, H, I, TS, DEV = 8, 2, 128, 128, (1, 16), "cpu"
 else:
-    E, K, H, I, TS, DEV = 256, 6, 4096, 2048, (1, 16, 64, 4096), "cuda"
+    E, K, H, I, DEV = 256, 6, 4096, 2048, "cuda"
+    # PROBE_TOKENS="4096" (comma-separated) times only those token counts.
+    TS = tuple(int(t) for t in os.environ.get("PROBE_TOKENS", "1,16,64,4096").split(","))
 LIMIT = 10.0
 LINES: list[str] = []
 

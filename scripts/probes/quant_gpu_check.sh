@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Quantised weights on the GPU, in one device call of under ten minutes:
+# Quantised weights on the GPU, in one device call of under ten minutes (the kernel tests took
+# 89 s on an H100):
 #   1. the FP8 GEMM and FP4 MoE kernel tests marked gpu (V4-Flash widths, both scale formats), and
 #      the tiny model quantised at load on CUDA against the same model on the CPU;
-#   2. decode at DeepSeek-V4-Flash widths, 4 layers, B = 1, 16, 64, with the weights as shipped
+#   2. the FP8 GEMM's launch variants at V4-Flash decode shapes (scripts/probes/fp8_gemm_variants.py)
+#      and the FP4 MoE's variants at 4,096 tokens (scripts/probes/fp4_moe_variants.py);
+#   3. decode at DeepSeek-V4-Flash widths, 4 layers, B = 1, 16, 64, with the weights as shipped
 #      (--weights fp8+fp4) and in bf16, on one engine per format (`bench curve` runs `bench decode`'s
 #      measurement at each batch size).
 # Logs and JSON go to $OUT; summaries are printed. Without a GPU (no nvidia-smi) it dry-runs the
@@ -23,8 +26,13 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     cat "$OUT/gpu.txt"
     timeout 150 python3 -m pytest -q -x -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
+    timeout 110 python3 scripts/probes/fp8_gemm_variants.py --budget 80 > "$OUT/fp8_gemm_variants.log" 2>&1
+    echo "fp8 gemm variants exit $?"; grep -E "BEST|BAD" "$OUT/fp8_gemm_variants.log" | head -20
+    PROBE_TOKENS=4096 PROBE_BUDGET_S=60 timeout 100 python3 scripts/probes/fp4_moe_variants.py \
+        > "$OUT/fp4_moe_prefill.log" 2>&1
+    echo "fp4 moe prefill variants exit $?"; grep -E "^T=|BEST" "$OUT/fp4_moe_prefill.log" | head -20
     for weights in fp8+fp4 bf16; do
-        timeout 140 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
+        timeout 115 $BENCH curve --config deepseek-v4-flash --num-layers 4 --weights "$weights" \
             --batch-sizes 1,16,64 --context-len 1024 --steps 16 --no-hf \
             --output-json "$OUT/decode_v4flash_$weights.json" > "$OUT/decode_v4flash_$weights.log" 2>&1
         echo "decode --weights $weights exit $?"; grep -E "B=|weights" "$OUT/decode_v4flash_$weights.log" | tail -8
