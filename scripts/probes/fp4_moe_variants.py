@@ -32,12 +32,14 @@ DRY = "--dry-run" in sys.argv
 if DRY:
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("DEEPINFER_PDL", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
 from deepinfer.kernels import reference  # noqa: E402
 from deepinfer.kernels.fp4_moe import FP4Kernel, fp4_moe, fp4_pick_config  # noqa: E402
 from deepinfer.kernels.fused_moe import MoEConfig  # noqa: E402
+from scripts.gpu_kernel_check import captured  # noqa: E402
 
 START = time.time()
 BUDGET_S = float(os.environ.get("PROBE_BUDGET_S", "170"))      # seconds of timing before it stops
@@ -89,14 +91,7 @@ def time_us(fn) -> float:
             fn()
             runs.append((time.perf_counter() - t0) * 1e6)
         return statistics.median(runs)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = captured(fn)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
     runs = []
     for _ in range(20):

@@ -35,6 +35,7 @@ import triton  # noqa: E402
 
 from deepinfer.kernels import fp8_gemm, reference  # noqa: E402
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block  # noqa: E402
+from scripts.gpu_kernel_check import captured  # noqa: E402
 
 DEV = "cpu" if OPTS.dry_run else "cuda"
 START = time.perf_counter()
@@ -77,15 +78,7 @@ def graph_us(fn, reps: int = 20) -> float:
     """Median µs per call of ``reps`` calls captured in one CUDA graph (no launch gaps)."""
     if DEV == "cpu":
         return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
+    graph = captured(fn, reps)
     graph.replay()
     torch.cuda.synchronize()
     times = []

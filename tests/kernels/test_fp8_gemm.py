@@ -18,6 +18,8 @@ from deepinfer.kernels.fp8_gemm import (_tile_counters, fp8_act_quant, fp8_block
                                         pick_tiles)
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block
 
+from .conftest import capture
+
 ON_CUDA = torch.cuda.is_available()
 FORMATS = [((128, 128), "float32"), ((32, 32), "ue8m0")]
 
@@ -231,14 +233,7 @@ def test_fp8_linear_gpu_fused_split_k_deterministic_and_batch_invariant(block, s
     assert torch.equal(linear(fuse_max_m=16, split=4), linear(fuse_max_m=0, split=4))
     first = linear()
     assert all(torch.equal(linear(), first) for _ in range(5))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        linear()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = linear()
+    graph, captured = capture(linear)
     for _ in range(3):
         captured.zero_()
         graph.replay()
