@@ -90,6 +90,25 @@ def _dequant_halves(w_ptrs, s_ptrs, mask, S_E8M0: tl.constexpr, dtype: tl.conste
 
 
 @triton.jit
+def _store_swiglu(gate, up, limit, act_ptr, pair, stride_act, cols, valid, col_ok, HAS_LIMIT: tl.constexpr):
+    """gate_up's epilogue: the clamped SwiGLU of a [BLOCK_M, BLOCK_N] tile, stored by pair."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_act + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _store_weighted(acc, weights_ptr, out_ptr, out_rows, stride_out, cols, valid, col_ok):
+    """down's epilogue: each pair's row times its float32 routing weight, rounded once, stored by pair."""
+    weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
+             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _fp4_gate_up_kernel(
     x, wq, ws, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, num_pid_m, limit,
@@ -133,12 +152,7 @@ def _fp4_gate_up_kernel(
         gate = tl.dot(a_odd, g_hi, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a_even, u_lo, up, input_precision=DOT_PRECISION)
         up = tl.dot(a_odd, u_hi, up, input_precision=DOT_PRECISION)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = gate * tl.sigmoid(gate) * up
-    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_act + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    _store_swiglu(gate, up, limit, act_ptr, pair, stride_act, cols, valid, col_ok, HAS_LIMIT)
 
 
 @triton.jit
@@ -180,9 +194,7 @@ def _fp4_down_kernel(
         acc = tl.dot(a_even, w_lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(a_odd, w_hi, acc, input_precision=DOT_PRECISION)
     out_rows = pair.to(tl.int64)
-    weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
-             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    _store_weighted(acc, weights_ptr, out_ptr, out_rows, stride_out, cols, valid, col_ok)
 
 
 # -- group path: e2m1 codes as e4m3 bytes, one scale load per column and 32-input group ---------
@@ -345,12 +357,7 @@ def _fp4g_gate_up_kernel(
                                   S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
                 up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
                                 S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    act = gate * tl.sigmoid(gate) * up
-    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_act + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    _store_swiglu(gate, up, limit, act_ptr, pair, stride_act, cols, valid, col_ok, HAS_LIMIT)
 
 
 @triton.jit
@@ -395,9 +402,7 @@ def _fp4g_down_kernel(
                 sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
                 acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
                                  S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
-    weight = tl.load(weights_ptr + out_rows, mask=valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + out_rows[:, None] * stride_out + cols[None, :],
-             (acc * weight[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+    _store_weighted(acc, weights_ptr, out_ptr, out_rows, stride_out, cols, valid, col_ok)
 
 
 def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
