@@ -54,6 +54,7 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     max_split: int = 1          # S <= max_split (a power of two); 1: never split K
+    waves: int = 1              # S also keeps one row block's tiles x S within waves x the SM count
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -65,11 +66,13 @@ class MatmulConfig:
                              f"num_stages={self.num_stages} >= 1")
         if self.max_split < 1 or self.max_split & (self.max_split - 1):
             raise ValueError(f"MatmulConfig: max_split={self.max_split} must be a power of two >= 1")
+        if self.waves < 1:
+            raise ValueError(f"MatmulConfig: waves={self.waves} must be >= 1")
 
     @property
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} "
-                f"S<={self.max_split}")
+                f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else ""))
 
 
 # The first config: 64 x 64 tiles, 32-deep K steps, no split. Kept reachable for A/B
@@ -108,11 +111,11 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
 
 def matmul_split(cfg: MatmulConfig, n: int, k: int, sms: int) -> int:
     """K slices S: the largest power of two <= ``cfg.max_split`` with N / BLOCK_N tiles times S
-    within ``sms`` programs and every slice at least :data:`MIN_SLICE_STEPS` K steps; 1 when one
-    row block's tiles alone fill the SMs. From (N, K) and the device alone, never M."""
+    within ``cfg.waves`` x ``sms`` programs and every slice at least :data:`MIN_SLICE_STEPS` K steps;
+    1 when one row block's tiles alone fill the SMs. From (N, K) and the device alone, never M."""
     tiles, steps = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
     s = 1
-    while 2 * s <= cfg.max_split and tiles * 2 * s <= sms and steps >= 2 * s * MIN_SLICE_STEPS:
+    while 2 * s <= cfg.max_split and tiles * 2 * s <= cfg.waves * sms and steps >= 2 * s * MIN_SLICE_STEPS:
         s *= 2
     return s
 

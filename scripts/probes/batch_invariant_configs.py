@@ -72,11 +72,13 @@ else:
     TS = (1, 16, 64, 4096)
     STREAM_BYTES = 256 << 20                               # weight copies per graph: past the 50 MB L2
 
-# (block_m, block_n, block_k, num_warps, num_stages); each with max_split 1, 2, 4, 8.
+# (block_m, block_n, block_k, num_warps, num_stages); each with max_split 1, 2, 4, 8, and the split
+# ones also with two waves of programs (S up to 2 x SMs / tiles).
 TILES = [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3),
          (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 3)]
 SPLITS = (1, 2, 4, 8)
-POLICIES = [ops.MatmulConfig(*tile, max_split=s) for tile in TILES for s in SPLITS]
+POLICIES = [ops.MatmulConfig(*tile, max_split=s, waves=w) for tile in TILES for s in SPLITS for w in (1, 2)
+            if s > 1 or w == 1]
 MoEConfig = fm.MoEConfig
 MOE_CONFIGS = {
     "decode (first invariant)": fm.pick_config(1, 6, 256, 4096, 2048),
@@ -292,10 +294,19 @@ def report(family: str, results: dict, sizes: tuple[int, ...], labels: list[str]
     ranked = sorted(scores.items(), key=lambda kv: kv[1][0])
     print(f"# {family}: score = mean over sizes {sizes} of (config time / normal time), each summed over "
           f"shapes; normal total {normal_raw:.0f} us")
-    for label, (score, per_size, raw) in ranked[:6] + [kv for kv in ranked[6:] if kv[0] == current]:
+    # Configs that run the same launches on every shape (a larger max_split no shape can use) tie:
+    # one line for each group, the first (smallest max_split) named.
+    shown, ties = [], {}
+    for label, (score, per_size, raw) in ranked:
+        if shown and (score, raw) == scores[shown[-1]][::2] and label != current:
+            ties[shown[-1]] = ties.get(shown[-1], 0) + 1
+        else:
+            shown.append(label)
+    for label in shown[:6] + [lab for lab in shown[6:] if lab == current]:
+        score, per_size, raw = scores[label]
         sizes_txt = " ".join(f"{s}:{r:.2f}x" for s, r in zip(sizes, per_size))
         print(f"#   {label:40s} score {score:5.2f}x  ({sizes_txt})  total {raw:.0f} us"
-              f"{'  <- current default' if label == current else ''}")
+              f"{f'  (+{ties[label]} tied)' if label in ties else ''}{'  <- current default' if label == current else ''}")
     best = ranked[0][0]
     size = "M" if family == "matmul" else "T"
     print(f"BEST {family}: {best}  score {ranked[0][1][0]:.2f}x  invariant: "

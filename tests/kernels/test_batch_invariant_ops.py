@@ -4,6 +4,8 @@ against torch, and a row's bits the same whatever the number of rows around it (
 64, the row at a random place among random others). On a CUDA machine they run on the device,
 elsewhere in Triton's interpreter (tests/kernels/conftest.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,10 +113,13 @@ def test_matmul_config_override_and_validation(device, monkeypatch):
     assert ops.matmul_split(ops.DEFAULT_MATMUL, 129280, 4096, 132) == 1
     assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 4096, 132) == 4
     assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 128, 132) == 1
+    assert ops.matmul_split(dataclasses.replace(ops.DEFAULT_MATMUL, waves=2), 4096, 4096, 132) == 8
     with pytest.raises(ValueError, match="block_n=48"):
         ops.MatmulConfig(64, 48, 64, 4, 4)
     with pytest.raises(ValueError, match="max_split=3"):
         ops.MatmulConfig(64, 64, 64, 4, 4, max_split=3)
+    with pytest.raises(ValueError, match="waves=0"):
+        ops.MatmulConfig(64, 64, 64, 4, 4, waves=0)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "sum", "mean", "logsumexp"])
