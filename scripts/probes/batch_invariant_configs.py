@@ -3,11 +3,13 @@
 Matmul (``kernels/batch_invariant_ops.py``): projections x [M, K] @ w[N, K].T in bf16 at M = 1, 16,
 64 and 4,096 over the V4-Flash (N, K) shapes, timed for torch's own ``x @ w.T`` (cuBLAS, the normal
 mode), the first invariant config (``LEGACY_MATMUL``) and each candidate tile config with K split
-at most S = 1, 2, 4, 8 ways (the S a shape gets follows from (N, K) and the SM count alone,
-``matmul_split``; configs that give a shape the same S are timed once). Fused MoE (bf16, H 4,096,
+at most S = 1, 2, 4, 8 ways within one or two waves of programs (the S a shape gets follows from
+(N, K) and the SM count alone, ``matmul_split``; configs that give a shape the same launch are
+timed once). The lm_head is timed at M = 4,096 too, though serving computes
+logits only for the positions it samples. Fused MoE (bf16, H 4,096,
 I 2,048, E 256, top 6, packed weights as served) at T = 1, 16, 64, 4,096: the normal
 ``pick_config(T)`` against candidate fixed configs through ``fused_moe(..., invariant=True)`` with
-``fused_moe.INVARIANT_CONFIG`` set.
+``fused_moe.INVARIANT_CONFIG`` set (timed first: its few cases must not wait behind the matmul's).
 
 Each line: µs per call (median of CUDA-graph replays; a graph holds several calls, which rotate
 over enough weight copies that the weights stream from HBM, not L2, as a model's layers do), the
@@ -44,7 +46,6 @@ if OPTS.dry_run:
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from deepinfer.kernels import batch_invariant_ops as ops  # noqa: E402
 from deepinfer.kernels import fused_moe as fm  # noqa: E402
@@ -75,7 +76,8 @@ else:
 # (block_m, block_n, block_k, num_warps, num_stages); each with max_split 1, 2, 4, 8, and the split
 # ones also with two waves of programs (S up to 2 x SMs / tiles).
 TILES = [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3),
-         (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 3)]
+         (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (64, 64, 128, 4, 3),
+         (128, 256, 64, 8, 3)]
 SPLITS = (1, 2, 4, 8)
 POLICIES = [ops.MatmulConfig(*tile, max_split=s, waves=w) for tile in TILES for s in SPLITS for w in (1, 2)
             if s > 1 or w == 1]
