@@ -181,7 +181,8 @@ def matmul_family() -> dict:
                 row0.setdefault((name, NORMAL), {})[m] = ref[0].clone()
                 for cfg in pass_policies:
                     split = ops.matmul_split(cfg, n, k, sms)
-                    measured = f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} S={split}"
+                    measured = (f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                                f"s{cfg.num_stages} S={split}")
                     policies_of.setdefault((name, measured), set()).add(cfg.label)
                     if cfg.label in got:
                         continue
@@ -208,8 +209,8 @@ def matmul_family() -> dict:
         if not all(torch.equal(r, rows[min(rows)]) for r in rows.values()):
             differ.append((name, measured))
             NOT_INVARIANT.update(policies_of.get((name, measured), ()))
-            print(f"# row 0 differs across M={sorted(rows)}: mm {name} {measured}"
-                  f"{' (expected: cuBLAS picks its kernel by M)' if measured == NORMAL else '  NOT INVARIANT'}", flush=True)
+            why = " (expected: cuBLAS picks its kernel by M)" if measured == NORMAL else "  NOT INVARIANT"
+            print(f"# row 0 differs across M={sorted(rows)}: mm {name} {measured}{why}", flush=True)
     bad = [d for d in differ if d[1] != NORMAL]
     print(f"# matmul invariance: row 0 compared across M for {len(row0) - len(SHAPES)} (shape, config) pairs: "
           f"{'all bitwise equal' if not bad else f'{len(bad)} DIFFER (above)'}; normal mode differs on "
@@ -307,8 +308,9 @@ def report(family: str, results: dict, sizes: tuple[int, ...], labels: list[str]
     for label in shown[:6] + [lab for lab in shown[6:] if lab == current]:
         score, per_size, raw = scores[label]
         sizes_txt = " ".join(f"{s}:{r:.2f}x" for s, r in zip(sizes, per_size))
-        print(f"#   {label:40s} score {score:5.2f}x  ({sizes_txt})  total {raw:.0f} us"
-              f"{f'  (+{ties[label]} tied)' if label in ties else ''}{'  <- current default' if label == current else ''}")
+        tied = f"  (+{ties[label]} tied)" if label in ties else ""
+        print(f"#   {label:40s} score {score:5.2f}x  ({sizes_txt})  total {raw:.0f} us{tied}"
+              f"{'  <- current default' if label == current else ''}")
     best = ranked[0][0]
     size = "M" if family == "matmul" else "T"
     print(f"BEST {family}: {best}  score {ranked[0][1][0]:.2f}x  invariant: "

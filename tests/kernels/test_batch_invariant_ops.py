@@ -300,7 +300,8 @@ def test_moe_invariant_configs_keep_a_token_whatever_t(cfg, device, monkeypatch)
     e, h, i, k = 8, 64, 64, 2
     gate_up = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(device)
     down = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(device)
-    fp4 = [w.to(device) for w in (*quant_fp4_e2m1(gate_up.cpu(), 32, "ue8m0"), *quant_fp4_e2m1(down.cpu(), 32, "ue8m0"))]
+    fp4 = [w.to(device) for w in (*quant_fp4_e2m1(gate_up.cpu(), 32, "ue8m0"),
+                                  *quant_fp4_e2m1(down.cpu(), 32, "ue8m0"))]
     x = torch.randn(1, h, generator=gen).to(device)
     ids = torch.tensor([[3, 5]], device=device)
     tw = torch.rand(1, k, generator=gen).to(device) + 0.1
