@@ -44,8 +44,9 @@ CUDA: cuBLAS picks its kernel (and split-K) by shape and torch's reductions spli
 row over several CTAs when there are few rows, so the CUDA key's ``mm``, ``addmm``,
 ``addmm_``, ``bmm``, ``baddbmm``, ``_softmax``, ``_log_softmax``, ``logsumexp``,
 ``mean.dim`` and ``sum.dim_IntList`` run the Triton kernels of
-``kernels/batch_invariant_ops.py`` (one tile config for every M, no split-K; reductions
-over any dims, one program a row). CUDA elementwise kernels compute every element with the
+``kernels/batch_invariant_ops.py`` (one launch config for every M, chosen from the dtype and
+the weight's (N, K), K split by (N, K) alone and summed in slice order; reductions over any
+dims, one program a row). CUDA elementwise kernels compute every element with the
 same code wherever it falls, so they need nothing. Our own kernels take fixed configs in
 the mode (``kernels/backend.py``): attention through the one prefill kernel with key tiles
 at absolute positions for prefill, chunks and decode alike (CUDA graphs included), sparse

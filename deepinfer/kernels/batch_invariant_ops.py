@@ -3,14 +3,25 @@
 logsumexp, sum, mean). References: torch's own ops.
 
 Contract: an output row's bits depend only on that row's inputs (and, for the matmul, the
-other operand), never on how many rows share the call. Each kernel has one tile config for
-every M (chosen from nothing but dtypes), no split-K, no atomics:
+other operand), never on how many rows share the call. Each kernel's config is chosen from
+dtypes and, for the matmul, the second operand's shape (N, K) alone, never from M:
 
-* matmul: BLOCK_M x BLOCK_N output tiles, the K reduction in BLOCK_K steps from 0 in order,
-  float32 accumulation by ``tl.dot``. Rows of a tile are computed independently by the MMA,
-  so a row's result does not depend on its neighbours or its place in the tile. ``mm`` runs
-  as a batch of one, so a product that is an mm for one sequence and a bmm for several
-  gives the same bits.
+* matmul (:class:`MatmulConfig`, :func:`matmul_config`): BLOCK_M x BLOCK_N output tiles, float32
+  accumulation by ``tl.dot``, the K reduction in BLOCK_K steps in order. BLOCK_M is fixed by the
+  config, so the MMA's shape does not follow M either, and rows of a tile are computed
+  independently by the MMA: a row's result does not depend on its neighbours or its place in the
+  tile. ``mm`` runs as a batch of one, so a product that is an mm for one sequence and a bmm for
+  several gives the same bits.
+* split K: when the output tiles of one row block (N / BLOCK_N of them) leave SMs idle, as a
+  decode step's weight-streaming projections do, K is cut into S slices of whole K steps
+  (:func:`matmul_split`: S from N, K, the config and the SM count, never M). Each slice stores a
+  float32 partial; the tile's last slice to finish (an int32 counter per tile, taken with an
+  acquire-release atomic and put back to zero, so CUDA-graph replays find it zeroed) adds the S
+  partials in slice order 0, 1, ... and writes the output, as ``fp8_gemm`` does. The order is
+  fixed, so the bits do not depend on which program finishes last (no float atomics) or on M.
+  The second operand is a weight in every product the mode sees on CUDA (attention runs in its
+  own kernels), so its (N, K) never follows the batch; a product whose K did (zero-padded to
+  the batch's longest) would need ``max_split=1``, whose steps start at absolute offsets.
 * row reductions: one program per row, which walks its row in BLOCK-wide chunks; each lane
   keeps a running float32 partial (for the softmaxes a running max and a rescaled sum) and
   the lanes meet in one ``tl.sum`` at the end. An element's lane is its column modulo BLOCK,
@@ -23,17 +34,65 @@ every M (chosen from nothing but dtypes), no split-K, no atomics:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm import _sm_count, _tile_counters
 
-# One tile config for every M (never chosen by shape): 64 x 64 output tiles and 32-deep K
-# steps fill a Hopper warpgroup MMA for 16-bit inputs; float32 inputs take exact (non-TF32)
-# products on CUDA cores, as torch's default float32 matmul does.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
-MATMUL_WARPS, MATMUL_STAGES = 4, 3
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """The invariant matmul's launch: tile shape, warps, pipeline stages and the most K slices."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    max_split: int = 1          # S <= max_split (a power of two); 1: never split K
+    waves: int = 1              # S also keeps one row block's tiles x S within waves x the SM count
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MatmulConfig: {name}={v} must be a power of two >= 16 (the MMA's minimum)")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"MatmulConfig: num_warps={self.num_warps} must be 1, 2, 4, 8 or 16 and "
+                             f"num_stages={self.num_stages} >= 1")
+        if self.max_split < 1 or self.max_split & (self.max_split - 1):
+            raise ValueError(f"MatmulConfig: max_split={self.max_split} must be a power of two >= 1")
+        if self.waves < 1:
+            raise ValueError(f"MatmulConfig: waves={self.waves} must be >= 1")
+
+    @property
+    def label(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} "
+                f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else ""))
+
+
+# The first config: 64 x 64 tiles, 32-deep K steps, no split. Kept reachable for A/B
+# (``MATMUL_CONFIG = LEGACY_MATMUL``): at V4-Flash widths on an H100 the mode cost 2.36x the
+# normal decode at one token (64 programs for N = 4,096 on 132 SMs, 4 KB a pipeline stage) and
+# 2.83x at a 4,096-token prefill.
+LEGACY_MATMUL = MatmulConfig(64, 64, 32, 4, 3, max_split=1)
+# 16-bit inputs: 64-row tiles (one Hopper warpgroup MMA, cheap enough to stay weight-bound at one
+# token), 128 columns and 64-deep K steps (16 KB of weight a stage, four stages in flight), and
+# up to eight K slices so a decode projection's N / 128 tiles still cover the SMs. Chosen by
+# reasoning, to be confirmed by ``scripts/probes/batch_invariant_configs.py``.
+DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
+# float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32 matmul):
+# the 16-bit tiles at half the K depth, so the stages take the same shared memory.
+DEFAULT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
+MATMUL_CONFIG: MatmulConfig | None = None
+"""Overrides :func:`matmul_config` for every product (benchmarks sweep it); None: the defaults."""
+MIN_SLICE_STEPS = 4
+"""Each K slice is at least this many BLOCK_K steps: shorter slices spend more on partials than
+they gain in parallel weight streams."""
 # Columns a row-reduction program reads per step (4 warps, 8 float32 a thread).
 ROW_BLOCK = 1024
 ROW_WARPS = 4
@@ -41,12 +100,32 @@ ROW_WARPS = 4
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def matmul_config(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
+    """The launch config of a product with a [K, N] second operand in ``dtype``; never depends on
+    M, so every row of every call with that operand shares it. (n, k) are the hook for a config
+    by weight shape; today one config serves every shape of a dtype."""
+    if MATMUL_CONFIG is not None:
+        return MATMUL_CONFIG
+    return DEFAULT_MATMUL_F32 if dtype == torch.float32 else DEFAULT_MATMUL
+
+
+def matmul_split(cfg: MatmulConfig, n: int, k: int, sms: int) -> int:
+    """K slices S: the largest power of two <= ``cfg.max_split`` with N / BLOCK_N tiles times S
+    within ``cfg.waves`` x ``sms`` programs and every slice at least :data:`MIN_SLICE_STEPS` K steps;
+    1 when one row block's tiles alone fill the SMs. From (N, K) and the device alone, never M."""
+    tiles, steps = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
+    s = 1
+    while 2 * s <= cfg.max_split and tiles * 2 * s <= cfg.waves * sms and steps >= 2 * s * MIN_SLICE_STEPS:
+        s *= 2
+    return s
+
+
 @triton.jit(do_not_specialize=["M", "stride_ab", "stride_am", "stride_cb", "stride_cm"])
-def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
+def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, split,
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                 stride_cb, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
@@ -56,21 +135,46 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, M, N, K,
     ks = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
+    if SPLIT_K:
+        # This program's slice: ``slice_steps`` K steps from step ``slice * slice_steps`` on.
+        k_begin = tl.program_id(2) * slice_steps * BLOCK_K
+        k_end = tl.minimum(K, k_begin + slice_steps * BLOCK_K)
+    else:
+        k_begin = 0
+        k_end = K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + ks
         a = tl.load(a_rows + k[None, :].to(tl.int64) * stride_ak,
                     mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)      # [BLOCK_M, BLOCK_K]
         b = tl.load(b_cols + k[:, None].to(tl.int64) * stride_bk,
                     mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)      # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     c = c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+    if SPLIT_K:
+        # Partials [S, B, M, N] float32; the tile's last slice to finish adds them in slice order
+        # 0, 1, ... (the same sums whichever program is last) and zeroes the tile's counter again
+        # for the next launch or CUDA-graph replay.
+        per_slice = tl.num_programs(1).to(tl.int64) * M * N
+        offs = (batch * M + rows.to(tl.int64)[:, None]) * N + cols[None, :]
+        tl.store(part_ptr + tl.program_id(2) * per_slice + offs, acc, mask=out_mask)
+        tl.debug_barrier()                       # every thread's partial is written before the count
+        tile = batch * tl.num_programs(0) + pid
+        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
+            total = tl.load(part_ptr + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, split):
+                total += tl.load(part_ptr + s * per_slice + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(c, total.to(c_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+        config: MatmulConfig | None = None) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] -> [B, M, N] in ``out_dtype`` (default: the inputs' dtype),
-    accumulated in float32 (any strides)."""
+    accumulated in float32 (any strides). ``config`` overrides :func:`matmul_config`."""
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"batch-invariant bmm: shapes {tuple(a.shape)} and {tuple(b.shape)} must be "
                          "[B, M, K] and [B, K, N]")
@@ -84,20 +188,30 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) 
         return out
     if k == 0:
         return out.zero_()
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N), batch)
-    _bmm_kernel[grid](a, b, out, m, n, k, a.stride(0), a.stride(1), a.stride(2),
-                      b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                      DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                      num_warps=MATMUL_WARPS, num_stages=MATMUL_STAGES, **pdl.flags(out.device))
+    cfg = config or matmul_config(n, k, a.dtype)
+    split = matmul_split(cfg, n, k, _sm_count(a.device))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    if split > 1:
+        part = torch.empty((split, batch, m, n), dtype=torch.float32, device=a.device)
+        counts = _tile_counters(a.device, batch * tiles)
+    else:
+        part = counts = out
+    _bmm_kernel[(tiles, batch, split)](
+        a, b, out, part, counts, m, n, k, triton.cdiv(triton.cdiv(k, cfg.block_k), split), split,
+        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(out.device))
     return out
 
 
-def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+       config: MatmulConfig | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> [M, N], as a batch of one (see the module docstring)."""
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"batch-invariant mm: shapes {tuple(a.shape)} and {tuple(b.shape)} must be 2-D")
-    return bmm(a[None], b[None], out_dtype)[0]
+    return bmm(a[None], b[None], out_dtype, config)[0]
 
 
 # Row-reduction ops (constexpr OP of _row_reduce_kernel).

@@ -63,7 +63,8 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm import fp8_act_quant
-from deepinfer.kernels.fused_moe import MoEConfig, _tile, check_routing, moe_align, pick_config, sum_slots
+from deepinfer.kernels.fused_moe import (MoEConfig, _tile, check_routing, invariant_config, moe_align, pick_config,
+                                        sum_slots)
 
 GROUP = 32          # inputs per scale
 
@@ -412,7 +413,11 @@ def fp4_pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, 
     least 32 inputs (each MMA then reduces over 16), and for the 128-row prefill blocks half-width
     N-tiles: the dequantised tiles take registers, and the full ones spilled (sm_90 compile,
     ``scripts/probes/sm90_resources.py``)."""
-    cfg = pick_config(num_tokens, top_k, num_experts, hidden, inter, elem_bytes)
+    return fp4_tiles(pick_config(num_tokens, top_k, num_experts, hidden, inter, elem_bytes))
+
+
+def fp4_tiles(cfg: MoEConfig) -> MoEConfig:
+    """A :class:`fused_moe.MoEConfig` made fit for the FP4 kernels (see :func:`fp4_pick_config`)."""
     if cfg.block_m >= 128:
         cfg = dataclasses.replace(cfg, block_n1=min(cfg.block_n1, 64), block_n2=min(cfg.block_n2, 128))
     return dataclasses.replace(cfg, tma=False, sorted_act=False, block_k1=max(32, cfg.block_k1),
@@ -571,8 +576,8 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     down_q: [E, H, I/2] with down_s [E, H, I/32] (scales float32 or UE8M0 bytes, both projections
     alike); topk_weights [T, K] float32; topk_ids [T, K] integer -> [T, H] in x's dtype. A slot whose
     id is outside [0, E) contributes nothing. ``config`` overrides :func:`fp4_pick_config`;
-    ``invariant`` (batch-invariant mode) takes its decode config for every T (as
-    :func:`fused_moe.fused_moe`); ``kernel`` overrides :func:`fp4_pick_kernel` (with ``dot="fp8"``
+    ``invariant`` (batch-invariant mode) takes :func:`fused_moe.invariant_config`'s tiles for every T
+    (made fit by :func:`fp4_tiles`); ``kernel`` overrides :func:`fp4_pick_kernel` (with ``dot="fp8"``
     the result is :func:`reference.fp4_moe_experts_fp8`'s).
     """
     if x.dim() != 2 or x.stride(1) != 1:
@@ -592,7 +597,8 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or fp4_pick_config(1 if invariant else t, k, e, h, i, x.element_size())
+    cfg = config or (fp4_tiles(invariant_config(h, i, x.element_size())) if invariant
+                     else fp4_pick_config(t, k, e, h, i, x.element_size()))
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
     kern = kernel or fp4_pick_kernel(cfg)

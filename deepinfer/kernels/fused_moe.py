@@ -181,10 +181,34 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inte
         cfg = MoEConfig(32, 64, 128, 64, 128, 4, num_warps=4, num_stages=4)
     else:
         cfg = MoEConfig(128, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True)
+    return fit_config(cfg, hidden, inter, elem_bytes)
+
+
+def fit_config(cfg: MoEConfig, hidden: int, inter: int, elem_bytes: int = 2) -> MoEConfig:
+    """``cfg`` with its tiles no wider than the (power-of-2 rounded) problem and its stages
+    within shared memory."""
     h, i = max(16, triton.next_power_of_2(hidden)), max(16, triton.next_power_of_2(inter))
     cfg = dataclasses.replace(cfg, block_n1=min(cfg.block_n1, i), block_k1=min(cfg.block_k1, h),
                               block_n2=min(cfg.block_n2, h), block_k2=min(cfg.block_k2, i))
     return dataclasses.replace(cfg, num_stages=_fit_stages(cfg, elem_bytes))
+
+
+# Batch-invariant mode: one config for every T. Any fixed config keeps a pair's bits (its row of
+# an M-block is computed independently of the others, the K slots are summed in slot order); the
+# choice is speed at both ends. 64-row blocks: at one token a touched expert still gets I / 64
+# gate_up programs streaming its weights (the 64-row MMA is cheap next to the weight bytes); at a
+# 4,096-token prefill (~96 pairs an expert) an expert's two blocks are neighbours in the grouped
+# program order (group_m 8), so its weight tiles come from L2 for the second, where the decode
+# config's 16-row blocks (group_m 1) stream each expert's weights about six times. Chosen by
+# reasoning, to be confirmed by ``scripts/probes/batch_invariant_configs.py``.
+DEFAULT_INVARIANT_CONFIG = MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True)
+INVARIANT_CONFIG: MoEConfig | None = None
+"""Overrides :data:`DEFAULT_INVARIANT_CONFIG` (benchmarks sweep it); None: the default."""
+
+
+def invariant_config(hidden: int, inter: int, elem_bytes: int = 2) -> MoEConfig:
+    """The batch-invariant mode's config, the same for every T (fitted to the problem's widths)."""
+    return fit_config(INVARIANT_CONFIG or DEFAULT_INVARIANT_CONFIG, hidden, inter, elem_bytes)
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -602,8 +626,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     ([E, H*I/64, 64]); the result is bitwise that of the stacked weights under the same config.
     A slot whose id is outside [0, E) (-1: an expert another rank holds) contributes nothing.
     ``config`` overrides :func:`pick_config` (benchmarks sweep it); ``invariant`` (batch-invariant
-    mode) takes the decode config for every T: a pair's row is computed independently of the
-    others in its M-block and the K slots are summed in slot order, so the config is the only
+    mode) takes :func:`invariant_config` for every T: a pair's row is computed independently of
+    the others in its M-block and the K slots are summed in slot order, so the config is the only
     thing that could make a token's bits depend on its batch.
     """
     if x.dim() != 2:
@@ -637,7 +661,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     pairs = t * k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or pick_config(1 if invariant else t, k, e, h, i, x.element_size())
+    cfg = config or (invariant_config(h, i, x.element_size()) if invariant
+                     else pick_config(t, k, e, h, i, x.element_size()))
     out = torch.empty(pairs, h, dtype=x.dtype, device=x.device)             # [P, H]
     sorted_pairs, block_expert, num_padded = moe_align(topk_ids.contiguous(), e, cfg.block_m, out)
     act = moe_gate_up(x, gate_up_proj, sorted_pairs, block_expert, num_padded, k, swiglu_limit, cfg, packed)

@@ -4,12 +4,15 @@ against torch, and a row's bits the same whatever the number of rows around it (
 64, the row at a random place among random others). On a CUDA machine they run on the device,
 elsewhere in Triton's interpreter (tests/kernels/conftest.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from deepinfer import batch_invariant
 from deepinfer.kernels import batch_invariant_ops as ops
 from deepinfer.kernels import reference
+from deepinfer.kernels.fused_moe import MoEConfig
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention_invariant
 from deepinfer.kernels.sparse_attention import invariant_config, sparse_attention
 from tests.kernels.test_paged_attention import build_cache
@@ -46,6 +49,104 @@ def test_matmul_matches_torch_and_rows_do_not_depend_on_m(dtype, device):
     torch.testing.assert_close(batched.float(), torch.bmm(x.float(), y.float()), rtol=1e-3, atol=2e-3)
     assert torch.equal(ops.bmm(x[1:2], y[1:2])[0], batched[1])
     assert torch.equal(ops.mm(x[2], y[2]), batched[2])
+
+
+# A split config for small test shapes: N=96 over 32-column tiles and K=256 in 16-deep steps
+# give four K slices (matmul_split), so the partials and their ordered sum run.
+SPLIT_CFG = ops.MatmulConfig(16, 32, 16, 4, 2, max_split=4)
+
+
+HALF = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+MATMUL_CASES = ([(cfg, dtype, 96, 256, split) for cfg, split in ((ops.LEGACY_MATMUL, 1), (ops.DEFAULT_MATMUL_F32, 2),
+                                                                 (SPLIT_CFG, 4))
+                 for dtype in [torch.float32] + HALF]
+                # The 16-bit default over a weight it splits eight ways (2 column tiles, 32 K steps).
+                + [(ops.DEFAULT_MATMUL, dtype, 256, 2048, 8) for dtype in HALF])
+
+
+@pytest.mark.parametrize("cfg,dtype,n,k,split", MATMUL_CASES,
+                         ids=lambda v: v.label.replace(" ", "_") if isinstance(v, ops.MatmulConfig) else str(v))
+def test_matmul_configs_keep_a_row_whatever_m(cfg, dtype, n, k, split, device):
+    """Each fixed config, split K included: a row's bits are the same alone and among 7, 64 or
+    200 rows (several M-tiles, every tile split), and equal torch's product within rounding."""
+    gen = torch.Generator().manual_seed(7)
+    assert ops.matmul_split(cfg, n, k, 132) == split
+    b = torch.randn(n, k, generator=gen).to(device, dtype).t()          # [K, N], F.linear's view
+    row = torch.randn(1, k, generator=gen).to(device, dtype)
+    want = ops.mm(row, b, config=cfg)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    torch.testing.assert_close(want.float(), row.float() @ b.float(), **tol)
+    for m in (7, 64, 200):
+        a, at = _embedded(row, m, gen)
+        got = ops.mm(a, b, config=cfg)
+        torch.testing.assert_close(got.float(), a.float() @ b.float(), **tol)
+        assert torch.equal(got[at], want[0]), m
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
+    """Two runs of a split product give the same bits (the slices are summed in slice order,
+    whichever finishes last), batch entries included, and the tile counters are zero again after
+    (what a CUDA-graph replay needs)."""
+    from deepinfer.kernels.fp8_gemm import _tile_counters
+
+    gen = torch.Generator().manual_seed(8)
+    a = torch.randn(3, 33, 256, generator=gen).to(device)
+    b = torch.randn(3, 256, 96, generator=gen).to(device)
+    first = ops.bmm(a, b, config=SPLIT_CFG)
+    assert torch.equal(ops.bmm(a, b, config=SPLIT_CFG), first)
+    torch.testing.assert_close(first, torch.bmm(a, b), rtol=1e-4, atol=1e-4)
+    # The split sums differ from the unsplit ones in rounding only.
+    torch.testing.assert_close(first, ops.bmm(a, b, config=ops.LEGACY_MATMUL), rtol=1e-5, atol=1e-4)
+    assert not _tile_counters(a.device, 1).any()
+    assert torch.equal(ops.bmm(a[1:2], b[1:2], config=SPLIT_CFG)[0], first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096)])
+def test_default_matmul_at_v4_flash_widths_in_cuda_graphs(n, k):
+    """The 16-bit default at V4-Flash decode widths (split K on an H100/H200): bf16 rows bitwise the
+    same at M = 1, 16, 64, 4096, close to cuBLAS, and CUDA-graph replays equal to the eager call
+    (the tile counters are zero again after every launch)."""
+    from tests.kernels.conftest import capture
+
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    x = torch.randn(4096, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    assert ops.matmul_split(ops.DEFAULT_MATMUL, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    want = ops.mm(x[:1], w.t())
+    for m in (16, 64, 4096):
+        got = ops.mm(x[:m], w.t())
+        torch.testing.assert_close(got.float(), (x[:m] @ w.t()).float(), rtol=2e-2, atol=2e-2)
+        assert torch.equal(got[0], want[0]), m
+    graph, out = capture(lambda: ops.mm(x[:16], w.t()))
+    eager = ops.mm(x[:16], w.t())
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+def test_matmul_config_override_and_validation(device, monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    a, b = torch.randn(5, 256, generator=gen).to(device), torch.randn(256, 96, generator=gen).to(device)
+    monkeypatch.setattr(ops, "MATMUL_CONFIG", SPLIT_CFG)
+    assert ops.matmul_config(96, 256, torch.float16) is SPLIT_CFG
+    assert torch.equal(ops.mm(a, b), ops.mm(a, b, config=SPLIT_CFG))
+    monkeypatch.setattr(ops, "MATMUL_CONFIG", None)
+    assert ops.matmul_config(96, 256, torch.bfloat16) == ops.DEFAULT_MATMUL
+    # Wide N fills the SMs with tiles alone: no split; a short K gives too few steps to slice.
+    assert ops.matmul_split(ops.DEFAULT_MATMUL, 129280, 4096, 132) == 1
+    assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 4096, 132) == 4
+    assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 128, 132) == 1
+    assert ops.matmul_split(dataclasses.replace(ops.DEFAULT_MATMUL, waves=2), 4096, 4096, 132) == 8
+    with pytest.raises(ValueError, match="block_n=48"):
+        ops.MatmulConfig(64, 48, 64, 4, 4)
+    with pytest.raises(ValueError, match="max_split=3"):
+        ops.MatmulConfig(64, 64, 64, 4, 4, max_split=3)
+    with pytest.raises(ValueError, match="waves=0"):
+        ops.MatmulConfig(64, 64, 64, 4, 4, waves=0)
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "sum", "mean", "logsumexp"])
@@ -206,6 +307,49 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
         tw_m[at] = tw[0]
         for got, ref in zip(run(xs, ids_m, tw_m), want):
             assert torch.equal(got[at], ref[0]), m
+
+
+MOE_CONFIGS = [None, MoEConfig(16, 32, 64, 64, 32, 1, num_warps=4, num_stages=2),
+               MoEConfig(32, 32, 32, 32, 32, 4, num_warps=4, num_stages=2, tma=True, sorted_act=True)]
+
+
+@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["default", "rows16", "rows32_tma"])
+def test_moe_invariant_configs_keep_a_token_whatever_t(cfg, device, monkeypatch):
+    """fused_moe and fp4_moe in the mode under the default invariant config and others the probe
+    sweeps (fused_moe.INVARIANT_CONFIG): a token's outputs are the same bits alone and among 7,
+    64 or 200 tokens, and match the references."""
+    from deepinfer.kernels import fused_moe as fm
+    from deepinfer.kernels.fp4_moe import fp4_moe
+    from deepinfer.models.quant import quant_fp4_e2m1
+
+    monkeypatch.setattr(fm, "INVARIANT_CONFIG", cfg)
+    gen = torch.Generator().manual_seed(10)
+    e, h, i, k = 8, 64, 64, 2
+    gate_up = (torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5).to(device)
+    down = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(device)
+    fp4 = [w.to(device) for w in (*quant_fp4_e2m1(gate_up.cpu(), 32, "ue8m0"),
+                                  *quant_fp4_e2m1(down.cpu(), 32, "ue8m0"))]
+    x = torch.randn(1, h, generator=gen).to(device)
+    ids = torch.tensor([[3, 5]], device=device)
+    tw = torch.rand(1, k, generator=gen).to(device) + 0.1
+
+    def run(xs, ids_, tw_):
+        return (fm.fused_moe(xs, gate_up, down, tw_, ids_, 0.7, invariant=True),
+                fp4_moe(xs, *fp4, tw_, ids_, 0.7, invariant=True))
+
+    want = run(x, ids, tw)
+    torch.testing.assert_close(want[0], reference.clamped_moe_experts(x, gate_up, down, tw, ids, 0.7),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(want[1], reference.fp4_moe_experts(x, *fp4, tw, ids, 0.7), rtol=1e-4, atol=1e-4)
+    for t in (7, 64, 200):
+        xs, at = _embedded(x, t, gen)
+        ids_t = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).to(device)
+        ids_t[at] = ids[0]
+        tw_t = torch.rand(t, k, generator=gen).to(device) + 0.1
+        tw_t[at] = tw[0]
+        for got, ref in zip(run(xs, ids_t, tw_t), want):
+            assert torch.equal(got[at], ref[0]), t
+    assert fm.invariant_config(4096, 2048) == fm.fit_config(cfg or fm.DEFAULT_INVARIANT_CONFIG, 4096, 2048)
 
 
 def test_cuda_overrides_leave_other_dtypes_to_the_stock_kernels():
