@@ -45,8 +45,8 @@ row over several CTAs when there are few rows, so the CUDA key's ``mm``, ``addmm
 ``addmm_``, ``bmm``, ``baddbmm``, ``_softmax``, ``_log_softmax``, ``logsumexp``,
 ``mean.dim`` and ``sum.dim_IntList`` run the Triton kernels of
 ``kernels/batch_invariant_ops.py`` (one launch config for every M, chosen from the dtype and
-the weight's (N, K), K split by (N, K) alone and summed in slice order; reductions over any
-dims, one program a row). CUDA elementwise kernels compute every element with the
+the weight's (N, K), never from M; a split-K candidate splits by (N, K) alone and sums in
+slice order; reductions over any dims, one program a row). CUDA elementwise kernels compute every element with the
 same code wherever it falls, so they need nothing. Our own kernels take fixed configs in
 the mode (``kernels/backend.py``): attention through the one prefill kernel with key tiles
 at absolute positions for prefill, chunks and decode alike (CUDA graphs included), sparse

@@ -75,19 +75,22 @@ class MatmulConfig:
                 f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else ""))
 
 
-# The first config: 64 x 64 tiles, 32-deep K steps, no split. Kept reachable for A/B
-# (``MATMUL_CONFIG = LEGACY_MATMUL``): at V4-Flash widths on an H100 the mode cost 2.36x the
-# normal decode at one token (64 programs for N = 4,096 on 132 SMs, 4 KB a pipeline stage) and
-# 2.83x at a 4,096-token prefill.
+# The first config: 64 x 64 tiles, 32-deep K steps, no split: at V4-Flash widths on an H100 the
+# mode cost 2.36x the normal decode at one token (64 programs for N = 4,096 on 132 SMs, 4 KB a
+# pipeline stage) and 2.83x at a 4,096-token prefill. It stays the default (the one whose
+# invariance and cost were measured on a GPU) until ``scripts/probes/batch_invariant_configs.py``
+# has timed the split candidates below.
 LEGACY_MATMUL = MatmulConfig(64, 64, 32, 4, 3, max_split=1)
-# 16-bit inputs: 64-row tiles (one Hopper warpgroup MMA, cheap enough to stay weight-bound at one
-# token), 128 columns and 64-deep K steps (16 KB of weight a stage, four stages in flight), and
-# up to eight K slices so a decode projection's N / 128 tiles still cover the SMs. Chosen by
-# reasoning, to be confirmed by ``scripts/probes/batch_invariant_configs.py``.
-DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
-# float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32 matmul):
-# the 16-bit tiles at half the K depth, so the stages take the same shared memory.
-DEFAULT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
+# Candidate, 16-bit inputs: 64-row tiles (one Hopper warpgroup MMA, cheap enough to stay
+# weight-bound at one token), 128 columns and 64-deep K steps (16 KB of weight a stage, four
+# stages in flight), and up to eight K slices so a decode projection's N / 128 tiles still cover
+# the SMs. Chosen by reasoning.
+SPLIT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
+# Candidate, float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32
+# matmul): the 16-bit tiles at half the K depth, so the stages take the same shared memory.
+SPLIT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
+DEFAULT_MATMUL = LEGACY_MATMUL
+DEFAULT_MATMUL_F32 = LEGACY_MATMUL
 MATMUL_CONFIG: MatmulConfig | None = None
 """Overrides :func:`matmul_config` for every product (benchmarks sweep it); None: the defaults."""
 MIN_SLICE_STEPS = 4

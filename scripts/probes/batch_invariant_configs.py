@@ -83,12 +83,12 @@ POLICIES = [ops.MatmulConfig(*tile, max_split=s, waves=w) for tile in TILES for 
             if s > 1 or w == 1]
 MoEConfig = fm.MoEConfig
 MOE_CONFIGS = {
-    "decode (first invariant)": fm.pick_config(1, 6, 256, 4096, 2048),
+    "decode (default)": fm.DEFAULT_INVARIANT_CONFIG,
     "rows16 group8": MoEConfig(16, 32, 128, 64, 128, 8, num_warps=4, num_stages=4),
     "rows16 tma": MoEConfig(16, 32, 64, 64, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True),
     "rows32 (medium)": fm.pick_config(400, 6, 256, 4096, 2048),
     "rows32 tma": MoEConfig(32, 64, 64, 128, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True),
-    "rows64 tma (default)": fm.DEFAULT_INVARIANT_CONFIG,
+    "rows64 tma": fm.ROWS64_INVARIANT_CONFIG,
     "rows64 pointer": MoEConfig(64, 64, 128, 64, 128, 8, num_warps=4, num_stages=4),
     "rows64 tma w8": MoEConfig(64, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True),
     "rows128 (prefill)": fm.pick_config(4096, 6, 256, 4096, 2048),
@@ -160,7 +160,7 @@ def matmul_family() -> dict:
     k_max = max(k for _, _, k in SHAPES)
     x_all = torch.randn(max(MS), k_max, generator=gen, device=DEV).to(DTYPE)
     # Pass 1: the normal mode, the first invariant config and the default everywhere; pass 2 the rest.
-    first = [ops.LEGACY_MATMUL, ops.matmul_config(0, 0, DTYPE)]
+    first = list(dict.fromkeys([ops.LEGACY_MATMUL, ops.matmul_config(0, 0, DTYPE), ops.SPLIT_MATMUL]))
     for pass_policies in (first, [p for p in POLICIES if p not in first]):
         for name, n, k in SHAPES:
             nbytes_w = n * k * x_all.element_size()

@@ -12,6 +12,7 @@ import torch
 from deepinfer import batch_invariant
 from deepinfer.kernels import batch_invariant_ops as ops
 from deepinfer.kernels import reference
+from deepinfer.kernels import fused_moe as fm
 from deepinfer.kernels.fused_moe import MoEConfig
 from deepinfer.kernels.paged_attention import paged_attention, paged_decode_attention_invariant
 from deepinfer.kernels.sparse_attention import invariant_config, sparse_attention
@@ -57,11 +58,11 @@ SPLIT_CFG = ops.MatmulConfig(16, 32, 16, 4, 2, max_split=4)
 
 
 HALF = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
-MATMUL_CASES = ([(cfg, dtype, 96, 256, split) for cfg, split in ((ops.LEGACY_MATMUL, 1), (ops.DEFAULT_MATMUL_F32, 2),
+MATMUL_CASES = ([(cfg, dtype, 96, 256, split) for cfg, split in ((ops.LEGACY_MATMUL, 1), (ops.SPLIT_MATMUL_F32, 2),
                                                                  (SPLIT_CFG, 4))
                  for dtype in [torch.float32] + HALF]
                 # The 16-bit default over a weight it splits eight ways (2 column tiles, 32 K steps).
-                + [(ops.DEFAULT_MATMUL, dtype, 256, 2048, 8) for dtype in HALF])
+                + [(ops.SPLIT_MATMUL, dtype, 256, 2048, 8) for dtype in HALF])
 
 
 @pytest.mark.parametrize("cfg,dtype,n,k,split", MATMUL_CASES,
@@ -104,8 +105,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096)])
-def test_default_matmul_at_v4_flash_widths_in_cuda_graphs(n, k):
-    """The 16-bit default at V4-Flash decode widths (split K on an H100/H200): bf16 rows bitwise the
+def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(n, k):
+    """The 16-bit split candidate at V4-Flash decode widths (split K on an H100/H200): bf16 rows bitwise the
     same at M = 1, 16, 64, 4096, close to cuBLAS, and CUDA-graph replays equal to the eager call
     (the tile counters are zero again after every launch)."""
     from tests.kernels.conftest import capture
@@ -113,14 +114,14 @@ def test_default_matmul_at_v4_flash_widths_in_cuda_graphs(n, k):
     gen = torch.Generator(device="cuda").manual_seed(n)
     w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = torch.randn(4096, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-    assert ops.matmul_split(ops.DEFAULT_MATMUL, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
-    want = ops.mm(x[:1], w.t())
+    assert ops.matmul_split(ops.SPLIT_MATMUL, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    want = ops.mm(x[:1], w.t(), config=ops.SPLIT_MATMUL)
     for m in (16, 64, 4096):
-        got = ops.mm(x[:m], w.t())
+        got = ops.mm(x[:m], w.t(), config=ops.SPLIT_MATMUL)
         torch.testing.assert_close(got.float(), (x[:m] @ w.t()).float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(got[0], want[0]), m
-    graph, out = capture(lambda: ops.mm(x[:16], w.t()))
-    eager = ops.mm(x[:16], w.t())
+    graph, out = capture(lambda: ops.mm(x[:16], w.t(), config=ops.SPLIT_MATMUL))
+    eager = ops.mm(x[:16], w.t(), config=ops.SPLIT_MATMUL)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -135,12 +136,12 @@ def test_matmul_config_override_and_validation(device, monkeypatch):
     assert ops.matmul_config(96, 256, torch.float16) is SPLIT_CFG
     assert torch.equal(ops.mm(a, b), ops.mm(a, b, config=SPLIT_CFG))
     monkeypatch.setattr(ops, "MATMUL_CONFIG", None)
-    assert ops.matmul_config(96, 256, torch.bfloat16) == ops.DEFAULT_MATMUL
+    assert ops.matmul_config(96, 256, torch.bfloat16) == ops.DEFAULT_MATMUL == ops.LEGACY_MATMUL
     # Wide N fills the SMs with tiles alone: no split; a short K gives too few steps to slice.
-    assert ops.matmul_split(ops.DEFAULT_MATMUL, 129280, 4096, 132) == 1
-    assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 4096, 132) == 4
-    assert ops.matmul_split(ops.DEFAULT_MATMUL, 4096, 128, 132) == 1
-    assert ops.matmul_split(dataclasses.replace(ops.DEFAULT_MATMUL, waves=2), 4096, 4096, 132) == 8
+    assert ops.matmul_split(ops.SPLIT_MATMUL, 129280, 4096, 132) == 1
+    assert ops.matmul_split(ops.SPLIT_MATMUL, 4096, 4096, 132) == 4
+    assert ops.matmul_split(ops.SPLIT_MATMUL, 4096, 128, 132) == 1
+    assert ops.matmul_split(dataclasses.replace(ops.SPLIT_MATMUL, waves=2), 4096, 4096, 132) == 8
     with pytest.raises(ValueError, match="block_n=48"):
         ops.MatmulConfig(64, 48, 64, 4, 4)
     with pytest.raises(ValueError, match="max_split=3"):
@@ -309,16 +310,15 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
             assert torch.equal(got[at], ref[0]), m
 
 
-MOE_CONFIGS = [None, MoEConfig(16, 32, 64, 64, 32, 1, num_warps=4, num_stages=2),
+MOE_CONFIGS = [None, fm.ROWS64_INVARIANT_CONFIG, MoEConfig(16, 32, 64, 64, 32, 1, num_warps=4, num_stages=2),
                MoEConfig(32, 32, 32, 32, 32, 4, num_warps=4, num_stages=2, tma=True, sorted_act=True)]
 
 
-@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["default", "rows16", "rows32_tma"])
+@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["default", "rows64_tma", "rows16", "rows32_tma"])
 def test_moe_invariant_configs_keep_a_token_whatever_t(cfg, device, monkeypatch):
     """fused_moe and fp4_moe in the mode under the default invariant config and others the probe
     sweeps (fused_moe.INVARIANT_CONFIG): a token's outputs are the same bits alone and among 7,
     64 or 200 tokens, and match the references."""
-    from deepinfer.kernels import fused_moe as fm
     from deepinfer.kernels.fp4_moe import fp4_moe
     from deepinfer.models.quant import quant_fp4_e2m1
 
