@@ -120,7 +120,8 @@ def test_inverse_rope_undoes_the_rope(device):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("t", [7, 2051])     # token blocks of 1 and (from 2048 tokens) of 4, with a tail
+# token blocks of 1 and (from 2048 tokens, ~19 s in the interpreter: slow) of 4, with a tail
+@pytest.mark.parametrize("t", [7, pytest.param(2051, marks=pytest.mark.slow)])
 def test_rope_only_kernel_matches_the_strided_kernel(t, device):
     """interleaved_rope_ takes the contiguous-tile kernel at power-of-two rope widths; it must
     give the norm kernel's rope-only variant's values (strided halves): the same bits in the

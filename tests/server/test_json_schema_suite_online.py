@@ -8,11 +8,13 @@ import json
 
 import httpx2
 import jsonschema
+import pytest
 
 from ..structured.test_json_schema_suite import suite_cases
 from .conftest import MODEL, serve
 
 
+@pytest.mark.slow        # ~45 s: every schema of the suite through the server
 def test_suite_schemas_are_served_or_refused(engine):
     statuses: dict[int, int] = {}
     validated = 0

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import make_engine, serve
 
 
+@pytest.mark.slow        # ~40 s: property-based requests against the whole API
 def test_no_server_errors(tmp_path: Path):
     engine = make_engine(max_model_len=24, max_num_batched_tokens=256)
     schemathesis = Path(sys.executable).with_name("schemathesis")

@@ -228,6 +228,7 @@ def test_padded_decode_matches_plain_on_deepseek_v3(v3_dir):
     _padded_vs_plain(str(v3_dir))
 
 
+@pytest.mark.slow        # ~32 s
 def test_padded_decode_matches_plain_on_deepseek_v41():
     """DeepSeek-V4.1's decode steps (pair pooling for every row, shared-source selections,
     engram history) through the padded static inputs."""
