@@ -22,6 +22,14 @@ dtypes and, for the matmul, the second operand's shape (N, K) alone, never from 
   The second operand is a weight in every product the mode sees on CUDA (attention runs in its
   own kernels), so its (N, K) never follows the batch; a product whose K did (zero-padded to
   the batch's longest) would need ``max_split=1``, whose steps start at absolute offsets.
+* large M (``MatmulConfig.large``, from ``large_min_m`` rows): a prefill has tiles enough to fill
+  the SMs, so the partials' round trip through memory only costs; it takes bigger output tiles
+  (:class:`MatmulTile`) and each program walks the same S slices in order itself, starting each
+  slice's sum from zero and adding the slices' sums in slice order: the float32 operations of the
+  split launch, in the same order, so the bits are the same. The K steps (BLOCK_K) are shared, and
+  the tile's shape only sets how many rows and columns one MMA instruction covers: each output's
+  dot product over a K step is the same instruction's (Hopper's warpgroup MMA needs 64-row tiles
+  and warps in fours, which ``MatmulConfig`` checks), so a row's bits do not follow the tile.
 * row reductions: one program per row, which walks its row in BLOCK-wide chunks; each lane
   keeps a running float32 partial (for the softmaxes a running max and a rescaled sum) and
   the lanes meet in one ``tl.sum`` at the end. An element's lane is its column modulo BLOCK,
@@ -45,6 +53,20 @@ from deepinfer.kernels.fp8_gemm import _sm_count, _tile_counters
 
 
 @dataclass(frozen=True)
+class MatmulTile:
+    """The output tile of the large-M launch: rows, columns, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+@dataclass(frozen=True)
 class MatmulConfig:
     """The invariant matmul's launch: tile shape, warps, pipeline stages and the most K slices."""
 
@@ -55,6 +77,8 @@ class MatmulConfig:
     num_stages: int
     max_split: int = 1          # S <= max_split (a power of two); 1: never split K
     waves: int = 1              # S also keeps one row block's tiles x S within waves x the SM count
+    large: MatmulTile | None = None   # the tile from ``large_min_m`` rows on (the slices run in order)
+    large_min_m: int = 256
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -68,28 +92,40 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig: max_split={self.max_split} must be a power of two >= 1")
         if self.waves < 1:
             raise ValueError(f"MatmulConfig: waves={self.waves} must be >= 1")
+        if self.large is not None:
+            tiles = ((self.block_m, self.block_n, self.num_warps),
+                     (self.large.block_m, self.large.block_n, self.large.num_warps))
+            for bm, bn, warps in tiles:
+                # Both launches must multiply a K step with the same MMA instruction (module docstring).
+                if bm < 64 or bm & (bm - 1) or bn < 16 or bn & (bn - 1) or warps % 4:
+                    raise ValueError(f"MatmulConfig: a config with a large-M tile needs 64-row or larger "
+                                     f"power-of-two tiles and warps in fours (one MMA instruction for "
+                                     f"both launches), got {bm}x{bn} with {warps} warps")
+            if self.large.num_stages < 1 or self.large_min_m < 1:
+                raise ValueError(f"MatmulConfig: large.num_stages={self.large.num_stages} and "
+                                 f"large_min_m={self.large_min_m} must be >= 1")
 
     @property
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} "
-                f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else ""))
+                f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else "")
+                + (f" M>={self.large_min_m}: {self.large.label}" if self.large else ""))
 
 
 # The first config: 64 x 64 tiles, 32-deep K steps, no split: at V4-Flash widths on an H100 the
 # mode cost 2.36x the normal decode at one token (64 programs for N = 4,096 on 132 SMs, 4 KB a
-# pipeline stage) and 2.83x at a 4,096-token prefill. It stays the default (the one whose
-# invariance and cost were measured on a GPU) until ``scripts/probes/batch_invariant_configs.py``
-# has timed the split candidates below.
+# pipeline stage) and 2.83x at a 4,096-token prefill.
 LEGACY_MATMUL = MatmulConfig(64, 64, 32, 4, 3, max_split=1)
-# Candidate, 16-bit inputs: 64-row tiles (one Hopper warpgroup MMA, cheap enough to stay
-# weight-bound at one token), 128 columns and 64-deep K steps (16 KB of weight a stage, four
-# stages in flight), and up to eight K slices so a decode projection's N / 128 tiles still cover
-# the SMs. Chosen by reasoning.
+# 16-bit inputs: 64-row tiles (cheap enough to stay weight-bound at one token), 128 columns and
+# 64-deep K steps, and up to eight K slices so a decode projection's N / 128 tiles still cover
+# the SMs. The V4-Flash projections on an H100 (scripts/probes/batch_invariant_configs.py): of 64
+# tile x split candidates, 8 warps and 3 stages was the fastest, 1.09 / 1.12 / 1.17x cuBLAS at
+# M = 1 / 16 / 64, but 4.9x at M = 4,096; hence 128 x 256 tiles from 256 rows on.
 SPLIT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
 # Candidate, float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32
 # matmul): the 16-bit tiles at half the K depth, so the stages take the same shared memory.
 SPLIT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
-DEFAULT_MATMUL = LEGACY_MATMUL
+DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 256, 8, 3))
 DEFAULT_MATMUL_F32 = LEGACY_MATMUL
 MATMUL_CONFIG: MatmulConfig | None = None
 """Overrides :func:`matmul_config` for every product (benchmarks sweep it); None: the defaults."""
@@ -123,6 +159,17 @@ def matmul_split(cfg: MatmulConfig, n: int, k: int, sms: int) -> int:
     return s
 
 
+def matmul_launch(cfg: MatmulConfig, m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, S, split launch) of an [M, K] x [K, N] product:
+    the config's tile with its S slices one program each, or from ``large_min_m`` rows its large
+    tile walking the same S slices in order (see the module docstring)."""
+    split = matmul_split(cfg, n, k, sms)
+    if cfg.large is not None and m >= cfg.large_min_m:
+        t = cfg.large
+        return t.block_m, t.block_n, t.num_warps, t.num_stages, split, False
+    return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, split, split > 1
+
+
 @triton.jit(do_not_specialize=["M", "stride_ab", "stride_am", "stride_cb", "stride_cm"])
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, split,
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
@@ -138,21 +185,29 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
     ks = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
+    # Slice s is ``slice_steps`` K steps from step ``s * slice_steps`` on. A split launch's program
+    # takes one slice; otherwise the program takes them all in order, each summed from zero and
+    # added to the running total, the same float32 operations the split launch's last program does.
     if SPLIT_K:
-        # This program's slice: ``slice_steps`` K steps from step ``slice * slice_steps`` on.
-        k_begin = tl.program_id(2) * slice_steps * BLOCK_K
-        k_end = tl.minimum(K, k_begin + slice_steps * BLOCK_K)
+        first = tl.program_id(2)
+        last = first + 1
     else:
-        k_begin = 0
-        k_end = K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + ks
-        a = tl.load(a_rows + k[None, :].to(tl.int64) * stride_ak,
-                    mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)      # [BLOCK_M, BLOCK_K]
-        b = tl.load(b_cols + k[:, None].to(tl.int64) * stride_bk,
-                    mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)      # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        first = 0
+        last = split
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(first, last):
+        k_begin = s * slice_steps * BLOCK_K
+        k_end = tl.minimum(K, k_begin + slice_steps * BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(a_rows + k[None, :].to(tl.int64) * stride_ak,
+                        mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
+            b = tl.load(b_cols + k[:, None].to(tl.int64) * stride_bk,
+                        mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        total = tl.where(s == first, acc, total + acc)     # the first slice's sum as it is (no 0 + x)
+    acc = total
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
     c = c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     if SPLIT_K:
@@ -192,20 +247,20 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
     if k == 0:
         return out.zero_()
     cfg = config or matmul_config(n, k, a.dtype)
-    split = matmul_split(cfg, n, k, _sm_count(a.device))
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    if split > 1:
+    block_m, block_n, warps, stages, split, split_launch = matmul_launch(cfg, m, n, k, _sm_count(a.device))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split_launch:
         part = torch.empty((split, batch, m, n), dtype=torch.float32, device=a.device)
         counts = _tile_counters(a.device, batch * tiles)
     else:
         part = counts = out
-    _bmm_kernel[(tiles, batch, split)](
+    _bmm_kernel[(tiles, batch, split if split_launch else 1)](
         a, b, out, part, counts, m, n, k, triton.cdiv(triton.cdiv(k, cfg.block_k), split), split,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_launch,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(out.device))
+        num_warps=warps, num_stages=stages, **pdl.flags(out.device))
     return out
 
 

@@ -195,15 +195,14 @@ def fit_config(cfg: MoEConfig, hidden: int, inter: int, elem_bytes: int = 2) -> 
 
 # Batch-invariant mode: one config for every T. Any fixed config keeps a pair's bits (its row of
 # an M-block is computed independently of the others, the K slots are summed in slot order); the
-# choice is speed at both ends. The default is the decode config (16-row blocks), whose
-# invariance and cost were measured on a GPU; at a 4,096-token prefill it streams each expert's
-# weights about six times. Candidate: 64-row blocks (at one token a touched expert still gets
-# I / 64 gate_up programs streaming its weights, the 64-row MMA cheap next to the weight bytes;
-# at a 4,096-token prefill, ~96 pairs an expert, an expert's two blocks are neighbours in the
-# grouped program order, group_m 8, so the second reads its weight tiles from L2). Chosen by
-# reasoning, to be timed by ``scripts/probes/batch_invariant_configs.py``.
-DEFAULT_INVARIANT_CONFIG = MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=4)
+# choice is speed at both ends. The first config (16-row blocks, the decode config) streamed each
+# expert's weights about six times at a 4,096-token prefill: 2.70x the normal mode there. The
+# default, 64-row blocks, TMA weight tiles and 8 warps, was the fastest of nine fixed configs at
+# V4-Flash widths on an H100 (scripts/probes/batch_invariant_configs.py): 1.08 / 1.02 / 1.01 /
+# 1.04x the normal mode's configs at T = 1 / 16 / 64 / 4,096.
+FIRST_INVARIANT_CONFIG = MoEConfig(16, 32, 128, 64, 128, 1, num_warps=4, num_stages=4)
 ROWS64_INVARIANT_CONFIG = MoEConfig(64, 64, 64, 128, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True)
+DEFAULT_INVARIANT_CONFIG = MoEConfig(64, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True)
 INVARIANT_CONFIG: MoEConfig | None = None
 """Overrides :data:`DEFAULT_INVARIANT_CONFIG` (benchmarks sweep it); None: the default."""
 

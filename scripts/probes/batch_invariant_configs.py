@@ -81,16 +81,21 @@ TILES = [(64, 64, 32, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 
 SPLITS = (1, 2, 4, 8)
 POLICIES = [ops.MatmulConfig(*tile, max_split=s, waves=w) for tile in TILES for s in SPLITS for w in (1, 2)
             if s > 1 or w == 1]
+# The decode tiles with a large tile from 256 rows on (the same K steps and slices, walked in order).
+LARGE_TILES = [ops.MatmulTile(128, 256, 8, 3), ops.MatmulTile(128, 128, 8, 4), ops.MatmulTile(128, 256, 8, 4),
+               ops.MatmulTile(128, 128, 8, 3)]
+POLICIES += [ops.MatmulConfig(64, 128, 64, w, st, max_split=s, large=large)
+             for w, st in ((8, 3), (4, 4)) for s in (4, 8) for large in LARGE_TILES]
 MoEConfig = fm.MoEConfig
 MOE_CONFIGS = {
-    "decode (default)": fm.DEFAULT_INVARIANT_CONFIG,
+    "decode (first)": fm.FIRST_INVARIANT_CONFIG,
     "rows16 group8": MoEConfig(16, 32, 128, 64, 128, 8, num_warps=4, num_stages=4),
     "rows16 tma": MoEConfig(16, 32, 64, 64, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True),
     "rows32 (medium)": fm.pick_config(400, 6, 256, 4096, 2048),
     "rows32 tma": MoEConfig(32, 64, 64, 128, 64, 8, num_warps=4, num_stages=4, tma=True, sorted_act=True),
     "rows64 tma": fm.ROWS64_INVARIANT_CONFIG,
     "rows64 pointer": MoEConfig(64, 64, 128, 64, 128, 8, num_warps=4, num_stages=4),
-    "rows64 tma w8": MoEConfig(64, 128, 64, 256, 64, 8, num_warps=8, num_stages=4, tma=True, sorted_act=True),
+    "rows64 tma w8": fm.DEFAULT_INVARIANT_CONFIG,
     "rows128 (prefill)": fm.pick_config(4096, 6, 256, 4096, 2048),
 }
 
@@ -154,13 +159,13 @@ def matmul_family() -> dict:
     """{(M, shape): {label: us}} with the normal mode's time under NORMAL."""
     sms = _sm_count(DEV)
     results: dict = {}
-    row0: dict = {}                                        # (shape, tile, S) -> {M: row 0's output}
-    policies_of: dict = {}                                 # (shape, tile, S) -> the policy labels it stands for
+    row0: dict = {}                                        # (shape, config label) -> {M: row 0's output}
     gen = torch.Generator(device=DEV).manual_seed(0)
     k_max = max(k for _, _, k in SHAPES)
     x_all = torch.randn(max(MS), k_max, generator=gen, device=DEV).to(DTYPE)
     # Pass 1: the normal mode, the first invariant config and the default everywhere; pass 2 the rest.
     first = list(dict.fromkeys([ops.LEGACY_MATMUL, ops.matmul_config(0, 0, DTYPE), ops.SPLIT_MATMUL]))
+    launch_row0: dict = {}                                 # (shape, launch) -> {M: row 0's output}
     for pass_policies in (first, [p for p in POLICIES if p not in first]):
         for name, n, k in SHAPES:
             nbytes_w = n * k * x_all.element_size()
@@ -180,10 +185,9 @@ def matmul_family() -> dict:
                 ref = x @ ws[0].t()
                 row0.setdefault((name, NORMAL), {})[m] = ref[0].clone()
                 for cfg in pass_policies:
-                    split = ops.matmul_split(cfg, n, k, sms)
-                    measured = (f"tile {cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                                f"s{cfg.num_stages} S={split}")
-                    policies_of.setdefault((name, measured), set()).add(cfg.label)
+                    bm, bn, warps, stages, split, split_launch = ops.matmul_launch(cfg, m, n, k, sms)
+                    measured = (f"tile {bm}x{bn}x{cfg.block_k} w{warps} s{stages} S={split}"
+                                + ("" if split_launch or split == 1 else " in order"))
                     if cfg.label in got:
                         continue
                     done = got.get(measured)
@@ -199,18 +203,23 @@ def matmul_family() -> dict:
                             got[cfg.label] = float("inf")
                             continue
                         bad = (out.float() - ref.float()).abs().max().item() > 0.02 * ref.float().abs().max().item()
-                        row0.setdefault((name, measured), {})[m] = out[0].clone()
+                        launch_row0.setdefault((name, measured), {})[m] = out[0].clone()
                         got[measured] = done = us
                         line(case, measured, us, got[NORMAL], nbytes, "  BAD" if bad else "")
                     got[cfg.label] = done
+                    if m in launch_row0.get((name, measured), {}):
+                        # A config's row 0 at every M, whichever launch each M took.
+                        row0.setdefault((name, cfg.label), {})[m] = launch_row0[(name, measured)][m]
             del ws
     differ = []
     for (name, measured), rows in row0.items():
         if not all(torch.equal(r, rows[min(rows)]) for r in rows.values()):
             differ.append((name, measured))
-            NOT_INVARIANT.update(policies_of.get((name, measured), ()))
+            if measured != NORMAL:
+                NOT_INVARIANT.add(measured)
             why = " (expected: cuBLAS picks its kernel by M)" if measured == NORMAL else "  NOT INVARIANT"
             print(f"# row 0 differs across M={sorted(rows)}: mm {name} {measured}{why}", flush=True)
+    # (Keyed by config label: a config with a large tile is checked across its two launches.)
     bad = [d for d in differ if d[1] != NORMAL]
     print(f"# matmul invariance: row 0 compared across M for {len(row0) - len(SHAPES)} (shape, config) pairs: "
           f"{'all bitwise equal' if not bad else f'{len(bad)} DIFFER (above)'}; normal mode differs on "

@@ -84,6 +84,33 @@ def test_matmul_configs_keep_a_row_whatever_m(cfg, dtype, n, k, split, device):
         assert torch.equal(got[at], want[0]), m
 
 
+# Large-M tile from 100 rows on: M = 1, 7, 64 take the split launch (four slices, one program
+# each), M = 200 the 128 x 64 tiles walking the same four slices in order.
+LARGE_CFG = ops.MatmulConfig(64, 32, 16, 4, 2, max_split=4, large=ops.MatmulTile(128, 64, 4, 2), large_min_m=100)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+def test_large_m_tile_walks_the_same_slices(dtype, device):
+    """A config with a large-M tile: the split launch below ``large_min_m`` rows and the in-order
+    slices of the large tile above it give a row the same bits, close to torch's product."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 96, 256
+    assert ops.matmul_launch(LARGE_CFG, 7, n, k, 132) == (64, 32, 4, 2, 4, True)
+    assert ops.matmul_launch(LARGE_CFG, 200, n, k, 132) == (128, 64, 4, 2, 4, False)
+    b = torch.randn(n, k, generator=gen).to(device, dtype).t()
+    row = torch.randn(1, k, generator=gen).to(device, dtype)
+    want = ops.mm(row, b, config=LARGE_CFG)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.1)
+    for m in (7, 200, 300):
+        a, at = _embedded(row, m, gen)
+        got = ops.mm(a, b, config=LARGE_CFG)
+        torch.testing.assert_close(got.float(), a.float() @ b.float(), **tol)
+        assert torch.equal(got[at], want[0]), m
+    # The slices are summed as the split launch sums them, not as one unsplit walk over K.
+    unsplit = dataclasses.replace(LARGE_CFG, max_split=1)
+    torch.testing.assert_close(ops.mm(a, b, config=unsplit).float(), got.float(), **tol)
+
+
 def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
     """Two runs of a split product give the same bits (the slices are summed in slice order,
     whichever finishes last), batch entries included, and the tile counters are zero again after
@@ -104,24 +131,27 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096)])
-def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(n, k):
-    """The 16-bit split candidate at V4-Flash decode widths (split K on an H100/H200): bf16 rows bitwise the
-    same at M = 1, 16, 64, 4096, close to cuBLAS, and CUDA-graph replays equal to the eager call
-    (the tile counters are zero again after every launch)."""
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096), (32768, 1024)])
+@pytest.mark.parametrize("cfg", [ops.SPLIT_MATMUL, ops.DEFAULT_MATMUL], ids=["split", "default"])
+def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(cfg, n, k):
+    """The 16-bit split configs at V4-Flash decode widths (split K on an H100/H200; the default's
+    large tile from 256 rows on): bf16 rows bitwise the same at M = 1, 16, 64, 300, 4096, close to
+    cuBLAS, and CUDA-graph replays equal to the eager call (the tile counters are zero again after
+    every launch)."""
     from tests.kernels.conftest import capture
 
     gen = torch.Generator(device="cuda").manual_seed(n)
     w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     x = torch.randn(4096, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-    assert ops.matmul_split(ops.SPLIT_MATMUL, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
-    want = ops.mm(x[:1], w.t(), config=ops.SPLIT_MATMUL)
-    for m in (16, 64, 4096):
-        got = ops.mm(x[:m], w.t(), config=ops.SPLIT_MATMUL)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ops.matmul_split(cfg, n, k, sms) > 1 or n > 4096
+    want = ops.mm(x[:1], w.t(), config=cfg)
+    for m in (16, 64, 300, 4096):
+        got = ops.mm(x[:m], w.t(), config=cfg)
         torch.testing.assert_close(got.float(), (x[:m] @ w.t()).float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(got[0], want[0]), m
-    graph, out = capture(lambda: ops.mm(x[:16], w.t(), config=ops.SPLIT_MATMUL))
-    eager = ops.mm(x[:16], w.t(), config=ops.SPLIT_MATMUL)
+    graph, out = capture(lambda: ops.mm(x[:16], w.t(), config=cfg))
+    eager = ops.mm(x[:16], w.t(), config=cfg)
     for _ in range(3):
         out.zero_()
         graph.replay()
@@ -136,7 +166,8 @@ def test_matmul_config_override_and_validation(device, monkeypatch):
     assert ops.matmul_config(96, 256, torch.float16) is SPLIT_CFG
     assert torch.equal(ops.mm(a, b), ops.mm(a, b, config=SPLIT_CFG))
     monkeypatch.setattr(ops, "MATMUL_CONFIG", None)
-    assert ops.matmul_config(96, 256, torch.bfloat16) == ops.DEFAULT_MATMUL == ops.LEGACY_MATMUL
+    assert ops.matmul_config(96, 256, torch.bfloat16) == ops.DEFAULT_MATMUL
+    assert ops.matmul_config(96, 256, torch.float32) == ops.DEFAULT_MATMUL_F32
     # Wide N fills the SMs with tiles alone: no split; a short K gives too few steps to slice.
     assert ops.matmul_split(ops.SPLIT_MATMUL, 129280, 4096, 132) == 1
     assert ops.matmul_split(ops.SPLIT_MATMUL, 4096, 4096, 132) == 4
@@ -148,6 +179,11 @@ def test_matmul_config_override_and_validation(device, monkeypatch):
         ops.MatmulConfig(64, 64, 64, 4, 4, max_split=3)
     with pytest.raises(ValueError, match="waves=0"):
         ops.MatmulConfig(64, 64, 64, 4, 4, waves=0)
+    # Both launches of a large-tile config on one MMA instruction: 64-row tiles, warps in fours.
+    with pytest.raises(ValueError, match="32x64 with 4 warps"):
+        ops.MatmulConfig(32, 64, 64, 4, 4, large=ops.MatmulTile(128, 128, 8, 3))
+    with pytest.raises(ValueError, match="128x128 with 2 warps"):
+        ops.MatmulConfig(64, 64, 64, 4, 4, large=ops.MatmulTile(128, 128, 2, 3))
 
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax", "sum", "mean", "logsumexp"])
