@@ -105,6 +105,7 @@ class HostSlab:
         fewest = min((self.chunk_bytes // _stride(s)) * s for s in self.sizes)
         self.max_chunks = capacity // fewest + len(self.sizes)
         self.views: dict[int, torch.Tensor] = {}
+        self.num_packed = 0                                   # chunks emptied by compact()
         self._chunks: list[_Chunk] = []
         self._by_size: dict[int, list[_Chunk]] = {s: [] for s in self.sizes}
         self._open: dict[int, dict[_Chunk, None]] = {s: {} for s in self.sizes}   # chunks with a free buffer
@@ -179,6 +180,7 @@ class HostSlab:
                 self.views[slot] = dst.view(new)
             best.slots.clear()
             self._recarve(best, size)
+            self.num_packed += 1
             return True
 
     def _chunk_with_room(self, size: int) -> _Chunk | None:

@@ -349,7 +349,7 @@ class KVTierStore:
                     freed.append(op.slot)
                 elif op.kind == "drop":
                     if op.tier == "host":
-                        self._ready.pop(op.slot, None)
+                        self._host_copy(op.slot)      # its save's copy lands before the buffer is reused
                         freed.append(op.slot)
                     else:
                         self._path(op.key).unlink(missing_ok=True)
