@@ -192,7 +192,8 @@ class HostSlab:
                 return c
         if len(self._chunks) >= self.max_chunks:
             return None
-        c = _Chunk(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned))
+        with torch.inference_mode(False):     # an inference tensor could not be written outside the mode
+            c = _Chunk(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=self.pinned))
         self._chunks.append(c)
         self._recarve(c, size)
         return c

@@ -158,6 +158,11 @@ class KVTierStore:
     @property
     def stats(self) -> TransferStats:
         """Bytes and transfer seconds per direction (save batches finished on the GPU so far)."""
+        self._count_saves()
+        return self._stats
+
+    def _count_saves(self) -> None:
+        """CUDA: count the save batches the GPU has finished (their events' elapsed time)."""
         with self._lock:
             unread = []
             for start, end, nbytes in self._save_timing:
@@ -167,7 +172,6 @@ class KVTierStore:
                 else:
                     unread.append((start, end, nbytes))
             self._save_timing = unread
-            return self._stats
 
     # -- start-up ----------------------------------------------------------------
     def scan(self) -> list[TierEntry]:
@@ -213,6 +217,7 @@ class KVTierStore:
         self._end_saves(saves)
         self._submit(queued)
         self._pending = [f for f in self._pending if not f.done()]
+        self._count_saves()
         return loads
 
     def put_host(self, slot: int, data: bytes | torch.Tensor) -> None:
@@ -333,7 +338,9 @@ class KVTierStore:
                          if op.kind == "load" and op.tier == "disk")
         staged = 0
         if disk_bytes > self._staging.numel():
-            self._staging = torch.empty(1 << (disk_bytes - 1).bit_length(), dtype=torch.uint8, pin_memory=self.cuda)
+            with torch.inference_mode(False):
+                self._staging = torch.empty(1 << (disk_bytes - 1).bit_length(), dtype=torch.uint8,
+                                            pin_memory=self.cuda)
         try:
             for op, future in ops:
                 if op.kind == "demote":

@@ -186,3 +186,24 @@ def test_cuda_round_trip_of_two_entry_sizes_is_bit_exact(tmp_path):
     assert stats.bytes["device_to_host"] == stats.bytes["host_to_device"] == n // 2 * sum(sizes)
     assert stats.seconds["device_to_host"] > 0 and stats.seconds["host_to_device"] > 0
     store.close()
+
+
+def test_buffers_taken_in_inference_mode_are_written_outside_it(tmp_path):
+    """The engine's steps run in inference mode, its shutdown does not: a chunk taken during a
+    step must still take a save at shutdown."""
+    groups = _groups()
+    size = groups[0].bytes_per_block
+    buf = torch.empty(4, page_bytes(groups), dtype=torch.uint8)
+    _fill(buf, 5)
+    store = KVTierStore(buf, groups, "fp", str(tmp_path), host_bytes=4 * size)
+    with torch.inference_mode():
+        store.execute([TierOp("save", key(0), 0, slot=0, block=0, keys=(key(0),)),
+                       TierOp("demote", key(0), 0, slot=0, keys=(key(0),))])
+        store.flush()
+        loads = store.execute([TierOp("load", key(0), 0, block=1, tier="disk")])
+        assert store.wait(loads) == set()
+    loads = store.execute([TierOp("save", key(1), 0, slot=1, block=2),
+                           TierOp("load", key(0), 0, block=3, tier="disk")])
+    assert store.wait(loads) == set()
+    assert torch.equal(store.host[1], buf[2, :size]) and torch.equal(buf[3, :size], buf[0, :size])
+    store.close()
