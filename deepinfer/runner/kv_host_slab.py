@@ -14,20 +14,21 @@ entry size at a time: it is carved into ``chunk_bytes // stride`` buffers (``str
 size rounded up to ``ALIGN``); a chunk whose buffers are all free is carved again for
 another size when that size needs one.
 
-Limit. The tier index (``TierIndex``) keeps the entries' bytes within the host budget
-``capacity``, but a save is made before the index's eviction of its plan runs, so the
-entries held before a new one is placed are at most ``capacity`` once the evictions queued
-before it ran. With ``k`` entry sizes, ``max_chunks = capacity // c + k`` chunks (``c``: the
-fewest entry bytes a carved chunk holds) suffice: when every chunk is taken and no buffer of
-the wanted size is free, some size has a whole chunk's worth of free buffers (else the
-chunks would number fewer), so packing that size empties one of its chunks. ``chunk_bytes`` is chosen so that ``k`` chunks are at most 256 MiB or the capacity
-(at least 16 MiB) when smaller: the memory held is the budget plus at most that. When no
-buffer is free and no chunk may be taken, :meth:`HostSlab.alloc` returns None; the caller
-then lets the index's queued evictions run and calls :meth:`HostSlab.compact`, which moves
-the entries of the emptiest chunk of some size into free buffers of that size's other
-chunks and carves the emptied chunk for the wanted size. The count above makes that always
-succeed for a caller that holds no more than the index allows; past it the caller fails
-loudly instead of allocating.
+Limit, and what happens when full. The tier index (``TierIndex``) keeps the entries' bytes
+within the host budget ``capacity``; the store runs the index's ops in order, so once the
+evictions queued before a save (or import) have run, the entries held are at most
+``capacity``. With ``k`` entry sizes, ``max_chunks = capacity // c + k`` chunks (``c``: the
+fewest entry bytes one chunk holds, i.e. the chunk less its tail and stride padding) then
+always have room for one more entry: when every chunk is taken and no buffer of the wanted
+size is free, some size has a whole chunk's worth of free buffers (else the chunks would
+number fewer), so packing that size empties one of its chunks. The memory held is thus at
+most the budget (grown by the padding, under one stride per chunk) plus ``k`` chunks, and
+:func:`default_chunk_bytes` keeps ``k`` chunks within 256 MiB, or within the budget when
+smaller (16 MiB at least). When no buffer is free and no chunk may be taken,
+:meth:`HostSlab.alloc` returns None; the caller then lets the queued evictions run and calls
+:meth:`HostSlab.compact`, which moves the entries of the emptiest chunk of some size into
+free buffers of that size's other chunks and carves the emptied chunk for the wanted size.
+A caller that holds more than the index allows fails loudly there instead of allocating.
 
 Thread safety: every method takes the slab's lock (saves allocate on the launching thread,
 the worker thread frees). :meth:`compact` moves bytes: the caller must make sure no copy
@@ -97,6 +98,8 @@ class HostSlab:
         if capacity < 0:
             raise ValueError(f"host tier capacity must be >= 0, got {capacity}")
         self.chunk_bytes = default_chunk_bytes(capacity, sizes) if chunk_bytes is None else chunk_bytes
+        if self.chunk_bytes & (self.chunk_bytes - 1):
+            raise ValueError(f"chunk_bytes={self.chunk_bytes} must be a power of two")
         if self.chunk_bytes < _stride(max(sizes)):
             raise ValueError(f"chunk_bytes={self.chunk_bytes} must hold the largest entry ({max(sizes)} bytes, "
                              f"{_stride(max(sizes))} aligned)")

@@ -79,7 +79,8 @@ def config_fingerprint(config: EngineConfig, groups: Sequence[KVCacheGroup]) -> 
 
 @dataclass
 class TransferStats:
-    """Bytes moved and seconds spent per direction (``DIRECTIONS``), cumulative."""
+    """Bytes moved and seconds of transfer per direction (``DIRECTIONS``), cumulative: the
+    copies' own time (``KVTierStore`` says how each is timed), not the ops' bookkeeping."""
 
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0))
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(DIRECTIONS, 0.0))

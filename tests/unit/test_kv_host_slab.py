@@ -41,8 +41,10 @@ def test_chunk_size_is_a_power_of_two_within_the_budget():
     assert default_chunk_bytes(40 << 20, [1000]) == 32 << 20              # the capacity, rounded down
     assert default_chunk_bytes(0, [1000]) == 16 << 20                     # disk only: 16 MiB
     assert default_chunk_bytes(0, [40 << 20]) == 64 << 20                 # at least one entry
-    with pytest.raises(ValueError, match="chunk_bytes"):
+    with pytest.raises(ValueError, match="must hold the largest entry"):
         HostSlab([5000], capacity=0, pinned=False, chunk_bytes=4096)
+    with pytest.raises(ValueError, match="must be a power of two"):
+        HostSlab([5000], capacity=0, pinned=False, chunk_bytes=6000)
 
 
 def test_store_frees_every_buffer_and_stays_within_the_limit_under_index_churn(tmp_path):
