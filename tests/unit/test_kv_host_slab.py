@@ -209,3 +209,27 @@ def test_buffers_taken_in_inference_mode_are_written_outside_it(tmp_path):
     assert store.wait(loads) == set()
     assert torch.equal(store.host[1], buf[2, :size]) and torch.equal(buf[3, :size], buf[0, :size])
     store.close()
+
+
+def test_imports_past_the_budget_reuse_the_evicted_entries_buffers(tmp_path):
+    """Imported blocks (prefill/decode hand-over) go through the same slab: with the index's
+    evictions run before each import's bytes are put, the slab never grows past its limit."""
+    groups = _groups()
+    size = groups[1].bytes_per_block
+    capacity = 3 * size
+    buf = torch.empty(2, page_bytes(groups), dtype=torch.uint8)
+    store = KVTierStore(buf, groups, "fp", None, host_bytes=capacity, chunk_bytes=1024)
+    index = TierIndex(capacity, 0, [g.bytes_per_block for g in groups])
+    g = torch.Generator().manual_seed(6)
+    payloads = {}
+    for i in range(12):
+        entry = index.imported(1, [key(i)])
+        store.execute(index.take_ops())
+        payloads[entry.slot] = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+        store.put_host(entry.slot, payloads[entry.slot].numpy().tobytes() if i % 2 else payloads[entry.slot])
+        assert store.slab.held_bytes <= store.slab.limit_bytes
+    store.flush()
+    assert sorted(store.host) == sorted(e.slot for e in index.host.values()) and len(store.host) == 3
+    for slot, view in store.host.items():
+        assert torch.equal(view, payloads[slot])
+    store.close()
