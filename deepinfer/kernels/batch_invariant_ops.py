@@ -125,10 +125,12 @@ SPLIT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
 # Candidate, float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32
 # matmul): the 16-bit tiles at half the K depth, so the stages take the same shared memory.
 SPLIT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
-DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 256, 8, 3))
+DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 128, 8, 3))
 DEFAULT_MATMUL_F32 = LEGACY_MATMUL
 MATMUL_CONFIG: MatmulConfig | None = None
 """Overrides :func:`matmul_config` for every product (benchmarks sweep it); None: the defaults."""
+GROUP_M = 8
+"""Row blocks per group in the matmul's program order (L2 reuse of the weight tiles)."""
 MIN_SLICE_STEPS = 4
 """Each K slice is at least this many BLOCK_K steps: shorter slices spend more on partials than
 they gain in parallel weight streams."""
@@ -175,14 +177,25 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                 stride_cb, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
+    # Tiles in groups of GROUP_M row blocks, column-major inside a group, so programs running
+    # together share their weight tiles in L2 (which program computes a tile never changes its sums).
+    num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    rows = (pid // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)                     # [BLOCK_M]
-    cols = (pid % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)                      # [BLOCK_N]
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                              # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                              # [BLOCK_N]
     ks = tl.arange(0, BLOCK_K)
+    row_ok = rows[:, None] < M
+    col_ok = cols[None, :] < N
     a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
     # Slice s is ``slice_steps`` K steps from step ``s * slice_steps`` on. A split launch's program
@@ -198,17 +211,23 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
     for s in range(first, last):
         k_begin = s * slice_steps * BLOCK_K
         k_end = tl.minimum(K, k_begin + slice_steps * BLOCK_K)
+        a_ptrs = a_rows + (k_begin + ks)[None, :] * stride_ak                  # [BLOCK_M, BLOCK_K]
+        b_ptrs = b_cols + (k_begin + ks)[:, None] * stride_bk                  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
-            k = k0 + ks
-            a = tl.load(a_rows + k[None, :].to(tl.int64) * stride_ak,
-                        mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # [BLOCK_M, BLOCK_K]
-            b = tl.load(b_cols + k[:, None].to(tl.int64) * stride_bk,
-                        mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+                b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+            else:
+                k_ok = k0 + ks < K
+                a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
         total = tl.where(s == first, acc, total + acc)     # the first slice's sum as it is (no 0 + x)
     acc = total
-    out_mask = (rows[:, None] < M) & (cols[None, :] < N)
+    out_mask = row_ok & col_ok
     c = c_ptr + batch * stride_cb + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
     if SPLIT_K:
         # Partials [S, B, M, N] float32; the tile's last slice to finish adds them in slice order
@@ -259,6 +278,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_launch,
+        EVEN_K=k % cfg.block_k == 0, GROUP_M=GROUP_M,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **pdl.flags(out.device))
     return out

@@ -40,6 +40,7 @@ ARGS = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ARGS.add_argument("--dry-run", action="store_true", help="tiny shapes in the Triton interpreter on the CPU")
 ARGS.add_argument("--budget", type=float, default=170.0, help="seconds after which no new case starts")
 ARGS.add_argument("--replays", type=int, default=5, help="timed graph replays per case")
+ARGS.add_argument("--families", default="moe,matmul", help="which families to time (moe, matmul)")
 OPTS = ARGS.parse_args()
 if OPTS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"                   # read when the kernels are first decorated
@@ -170,7 +171,9 @@ def matmul_family() -> dict:
         for name, n, k in SHAPES:
             nbytes_w = n * k * x_all.element_size()
             copies = max(1, min(32, -(-STREAM_BYTES // nbytes_w)))
-            ws = [torch.randn(n, k, generator=gen, device=DEV, dtype=DTYPE).div_(k ** 0.5) for _ in range(copies)]
+            # The same weights in both passes (row 0 is compared across them), so a generator per shape.
+            wgen = torch.Generator(device=DEV).manual_seed(n * 7919 + k)
+            ws = [torch.randn(n, k, generator=wgen, device=DEV, dtype=DTYPE).div_(k ** 0.5) for _ in range(copies)]
             for m in MS:
                 x = x_all[:m, :k].contiguous()
                 key = (m, name)
@@ -331,10 +334,11 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU (interpreter)"
     print(f"# {dev}; SMs {_sm_count(DEV)}; dtype {DTYPE}; budget {OPTS.budget:.0f} s", flush=True)
     # The MoE first: its few cases must not wait behind the matmul's many.
-    moe_results = moe_family()
+    families = OPTS.families.split(",")
+    moe_results = moe_family() if "moe" in families else {}
     if DEV.type == "cuda":
         torch.cuda.empty_cache()                           # the MoE's 13 GB of weights go back
-    mm_results = matmul_family()
+    mm_results = matmul_family() if "matmul" in families else {}
     print(f"# {SKIPPED} cases skipped past the budget; {time.perf_counter() - START:.0f} s in all", flush=True)
     default_mm = ops.matmul_config(0, 0, DTYPE)
     labels = list(dict.fromkeys(p.label for p in [ops.LEGACY_MATMUL, default_mm, *POLICIES]))
