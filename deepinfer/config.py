@@ -205,10 +205,7 @@ class CacheConfig:
     Lower tiers of the prefix cache (scheduler/kv_tiers.py): blocks evicted from the
     device cache move to ``kv_offload_bytes`` of host memory, and from there to
     ``kv_disk_bytes`` under ``kv_disk_dir``, which a restarted engine of the same model
-    and cache layout finds again. 0 bytes turn a tier off; both need prefix caching. The
-    host tier holds its entries in chunks of pinned memory (runner/kv_host_slab.py): at
-    most ``kv_offload_bytes`` plus one chunk per group size (256 MiB for them all, or the
-    budget when smaller, 16 MiB at least).
+    and cache layout finds again. 0 bytes turn a tier off; both need prefix caching.
     """
 
     block_size: int = 16

@@ -188,8 +188,6 @@ def _import(engine: Engine, export: KVExport, payload) -> int:
     for b in export.blocks:
         entry = engine.kv.import_block(b.group, b.keys)
         if entry is not None:
-            # The index's evictions for this entry run first: they free the host memory it takes.
-            engine.runner.kv_tiers.execute(engine.kv.take_tier_ops())
             engine.runner.kv_tiers.put_host(entry.slot, payload(b))
             imported += 1
     engine.runner.kv_tiers.sync_imports()

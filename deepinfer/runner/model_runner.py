@@ -246,7 +246,7 @@ class ModelRunner:
         if self.kv_buffer is None:
             raise RuntimeError("enable_kv_tiers needs the KV cache: call allocate_kv_cache first")
         self.kv_tiers = KVTierStore(self.kv_buffer, self.groups, config_fingerprint(self.config, self.groups),
-                                    self.config.cache.kv_disk_dir, host_bytes=self.config.cache.kv_offload_bytes)
+                                    self.config.cache.kv_disk_dir)
         return self.kv_tiers.scan()
 
     def read_kv_block(self, group: int, block: int) -> bytes:
