@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Quantised weights on the GPU, in one device call of about ten minutes (the kernel tests took
-# 89 s on an H100):
+# Quantised weights on the GPU, in two device calls of under ten minutes each (PART=1: tests,
+# the B = 1 profile and the FP8 GEMM variants; PART=2: the FP4 prefill variants and the decode
+# curves; the kernel tests took 89 s on an H100):
 #   1. the FP8 GEMM and FP4 MoE kernel tests marked gpu (V4-Flash widths, both scale formats), and
 #      the tiny model quantised at load on CUDA against the same model on the CPU;
 #   2. the FP8 GEMM's launch variants at V4-Flash decode shapes (scripts/probes/fp8_gemm_variants.py)
@@ -24,6 +25,8 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
     python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
     cat "$OUT/gpu.txt"
+    PART=${PART:-1}
+    if [ "$PART" = 1 ]; then
     timeout 150 python3 -m pytest -q -x -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
     # One token costs more than it should (FP8 + FP4 at B = 1 slower than at B = 16 on V4.1 widths):
@@ -33,6 +36,7 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     echo "decode B=1 profile exit $?"; grep -E "B=1" "$OUT/decode_b1.log" | head -3; head -25 "$OUT/profile_b1_fp8fp4.txt"
     timeout 110 python3 scripts/probes/fp8_gemm_variants.py --budget 80 > "$OUT/fp8_gemm_variants.log" 2>&1
     echo "fp8 gemm variants exit $?"; grep -E "BEST|BAD" "$OUT/fp8_gemm_variants.log" | head -20
+    else
     PROBE_TOKENS=4096 PROBE_BUDGET_S=60 timeout 100 python3 scripts/probes/fp4_moe_variants.py \
         > "$OUT/fp4_moe_prefill.log" 2>&1
     echo "fp4 moe prefill variants exit $?"; grep -E "^T=|BEST" "$OUT/fp4_moe_prefill.log" | head -20
@@ -42,6 +46,7 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
             --output-json "$OUT/decode_v4flash_$weights.json" > "$OUT/decode_v4flash_$weights.log" 2>&1
         echo "decode --weights $weights exit $?"; grep -E "B=|weights" "$OUT/decode_v4flash_$weights.log" | tail -8
     done
+    fi
 else
     echo "no GPU: dry run on the CPU"
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
