@@ -172,7 +172,10 @@ def matmul_launch(cfg: MatmulConfig, m: int, n: int, k: int, sms: int) -> tuple[
     return cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, split, split > 1
 
 
-@triton.jit(do_not_specialize=["M", "stride_ab", "stride_am", "stride_cb", "stride_cm"])
+# M is not specialised (one kernel for every M). The strides are: Triton proves 16-byte alignment
+# from their divisibility, and without it every row's loads would be element by element, with no
+# asynchronous copies to pipeline (it changes how the tiles are loaded, never the arithmetic).
+@triton.jit(do_not_specialize=["M"])
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, split,
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                 stride_cb, stride_cm, stride_cn,
@@ -273,10 +276,13 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
         counts = _tile_counters(a.device, batch * tiles)
     else:
         part = counts = out
+    # One entry's batch strides never matter: zero, so that they do not follow M (M x K is the
+    # stride of a contiguous [1, M, K]) and prove nothing false about alignment.
+    one = batch == 1
     _bmm_kernel[(tiles, batch, split if split_launch else 1)](
         a, b, out, part, counts, m, n, k, triton.cdiv(triton.cdiv(k, cfg.block_k), split), split,
-        a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        0 if one else a.stride(0), a.stride(1), a.stride(2), 0 if one else b.stride(0), b.stride(1), b.stride(2),
+        0 if one else out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_launch,
         EVEN_K=k % cfg.block_k == 0, GROUP_M=GROUP_M,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
