@@ -89,7 +89,8 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-iters", type=int, default=3, help="timed HF generate calls")
     p.add_argument("--profile", default=None,
                    help="after the timed rounds, profile one round (torch.profiler) and write the kernels "
-                        "by device time to this text file")
+                        "by device time to this text file, headed by launches and device time in matmuls and "
+                        "outside them")
     p.add_argument("--cp", type=int, default=1,
                    help="context parallel size: each prompt split over this many ranks (devices); per-GPU "
                         "figures are divided by it")
@@ -127,7 +128,8 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="concurrent requests")
     p.add_argument("--profile", default=None,
                    help="after the timed window, profile a few decode steps (torch.profiler) and write "
-                        "the kernels by device time to this text file")
+                        "the kernels by device time to this text file, headed by launches and device time in "
+                        "matmuls and outside them")
     p.add_argument("--compare-sync", action=argparse.BooleanOptionalAction, default=True,
                    help="after the timed window, time as many steps again with overlapped scheduling "
                         "off, to report the GPU idle time between steps without it")

@@ -337,6 +337,34 @@ def device_kernels(events) -> list:
             and not getattr(e, "is_user_annotation", False) and not e.key.startswith("deepinfer.")]
 
 
+# Kernel names of the weight-streaming products: cuBLAS / CUTLASS GEMMs and GEMVs, and ours (the
+# FP8 GEMM, the fused and FP4 expert GEMMs, the batch-invariant matmul).
+_MATMUL_NAME_PARTS = ("gemm", "gemv", "cutlass", "xmma", "splitkreduce", "_gate_up_kernel", "_down_kernel",
+                      "_bmm_kernel")
+
+
+def is_matmul_kernel(name: str) -> bool:
+    """Whether a profiled kernel is a matmul (a GEMM, GEMV or expert GEMM), by its name."""
+    low = name.lower()
+    return any(part in low for part in _MATMUL_NAME_PARTS)
+
+
+def kernel_split(kernels: list, units: int) -> str:
+    """One line per side of the matmul / everything-else split: device ms and launches per unit,
+    then the five costliest kernels outside the matmuls (what a fusion would go after)."""
+    mm = [e for e in kernels if is_matmul_kernel(e.key)]
+    other = [e for e in kernels if not is_matmul_kernel(e.key)]
+    lines = []
+    for name, group in (("matmuls", mm), ("outside matmuls", other)):
+        us = sum(e.self_device_time_total for e in group)
+        lines.append(f"{name}: {us / units / 1e3:.3f} ms/unit in {sum(e.count for e in group) / units:.0f} "
+                     "launches/unit")
+    top = sorted(other, key=lambda e: e.self_device_time_total, reverse=True)[:5]
+    lines += [f"  {e.key[:70]}: {e.self_device_time_total / units:.1f} us/unit, {e.count / units:.1f}/unit"
+              for e in top]
+    return "\n".join(lines)
+
+
 def profile_to_file(path: str, label: str, units: int, work) -> None:
     """Run ``work()`` under torch.profiler and write the kernels by device time to ``path``,
     headed by kernel launches and device time per unit (``units`` of ``label``)."""
@@ -353,11 +381,13 @@ def profile_to_file(path: str, label: str, units: int, work) -> None:
     launches = sum(e.count for e in kernels)
     with open(path, "w") as f:
         f.write(f"{label}: {launches / units:.0f} kernels/unit, {total_us / units / 1e3:.3f} ms kernel "
-                "time/unit\n\n")
+                "time/unit\n")
+        f.write(kernel_split(kernels, units) + "\n\n")
         f.write(events.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=60,
                              max_name_column_width=90))
         # Host side: the runner's phases (deepinfer.prepare/forward/sample/finish) and the ops
         # that cost the CPU most, to tell launch-bound or synchronising code from slow kernels.
         f.write("\n\nby CPU time\n")
         f.write(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=90))
-    print(f"profile of {label} written to {path}")
+    print(f"profile of {label} written to {path}: {launches / units:.0f} kernels/unit")
+    print(kernel_split(kernels, units))

@@ -315,3 +315,22 @@ def test_prefill_context_parallel_counts_every_rank(tiny_config, tmp_path):
     assert e["steady"]["input_tok_s_per_gpu"] == pytest.approx(48 / (e["steady"]["ms"] * 1e-3) / 2)
     assert r["engine_over_floor"] == pytest.approx(e["ms"] * 2 / f["floor_ms"])
     assert r["weights_in_memory"] is None
+
+
+def test_profile_splits_matmuls_from_the_rest():
+    """The profile's split: cuBLAS and our GEMM kernels on one side, the rest (norms, routing,
+    attention) on the other, per unit, with the costliest of the rest named."""
+    from types import SimpleNamespace
+
+    from deepinfer.bench.common import is_matmul_kernel, kernel_split
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": True, "_gemm_kernel": True,
+             "_fp4g_gate_up_kernel": True, "_fp4g_down_kernel": True, "_bmm_kernel": True,
+             "_rms_norm_kernel": False, "_hc_pre_kernel": False, "_sparse_attention_decode_kernel": False}
+    assert {n: is_matmul_kernel(n) for n in names} == names
+    kernels = [SimpleNamespace(key="_gemm_kernel", self_device_time_total=400.0, count=8),
+               SimpleNamespace(key="_rms_norm_kernel", self_device_time_total=60.0, count=20),
+               SimpleNamespace(key="_hc_pre_kernel", self_device_time_total=140.0, count=36)]
+    lines = kernel_split(kernels, units=4).splitlines()
+    assert lines[0] == "matmuls: 0.100 ms/unit in 2 launches/unit"
+    assert lines[1] == "outside matmuls: 0.050 ms/unit in 14 launches/unit"
+    assert lines[2].strip().startswith("_hc_pre_kernel: 35.0 us/unit, 9.0/unit")
