@@ -116,15 +116,17 @@ class MatmulConfig:
 # mode cost 2.36x the normal decode at one token (64 programs for N = 4,096 on 132 SMs, 4 KB a
 # pipeline stage) and 2.83x at a 4,096-token prefill.
 LEGACY_MATMUL = MatmulConfig(64, 64, 32, 4, 3, max_split=1)
-# 16-bit inputs: 64-row tiles (cheap enough to stay weight-bound at one token), 128 columns and
-# 64-deep K steps, and up to eight K slices so a decode projection's N / 128 tiles still cover
-# the SMs. The V4-Flash projections on an H100 (scripts/probes/batch_invariant_configs.py): of 64
-# tile x split candidates, 8 warps and 3 stages was the fastest, 1.09 / 1.12 / 1.17x cuBLAS at
-# M = 1 / 16 / 64, but 4.9x at M = 4,096; hence 128 x 256 tiles from 256 rows on.
+# A split candidate: 64 x 128 tiles, 64-deep K steps, 4 warps, 4 stages, up to eight K slices.
 SPLIT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
 # Candidate, float32 inputs (exact, non-TF32 products on CUDA cores, as torch's default float32
 # matmul): the 16-bit tiles at half the K depth, so the stages take the same shared memory.
 SPLIT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
+# The 16-bit default: 64-row tiles (cheap enough to stay weight-bound at one token), 128 columns,
+# 64-deep K steps, 8 warps, 3 stages and up to eight K slices, so a decode projection's N / 128
+# tiles still cover the SMs; from 256 rows 128 x 128 tiles walking the same slices (a 128 x 256
+# tile spills its two float32 accumulators). The fastest of the candidates at the V4-Flash
+# projections on an H100 (scripts/probes/batch_invariant_configs.py): 1.09 / 1.16 / 1.19 / 4.16x
+# cuBLAS at M = 1 / 16 / 64 / 4,096, before the strides were specialised.
 DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 128, 8, 3))
 DEFAULT_MATMUL_F32 = LEGACY_MATMUL
 MATMUL_CONFIG: MatmulConfig | None = None
