@@ -22,6 +22,10 @@ dtypes and, for the matmul, the second operand's shape (N, K) alone, never from 
   The second operand is a weight in every product the mode sees on CUDA (attention runs in its
   own kernels), so its (N, K) never follows the batch; a product whose K did (zero-padded to
   the batch's longest) would need ``max_split=1``, whose steps start at absolute offsets.
+* TMA (``MatmulConfig.tma``): for one product (a batch of one) whose activations and weight
+  rows are K-contiguous and 16-byte aligned, the tiles come by TMA descriptors instead of
+  pointer loads (zeros beyond the edges, as the masked loads' ``other``): the same values into
+  the same MMAs, so the same bits; other operands take the pointer loads.
 * large M (``MatmulConfig.large``, from ``large_min_m`` rows): a prefill has tiles enough to fill
   the SMs, so the partials' round trip through memory only costs; it takes bigger output tiles
   (:class:`MatmulTile`) and each program walks the same S slices in order itself, starting each
@@ -47,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.fp8_gemm import _sm_count, _tile_counters
@@ -79,6 +85,7 @@ class MatmulConfig:
     waves: int = 1              # S also keeps one row block's tiles x S within waves x the SM count
     large: MatmulTile | None = None   # the tile from ``large_min_m`` rows on (the slices run in order)
     large_min_m: int = 256
+    tma: bool = False           # tiles by TMA descriptors where the operands allow (see ``bmm``)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -109,7 +116,8 @@ class MatmulConfig:
     def label(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages} "
                 f"S<={self.max_split}" + (f" waves {self.waves}" if self.waves > 1 else "")
-                + (f" M>={self.large_min_m}: {self.large.label}" if self.large else ""))
+                + (f" M>={self.large_min_m}: {self.large.label}" if self.large else "")
+                + (" tma" if self.tma else ""))
 
 
 # The first config: 64 x 64 tiles, 32-deep K steps, no split: at V4-Flash widths on an H100 the
@@ -182,7 +190,7 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
                 stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
                 stride_cb, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr,
+                SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     pid = tl.program_id(0)
@@ -201,8 +209,9 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows[:, None] < M
     col_ok = cols[None, :] < N
-    a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
-    b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
+    if not TMA:
+        a_rows = a_ptr + batch * stride_ab + rows.to(tl.int64)[:, None] * stride_am
+        b_cols = b_ptr + batch * stride_bb + cols.to(tl.int64)[None, :] * stride_bn
     # Slice s is ``slice_steps`` K steps from step ``s * slice_steps`` on. A split launch's program
     # takes one slice; otherwise the program takes them all in order, each summed from zero and
     # added to the running total, the same float32 operations the split launch's last program does.
@@ -216,20 +225,28 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
     for s in range(first, last):
         k_begin = s * slice_steps * BLOCK_K
         k_end = tl.minimum(K, k_begin + slice_steps * BLOCK_K)
-        a_ptrs = a_rows + (k_begin + ks)[None, :] * stride_ak                  # [BLOCK_M, BLOCK_K]
-        b_ptrs = b_cols + (k_begin + ks)[:, None] * stride_bk                  # [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok, other=0.0)
-                b = tl.load(b_ptrs, mask=col_ok, other=0.0)
-            else:
-                k_ok = k0 + ks < K
-                a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
+        if TMA:
+            # a_ptr: a descriptor over A [M, K]; b_ptr: one over the weight [N, K] (B's transpose).
+            # Out-of-range rows and K columns arrive as zeros, as the masked loads' ``other``.
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                a = a_ptr.load([pid_m * BLOCK_M, k0])                             # [BLOCK_M, BLOCK_K]
+                b = b_ptr.load([pid_n * BLOCK_N, k0]).T                           # [BLOCK_K, BLOCK_N]
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        else:
+            a_ptrs = a_rows + (k_begin + ks)[None, :] * stride_ak              # [BLOCK_M, BLOCK_K]
+            b_ptrs = b_cols + (k_begin + ks)[:, None] * stride_bk              # [BLOCK_K, BLOCK_N]
+            for k0 in range(k_begin, k_end, BLOCK_K):
+                if EVEN_K:
+                    a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+                    b = tl.load(b_ptrs, mask=col_ok, other=0.0)
+                else:
+                    k_ok = k0 + ks < K
+                    a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok, other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+                a_ptrs += BLOCK_K * stride_ak
+                b_ptrs += BLOCK_K * stride_bk
         total = tl.where(s == first, acc, total + acc)     # the first slice's sum as it is (no 0 + x)
     acc = total
     out_mask = row_ok & col_ok
@@ -251,6 +268,13 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, part_ptr, count_ptr, M, N, K, slice_steps, 
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _tma_ready(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether A [M, K] and the weight W [N, K] (B's transpose) can be read by TMA descriptors:
+    unit stride along K, 16-byte aligned rows and start."""
+    return all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+               for t in (a, w))
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -281,12 +305,17 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
     # One entry's batch strides never matter: zero, so that they do not follow M (M x K is the
     # stride of a contiguous [1, M, K]) and prove nothing false about alignment.
     one = batch == 1
+    tma = cfg.tma and one and _tma_ready(a[0], b[0].t())
+    a_arg, b_arg = a, b
+    if tma:
+        a_arg = TensorDescriptor(a[0], [m, k], [a.stride(1), 1], [block_m, cfg.block_k])
+        b_arg = TensorDescriptor(b[0].t(), [n, k], [b.stride(2), 1], [block_n, cfg.block_k])
     _bmm_kernel[(tiles, batch, split if split_launch else 1)](
-        a, b, out, part, counts, m, n, k, triton.cdiv(triton.cdiv(k, cfg.block_k), split), split,
+        a_arg, b_arg, out, part, counts, m, n, k, triton.cdiv(triton.cdiv(k, cfg.block_k), split), split,
         0 if one else a.stride(0), a.stride(1), a.stride(2), 0 if one else b.stride(0), b.stride(1), b.stride(2),
         0 if one else out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, SPLIT_K=split_launch,
-        EVEN_K=k % cfg.block_k == 0, GROUP_M=GROUP_M,
+        EVEN_K=k % cfg.block_k == 0, GROUP_M=GROUP_M, TMA=tma,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=warps, num_stages=stages, **pdl.flags(out.device))
     return out

@@ -31,6 +31,7 @@ and the per-(N, K) best matmul config.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -165,7 +166,8 @@ def matmul_family() -> dict:
     k_max = max(k for _, _, k in SHAPES)
     x_all = torch.randn(max(MS), k_max, generator=gen, device=DEV).to(DTYPE)
     # Pass 1: the normal mode, the first invariant config and the default everywhere; pass 2 the rest.
-    first = list(dict.fromkeys([ops.LEGACY_MATMUL, ops.matmul_config(0, 0, DTYPE), ops.SPLIT_MATMUL]))
+    default = ops.matmul_config(0, 0, DTYPE)
+    first = list(dict.fromkeys([ops.LEGACY_MATMUL, default, dataclasses.replace(default, tma=True), ops.SPLIT_MATMUL]))
     launch_row0: dict = {}                                 # (shape, launch) -> {M: row 0's output}
     for pass_policies in (first, [p for p in POLICIES if p not in first]):
         for name, n, k in SHAPES:
@@ -190,7 +192,7 @@ def matmul_family() -> dict:
                 for cfg in pass_policies:
                     bm, bn, warps, stages, split, split_launch = ops.matmul_launch(cfg, m, n, k, sms)
                     measured = (f"tile {bm}x{bn}x{cfg.block_k} w{warps} s{stages} S={split}"
-                                + ("" if split_launch or split == 1 else " in order"))
+                                + ("" if split_launch or split == 1 else " in order") + (" tma" if cfg.tma else ""))
                     if cfg.label in got:
                         continue
                     done = got.get(measured)
@@ -341,7 +343,8 @@ def main() -> None:
     mm_results = matmul_family() if "matmul" in families else {}
     print(f"# {SKIPPED} cases skipped past the budget; {time.perf_counter() - START:.0f} s in all", flush=True)
     default_mm = ops.matmul_config(0, 0, DTYPE)
-    labels = list(dict.fromkeys(p.label for p in [ops.LEGACY_MATMUL, default_mm, *POLICIES]))
+    labels = list(dict.fromkeys(p.label for p in [ops.LEGACY_MATMUL, default_mm, dataclasses.replace(default_mm, tma=True),
+                                                   *POLICIES]))
     report("matmul", mm_results, MS, labels, default_mm.label)
     default_moe = next(label for label, cfg in MOE_CONFIGS.items() if cfg == fm.DEFAULT_INVARIANT_CONFIG)
     report("moe", moe_results, TS, list(MOE_CONFIGS), default_moe)

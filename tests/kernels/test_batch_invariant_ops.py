@@ -111,6 +111,29 @@ def test_large_m_tile_walks_the_same_slices(dtype, device):
     torch.testing.assert_close(ops.mm(a, b, config=unsplit).float(), got.float(), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+def test_tma_tiles_give_the_pointer_loads_bits(dtype, device):
+    """A TMA config reads the same tiles as its pointer-load twin (zeros past the edges: M = 7
+    and 200 leave partial row tiles, K = 200 a partial K step), so the products are bitwise
+    equal, split launch and large tile alike; operands TMA cannot read (a batch of two, a
+    misaligned row stride) take the pointer loads."""
+    gen = torch.Generator().manual_seed(12)
+    n, k = 96, 200
+    tma_cfg = dataclasses.replace(LARGE_CFG, tma=True)
+    assert tma_cfg.label.endswith(" tma")
+    w = torch.randn(n, k, generator=gen).to(device, dtype)
+    for m in (1, 7, 200):
+        a = torch.randn(m, k, generator=gen).to(device, dtype)
+        want = ops.mm(a, w.t(), config=LARGE_CFG)
+        assert torch.equal(ops.mm(a, w.t(), config=tma_cfg), want), m
+    x = torch.randn(2, 5, k, generator=gen).to(device, dtype)
+    y = torch.randn(2, k, n, generator=gen).to(device, dtype)
+    assert torch.equal(ops.bmm(x, y, config=tma_cfg), ops.bmm(x, y, config=LARGE_CFG))
+    odd = torch.randn(5, k + 1, generator=gen).to(device, dtype)[:, :k]     # rows k + 1 apart
+    assert not ops._tma_ready(odd, w)
+    assert torch.equal(ops.mm(odd, w.t(), config=tma_cfg), ops.mm(odd, w.t(), config=LARGE_CFG))
+
+
 def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
     """Two runs of a split product give the same bits (the slices are summed in slice order,
     whichever finishes last), batch entries included, and the tile counters are zero again after
@@ -132,7 +155,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096), (32768, 1024)])
-@pytest.mark.parametrize("cfg", [ops.SPLIT_MATMUL, ops.DEFAULT_MATMUL], ids=["split", "default"])
+@pytest.mark.parametrize("cfg", [ops.SPLIT_MATMUL, ops.DEFAULT_MATMUL, dataclasses.replace(ops.DEFAULT_MATMUL, tma=True)],
+                         ids=["split", "default", "default_tma"])
 def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(cfg, n, k):
     """The 16-bit split configs at V4-Flash decode widths (split K on an H100/H200; the default's
     large tile from 256 rows on): bf16 rows bitwise the same at M = 1, 16, 64, 300, 4096, close to
@@ -150,6 +174,8 @@ def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(cfg, n, k):
         got = ops.mm(x[:m], w.t(), config=cfg)
         torch.testing.assert_close(got.float(), (x[:m] @ w.t()).float(), rtol=2e-2, atol=2e-2)
         assert torch.equal(got[0], want[0]), m
+        if cfg.tma:                          # TMA tiles into the same MMAs as the pointer loads'
+            assert torch.equal(got, ops.mm(x[:m], w.t(), config=dataclasses.replace(cfg, tma=False))), m
     graph, out = capture(lambda: ops.mm(x[:16], w.t(), config=cfg))
     eager = ops.mm(x[:16], w.t(), config=cfg)
     for _ in range(3):
