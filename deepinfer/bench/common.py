@@ -337,9 +337,9 @@ def device_kernels(events) -> list:
             and not getattr(e, "is_user_annotation", False) and not e.key.startswith("deepinfer.")]
 
 
-# Kernel names of the weight-streaming products: cuBLAS / CUTLASS GEMMs and GEMVs, and ours (the
-# FP8 GEMM, the fused and FP4 expert GEMMs, the batch-invariant matmul).
-_MATMUL_NAME_PARTS = ("gemm", "gemv", "cutlass", "xmma", "splitkreduce", "_gate_up_kernel", "_down_kernel",
+# Kernel names of the weight-streaming products: cuBLAS (nvjet on Hopper) and CUTLASS GEMMs and
+# GEMVs, and ours (the FP8 GEMM, the fused and FP4 expert GEMMs, the batch-invariant matmul).
+_MATMUL_NAME_PARTS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitkreduce", "_gate_up_kernel", "_down_kernel",
                       "_bmm_kernel")
 
 

@@ -167,7 +167,8 @@ def matmul_family() -> dict:
     x_all = torch.randn(max(MS), k_max, generator=gen, device=DEV).to(DTYPE)
     # Pass 1: the normal mode, the first invariant config and the default everywhere; pass 2 the rest.
     default = ops.matmul_config(0, 0, DTYPE)
-    first = list(dict.fromkeys([ops.LEGACY_MATMUL, default, dataclasses.replace(default, tma=True), ops.SPLIT_MATMUL]))
+    first = list(dict.fromkeys([ops.LEGACY_MATMUL, default, dataclasses.replace(default, tma=True),
+                                ops.SPLIT_MATMUL]))
     launch_row0: dict = {}                                 # (shape, launch) -> {M: row 0's output}
     for pass_policies in (first, [p for p in POLICIES if p not in first]):
         for name, n, k in SHAPES:
@@ -343,8 +344,8 @@ def main() -> None:
     mm_results = matmul_family() if "matmul" in families else {}
     print(f"# {SKIPPED} cases skipped past the budget; {time.perf_counter() - START:.0f} s in all", flush=True)
     default_mm = ops.matmul_config(0, 0, DTYPE)
-    labels = list(dict.fromkeys(p.label for p in [ops.LEGACY_MATMUL, default_mm, dataclasses.replace(default_mm, tma=True),
-                                                   *POLICIES]))
+    default_tma = dataclasses.replace(default_mm, tma=True)
+    labels = list(dict.fromkeys(p.label for p in [ops.LEGACY_MATMUL, default_mm, default_tma, *POLICIES]))
     report("matmul", mm_results, MS, labels, default_mm.label)
     default_moe = next(label for label, cfg in MOE_CONFIGS.items() if cfg == fm.DEFAULT_INVARIANT_CONFIG)
     report("moe", moe_results, TS, list(MOE_CONFIGS), default_moe)

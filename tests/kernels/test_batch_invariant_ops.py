@@ -155,7 +155,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 4096), (512, 4096), (32768, 1024)])
-@pytest.mark.parametrize("cfg", [ops.SPLIT_MATMUL, ops.DEFAULT_MATMUL, dataclasses.replace(ops.DEFAULT_MATMUL, tma=True)],
+@pytest.mark.parametrize("cfg", [ops.SPLIT_MATMUL, ops.DEFAULT_MATMUL,
+                                 dataclasses.replace(ops.DEFAULT_MATMUL, tma=True)],
                          ids=["split", "default", "default_tma"])
 def test_split_matmul_at_v4_flash_widths_in_cuda_graphs(cfg, n, k):
     """The 16-bit split configs at V4-Flash decode widths (split K on an H100/H200; the default's

@@ -324,6 +324,7 @@ def test_profile_splits_matmuls_from_the_rest():
 
     from deepinfer.bench.common import is_matmul_kernel, kernel_split
     names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": True, "_gemm_kernel": True,
+             "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT": True,
              "_fp4g_gate_up_kernel": True, "_fp4g_down_kernel": True, "_bmm_kernel": True,
              "_rms_norm_kernel": False, "_hc_pre_kernel": False, "_sparse_attention_decode_kernel": False}
     assert {n: is_matmul_kernel(n) for n in names} == names
