@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# One device call of under six minutes: model drafters inside the decode CUDA graphs.
+# One device call of under ten minutes: model drafters inside the decode CUDA graphs.
 # 1. The GPU tests (tests/gpu/test_drafter_graphs.py): DSpark on the embedded model and MTP on a
 #    tiny DeepSeek-V3, tokens with graphs equal eager-with-spec in float32, and the step counters
 #    show the drafter's steps replayed graphs.
 # 2. DeepSeek-V4.1-Flash widths (1 layer, random weights) with the release's DSpark drafter,
-#    3 drafts a step, B = 1, 16, 64: with the drafter's graphs and without (--no-drafter-graphs,
-#    the drafter's steps eager), one engine each: bench curve, which takes bench decode's
+#    3 drafts a step, B = 1, 16, 64, with the drafter's graphs (CURVE_MODES="drafter-graphs
+#    no-drafter-graphs" adds the eager drafter): bench curve, which takes bench decode's
 #    measurement (and report line, with the drafter's graph-step counters) at each B on one
 #    engine, so the sweep fits the time (three bench decode runs would build three engines).
-# JSON and logs go to $OUT; a summary is printed at the end. Worst case ~9.5 minutes (timeouts):
-# on an H100 the whole test file took over 85 s and one curve over 100 s (two tests: 45 s).
+# 3. The embedded model's evaluation on the GPU (below).
+# JSON and logs go to $OUT; a summary is printed at the end. Worst case ~9 minutes (timeouts):
+# on an H100 the whole test file took over 85 s and the curve 126 s (two tests: 45 s).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -23,7 +24,7 @@ timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=8 tests/
 echo "gpu tests exit $?"; tail -15 "$OUT/gpu_tests.log"
 BENCH="python3 -m deepinfer.entrypoints.cli bench"
 COMMON="--config deepseek-v4.1-flash --num-layers 1 --speculative 3 --spec-method dspark --no-hf --steps 16"
-for mode in drafter-graphs no-drafter-graphs; do
+for mode in ${CURVE_MODES:-drafter-graphs}; do
     timeout 180 $BENCH curve $COMMON --batch-sizes 1,16,64 --context-len 1024 --$mode \
         --output-json "$OUT/curve_$mode.json" > "$OUT/curve_$mode.log" 2>&1
     rc=$?
@@ -31,6 +32,10 @@ for mode in drafter-graphs no-drafter-graphs; do
     if [ $rc -eq 0 ]; then grep -E "^B=[0-9]+: [0-9.]+ ms/step|drafter:" "$OUT/curve_$mode.log" | tail -12
     else tail -25 "$OUT/curve_$mode.log"; fi
 done
+# 3. The embedded model with its trained drafter, each held-out prompt alone, DSpark against plain
+#    decode in one run: tau and per-user speed on the GPU (the drafter's graphs on by default).
+timeout 150 python3 scripts/train_dspark_drafter.py --eval-only --eval-device cuda > "$OUT/embedded_eval.log" 2>&1
+echo "embedded eval exit $?"; tail -12 "$OUT/embedded_eval.log"
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
