@@ -30,8 +30,9 @@ if command -v nvidia-smi > /dev/null && nvidia-smi > /dev/null 2>&1; then
     timeout 150 python3 -m pytest -q -x -m gpu $GPU_TESTS > "$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; tail -5 "$OUT/gpu_tests.log"
     # One token costs more than it should (FP8 + FP4 at B = 1 slower than at B = 16 on V4.1 widths):
-    # the kernels of a few B = 1 decode steps by device time.
-    timeout 120 $BENCH decode --config deepseek-v4-flash --num-layers 4 --weights fp8+fp4 --batch-size 1 \
+    # the kernels of a few B = 1 decode steps by device time (PDL off: under it a kernel is charged
+    # with its wait for the previous one).
+    DEEPINFER_PDL=0 timeout 120 $BENCH decode --config deepseek-v4-flash --num-layers 4 --weights fp8+fp4 --batch-size 1 \
         --context-len 1024 --steps 16 --no-hf --profile "$OUT/profile_b1_fp8fp4.txt" > "$OUT/decode_b1.log" 2>&1
     echo "decode B=1 profile exit $?"; grep -E "B=1" "$OUT/decode_b1.log" | head -3; head -25 "$OUT/profile_b1_fp8fp4.txt"
     timeout 110 python3 scripts/probes/fp8_gemm_variants.py --budget 80 > "$OUT/fp8_gemm_variants.log" 2>&1
