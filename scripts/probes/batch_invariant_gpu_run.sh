@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 start=$SECONDS
-timeout 300 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -s tests/gpu/test_batch_invariant_gpu.py \
+timeout 270 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -s tests/gpu/test_batch_invariant_gpu.py \
     tests/kernels/test_batch_invariant_ops.py > "$OUT/tests.log" 2>&1
 echo "pytest exit $? after $((SECONDS - start)) s"
 grep -E "passed|failed|FAILED|Error|normal mode differs" "$OUT/tests.log" | tail -15
