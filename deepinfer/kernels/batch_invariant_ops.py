@@ -55,7 +55,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fp8_gemm import _sm_count, _tile_counters
+from deepinfer.kernels.launch import sm_count, tile_counters
 
 
 @dataclass(frozen=True)
@@ -295,11 +295,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
     if k == 0:
         return out.zero_()
     cfg = config or matmul_config(n, k, a.dtype)
-    block_m, block_n, warps, stages, split, split_launch = matmul_launch(cfg, m, n, k, _sm_count(a.device))
+    block_m, block_n, warps, stages, split, split_launch = matmul_launch(cfg, m, n, k, sm_count(a.device))
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     if split_launch:
         part = torch.empty((split, batch, m, n), dtype=torch.float32, device=a.device)
-        counts = _tile_counters(a.device, batch * tiles)
+        counts = tile_counters(a.device, batch * tiles)
     else:
         part = counts = out
     # One entry's batch strides never matter: zero, so that they do not follow M (M x K is the

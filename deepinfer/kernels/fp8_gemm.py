@@ -46,13 +46,13 @@ Shapes: M tokens, K input width, N output width.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.launch import sm_count, tile_counters
 
 
 @triton.jit
@@ -212,29 +212,6 @@ of two, at the price of every N-tile quantising its M x K activations again (che
 MAX_SPLIT = 8
 """The most K slices a small-N GEMM is split into."""
 
-_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-
-
-def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` zeroed int32 counters for split K, one set per (device, stream): GEMMs on
-    one stream run one after another, and the last program of each tile zeroes its counter again.
-    A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
-    with it still uses it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _counters.setdefault((device, stream), [])
-    if not held or held[-1].numel() < tiles:
-        size = max(tiles, 2 * held[-1].numel() if held else 1024)
-        held.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return held[-1]
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132                                # the interpreter stands in for an H100/H200
-
-
 def pick_tiles(m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decode (M <= 64) streams the weights: M-tiles
     the batch's size (16 at least, the MMA minimum) and N-tiles narrow enough that the N / BLOCK_N
@@ -298,11 +275,11 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: to
     chunks = k // group
     if split is None:
         # Batch-invariant mode: the same S for every M (as if one M-tile), so every row's sums are too.
-        split = pick_split(n_tiles if invariant else m_tiles * n_tiles, chunks, _sm_count(a.device))
+        split = pick_split(n_tiles if invariant else m_tiles * n_tiles, chunks, sm_count(a.device))
     if split < 1 or split & (split - 1) or chunks % split:
         raise ValueError(f"fp8_gemm: split={split} must be a power of two dividing the K/group={chunks} groups")
     part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
-    counts = _tile_counters(a.device, m_tiles * n_tiles) if split > 1 else out
+    counts = tile_counters(a.device, m_tiles * n_tiles) if split > 1 else out
     fused = a_scale is None
     _gemm_kernel[(m_tiles, n_tiles, split)](
         a, a if fused else a_scale, w, ws, out, part, counts, m, n, k,

@@ -62,7 +62,6 @@ graph capture (run the model eagerly once first, as warm-up does anyway).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -70,6 +69,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.launch import sm_count
 from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
 
@@ -303,11 +303,6 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
 INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses)."""
     buf = _COUNTERS.get(device)
@@ -383,7 +378,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     n_tb = triton.cdiv(t, block_t)
     splits = cfg.num_splits
     if splits is None:
-        target = 2 * _sm_count(dev) if dev.type == "cuda" else 4
+        target = 2 * sm_count(dev) if dev.type == "cuda" else 4
         splits = max(1, min(triton.cdiv(k_total, _MIN_SPLIT_COLS), triton.cdiv(target, n_tb)))
     cols_per_split = triton.cdiv(triton.cdiv(k_total, splits), block_k) * block_k
     splits = triton.cdiv(k_total, cols_per_split)

@@ -37,7 +37,6 @@ load (float32 values times their scales) and cast to q's dtype (exactly, in bflo
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +45,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 from deepinfer.kernels.kv_records import PLAIN, format_id, load_record_rows
+from deepinfer.kernels.launch import sm_count
 from deepinfer.kv_spec import record_bytes
 
 
@@ -196,11 +196,6 @@ class IndexerConfig:
             raise ValueError(f"IndexerConfig: num_splits must be >= 1, got {self.num_splits}")
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _block_hi(hi: int) -> int:
     return max(16, triton.next_power_of_2(hi))
 
@@ -232,7 +227,7 @@ def default_config(q: torch.Tensor, n: int, grouped: bool = False) -> IndexerCon
     programs = triton.cdiv(t, block_t)
     num_splits = 1
     if q.is_cuda:
-        num_splits = max(1, min(triton.cdiv(4 * _sm_count(q.device), programs), triton.cdiv(n, block_n) // 2))
+        num_splits = max(1, min(triton.cdiv(4 * sm_count(q.device), programs), triton.cdiv(n, block_n) // 2))
     return IndexerConfig(block_n, num_splits, num_warps=4, num_stages=3, block_t=block_t)
 
 

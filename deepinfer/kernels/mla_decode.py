@@ -22,7 +22,6 @@ float32 caches).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import triton.language as tl
 
 from deepinfer.kernels import pdl
 
+from deepinfer.kernels.launch import sm_count
 from deepinfer.kernels.sparse_attention import merge_splits
 
 _LOG2E = math.log2(math.e)
@@ -112,11 +112,6 @@ class MLADecodeConfig:
     num_stages: int
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_config(q: torch.Tensor, kv_lora_rank: int, max_seq_len: int) -> MLADecodeConfig:
     """The launcher's choice for q [B, Nh, R + Dr] over contexts of up to ``max_seq_len``.
 
@@ -134,7 +129,7 @@ def default_config(q: torch.Tensor, kv_lora_rank: int, max_seq_len: int) -> MLAD
     num_splits = 1
     if q.is_cuda:
         programs = b * triton.cdiv(nh, block_h)
-        num_splits = max(1, min(triton.cdiv(_sm_count(q.device), programs),
+        num_splits = max(1, min(triton.cdiv(sm_count(q.device), programs),
                                 triton.cdiv(max_seq_len, 4 * block_n), 64))
     return MLADecodeConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
 

@@ -30,7 +30,6 @@ on the shapes (no host synchronisation, CUDA-graph capturable).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -38,6 +37,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.launch import sm_count
 from deepinfer.kernels.split_dot import dot_bf16x3
 
 _FMA_MAX_T = 16            # up to here float32 FMAs, above tensor-core tiles
@@ -146,13 +146,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, n, SPLITS: tl.constexpr, BLOCK: tl.con
     tl.store(out_ptr + offs, acc, mask=mask)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8                                 # CPU interpreter: small grids, splits still exercised
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def pick_config(t: int, e: int, h: int, device: torch.device) -> RouterConfig:
     """Tiles by T, then K splits until the grid has about one program per SM.
 
@@ -181,7 +174,8 @@ def pick_config(t: int, e: int, h: int, device: torch.device) -> RouterConfig:
     if dot:
         block_e, block_k = max(16, min(block_e, e2)), max(16, min(block_k, h2))
     tiles = triton.cdiv(t, block_t) * triton.cdiv(e, block_e)
-    split = max(1, min(_sm_count(device) // tiles, h // _MIN_SPLIT_COLS))
+    # Off CUDA, 8 SMs: the interpreter gets small grids and still exercises the splits.
+    split = max(1, min(sm_count(device, interpreter=8) // tiles, h // _MIN_SPLIT_COLS))
     if t > 1024:
         split = max(1, min(2, h // _MIN_SPLIT_COLS))     # a wave of tiles is not enough (sweep above)
     return RouterConfig(dot, block_t, block_e, block_k, split, num_warps, num_stages)

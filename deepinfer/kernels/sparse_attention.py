@@ -44,7 +44,6 @@ load above.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ import triton.language as tl
 from deepinfer import env
 from deepinfer.kernels import pdl
 from deepinfer.kernels.kv_records import PLAIN, format_id, load_record_rows
+from deepinfer.kernels.launch import sm_count
 from deepinfer.kv_spec import record_bytes
 
 _LOG2E = math.log2(math.e)
@@ -259,11 +259,6 @@ _QUERY_PROLOGUE = True     # rope_attention: the Gluon kernel normalises and rop
 _DECODE_T = 64             # up to here 16-bit queries take the decode tiles (see default_config)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> SparseAttentionConfig:
     """The launcher's choice for q [T, H, D]; ``num_tiles_at(block_n)`` counts key tiles per token.
 
@@ -294,14 +289,14 @@ def default_config(q: torch.Tensor, num_tiles_at: Callable[[int], int]) -> Spars
         block_h, block_n, num_warps = 16, (16 if t <= 4 else 32), 4
         programs = t * triton.cdiv(h, block_h)
         num_splits = max(1, min(32, num_tiles_at(block_n),
-                                triton.cdiv(4 * _sm_count(q.device), programs)))
+                                triton.cdiv(4 * sm_count(q.device), programs)))
         return SparseAttentionConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
     num_warps = 8 if block_h * block_d * 4 > 64 * 1024 else 4
     num_splits = 1
     if q.is_cuda:
         programs = t * triton.cdiv(h, block_h)
         tiles = num_tiles_at(block_n)
-        num_splits = max(1, min(triton.cdiv(_sm_count(q.device), programs), tiles // 2))
+        num_splits = max(1, min(triton.cdiv(sm_count(q.device), programs), tiles // 2))
     return SparseAttentionConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
 
 

@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from deepinfer.kernels import batch_invariant_ops as ops  # noqa: E402
 from deepinfer.kernels import fused_moe as fm  # noqa: E402
-from deepinfer.kernels.fp8_gemm import _sm_count  # noqa: E402
+from deepinfer.kernels.launch import sm_count  # noqa: E402
 
 DEV = torch.device("cpu" if OPTS.dry_run else "cuda")
 START = time.perf_counter()
@@ -159,7 +159,7 @@ def line(case: str, label: str, us: float, normal_us: float | None, nbytes: floa
 
 def matmul_family() -> dict:
     """{(M, shape): {label: us}} with the normal mode's time under NORMAL."""
-    sms = _sm_count(DEV)
+    sms = sm_count(DEV)
     results: dict = {}
     row0: dict = {}                                        # (shape, config label) -> {M: row 0's output}
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -335,7 +335,7 @@ def report(family: str, results: dict, sizes: tuple[int, ...], labels: list[str]
 
 def main() -> None:
     dev = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU (interpreter)"
-    print(f"# {dev}; SMs {_sm_count(DEV)}; dtype {DTYPE}; budget {OPTS.budget:.0f} s", flush=True)
+    print(f"# {dev}; SMs {sm_count(DEV)}; dtype {DTYPE}; budget {OPTS.budget:.0f} s", flush=True)
     # The MoE first: its few cases must not wait behind the matmul's many.
     families = OPTS.families.split(",")
     moe_results = moe_family() if "moe" in families else {}

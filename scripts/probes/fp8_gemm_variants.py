@@ -34,6 +34,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from deepinfer.kernels import fp8_gemm, reference  # noqa: E402
+from deepinfer.kernels.launch import sm_count  # noqa: E402
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block  # noqa: E402
 from scripts.gpu_kernel_check import captured  # noqa: E402
 
@@ -167,7 +168,7 @@ class Case:
 
 def main() -> None:
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (interpreter)"
-    print(f"# {dev}; SMs {fp8_gemm._sm_count(torch.device(DEV))}; FUSE_MAX_M {fp8_gemm.FUSE_MAX_M}", flush=True)
+    print(f"# {dev}; SMs {sm_count(torch.device(DEV))}; FUSE_MAX_M {fp8_gemm.FUSE_MAX_M}", flush=True)
     cases = [Case(name, m, n, k, "f32") for m in DECODE_M for name, n, k in SHAPES]
     cases += [Case(SHAPES[0][0], m, *SHAPES[0][1:], "e8m0") for m in DECODE_M]
     prefill = SHAPES[-2] if len(SHAPES) > 2 else SHAPES[0]

@@ -138,7 +138,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
     """Two runs of a split product give the same bits (the slices are summed in slice order,
     whichever finishes last), batch entries included, and the tile counters are zero again after
     (what a CUDA-graph replay needs)."""
-    from deepinfer.kernels.fp8_gemm import _tile_counters
+    from deepinfer.kernels.launch import tile_counters
 
     gen = torch.Generator().manual_seed(8)
     a = torch.randn(3, 33, 256, generator=gen).to(device)
@@ -148,7 +148,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_zeroed(device):
     torch.testing.assert_close(first, torch.bmm(a, b), rtol=1e-4, atol=1e-4)
     # The split sums differ from the unsplit ones in rounding only.
     torch.testing.assert_close(first, ops.bmm(a, b, config=ops.LEGACY_MATMUL), rtol=1e-5, atol=1e-4)
-    assert not _tile_counters(a.device, 1).any()
+    assert not tile_counters(a.device, 1).any()
     assert torch.equal(ops.bmm(a[1:2], b[1:2], config=SPLIT_CFG)[0], first[1])
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 import triton
 
-from deepinfer.kernels import fp8_gemm, reference
-from deepinfer.kernels.fp8_gemm import (_tile_counters, fp8_act_quant, fp8_block_gemm, fp8_linear, pick_split,
-                                        pick_tiles)
+from deepinfer.kernels import fp8_gemm, launch, reference
+from deepinfer.kernels.fp8_gemm import fp8_act_quant, fp8_block_gemm, fp8_linear, pick_split, pick_tiles
+from deepinfer.kernels.launch import tile_counters
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block
 
 from .conftest import capture
@@ -137,17 +137,17 @@ def test_split_k_matches_reference(split, block, scale_format, device):
     for _ in range(2):                                   # the tile counters are back at zero after a launch
         out = fp8_block_gemm(xq, xs, w, ws, block, torch.float32, split=split)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert not _tile_counters(xq.device, 1).any()
+    assert not tile_counters(xq.device, 1).any()
 
 
 def test_tile_counters_grow_and_keep_the_superseded_set():
     """More tiles than the counters hold: a larger zeroed set; the smaller one stays allocated for
     the CUDA graphs captured with it."""
     dev = torch.device("cpu")
-    small = _tile_counters(dev, 1)
-    big = _tile_counters(dev, small.numel() + 1)
-    assert big.numel() > small.numel() and not big.any() and _tile_counters(dev, 1) is big
-    assert any(t is small for t in fp8_gemm._counters[(dev, 0)])
+    small = tile_counters(dev, 1)
+    big = tile_counters(dev, small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any() and tile_counters(dev, 1) is big
+    assert any(t is small for t in launch._counters[(dev, 0)])
 
 
 @pytest.mark.parametrize("block,scale_format", FORMATS)

@@ -1,0 +1,35 @@
+"""What the kernels' launchers share: the device's SM count, by which they size grids and K or
+key splits, and the zeroed tile counters of split-K GEMMs (``fp8_gemm``, the batch-invariant
+matmul), whose last program of a tile adds the slices and zeroes its counter again."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+INTERPRETER_SMS = 132
+"""The SM count launch choices are made for off CUDA (Triton's interpreter): an H100's / H200's."""
+
+_counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+
+
+@functools.cache
+def sm_count(device: torch.device, interpreter: int = INTERPRETER_SMS) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; ``interpreter`` elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return interpreter
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed int32 counters for split K, one set per (device, stream): GEMMs on
+    one stream run one after another, and the last program of each tile zeroes its counter again.
+    A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
+    with it still uses it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _counters.setdefault((device, stream), [])
+    if not held or held[-1].numel() < tiles:
+        size = max(tiles, 2 * held[-1].numel() if held else 1024)
+        held.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return held[-1]
