@@ -356,8 +356,9 @@ def evaluate(prompts: list[list[int]], device: str = "cpu") -> dict:
                speculative_config={"method": "dspark", "num_speculative_tokens": g})
     spec_out, steps, spec_s = run(spec)
     stats = spec.engine.scheduler.spec_stats
-    del spec
-    plain_out, _, plain_s = run(LLM(model=str(MODEL_DIR), device=device))
+    spec.close()        # frees its KV cache and graphs for the next engine
+    with LLM(model=str(MODEL_DIR), device=device) as plain:
+        plain_out, _, plain_s = run(plain)
     tokens = len(prompts) * EVAL_NEW_TOKENS
     per_pos = [a / stats.num_drafts for a in stats.accepted_per_pos] + [0.0] * (g - len(stats.accepted_per_pos))
     result = {"prompts": len(prompts), "new_tokens": EVAL_NEW_TOKENS, "device": device,

@@ -294,20 +294,26 @@ class Engine:
         """Write what the KV cache's tiers hold to the disk tier, if there is one (every
         cached block of the device and host tiers, as far as its budget goes: a restarted
         engine finds them), and wait for the tiers' pending work. Call it once no step is
-        left to run; the engine is not used after. A parallel engine (which has no tiers) stops
-        its worker processes instead (idempotent)."""
+        left to run; the engine is not used after: it refuses new requests, and its device memory
+        (the KV cache, CUDA graphs, the model's weights) goes back to the allocator, so another
+        engine can be built in the same process. A parallel engine (which has no tiers) stops its
+        worker processes instead (idempotent)."""
         if isinstance(self.runner, MultiprocExecutor):
             self.runner.close()
             self.dead = self.dead or "the engine was closed"
             return
-        if self.runner.kv_tiers is None:
+        if self.dead == "the engine was closed":
             return
         if self._in_flight is not None:
             self._land(self._in_flight)
             self._in_flight = None
-        self.kv.persist()
-        self.runner.kv_tiers.execute(self.kv.take_tier_ops())
-        self.runner.kv_tiers.close()
+        if self.runner.kv_tiers is not None:
+            self.kv.persist()
+            self.runner.kv_tiers.execute(self.kv.take_tier_ops())
+            self.runner.kv_tiers.close()
+        self.dead = "the engine was closed"
+        self.model = None
+        self.runner.release()
 
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -131,11 +131,11 @@ SPLIT_MATMUL = MatmulConfig(64, 128, 64, 4, 4, max_split=8)
 SPLIT_MATMUL_F32 = MatmulConfig(64, 128, 32, 4, 4, max_split=8)
 # The 16-bit default: 64-row tiles (cheap enough to stay weight-bound at one token), 128 columns,
 # 64-deep K steps, 8 warps, 3 stages and up to eight K slices, so a decode projection's N / 128
-# tiles still cover the SMs; from 256 rows 128 x 128 tiles walking the same slices (a 128 x 256
-# tile spills its two float32 accumulators). The fastest of the candidates at the V4-Flash
-# projections on an H100 (scripts/probes/batch_invariant_configs.py): 1.09 / 1.16 / 1.19 / 4.16x
-# cuBLAS at M = 1 / 16 / 64 / 4,096, before the strides were specialised.
-DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 128, 8, 3))
+# tiles still cover the SMs; from 256 rows 128 x 256 tiles walking the same slices. On an H100 at
+# the V4-Flash projections and lm_head (scripts/probes/batch_invariant_configs.py, specialised
+# strides): 1.00 / 0.99 / 1.03 / 1.37x cuBLAS at M = 1 / 16 / 64 / 4,096 (128 x 128 large tiles:
+# 1.43x at 4,096).
+DEFAULT_MATMUL = MatmulConfig(64, 128, 64, 8, 3, max_split=8, large=MatmulTile(128, 256, 8, 3))
 DEFAULT_MATMUL_F32 = LEGACY_MATMUL
 MATMUL_CONFIG: MatmulConfig | None = None
 """Overrides :func:`matmul_config` for every product (benchmarks sweep it); None: the defaults."""

@@ -20,10 +20,10 @@ launchers. What does not: choosing which weights are FP8 or quantising them (``m
   16/32-bit activations and quantises each group itself, with the act-quant kernel's own
   arithmetic (the same jitted helpers), so the result is bit for bit the two-launch one; one
   launch fewer per linear, at the price of every N-tile quantising the M x K activations again
-  (cheap at decode sizes). A group wider than the K step is scaled once, then reloaded (a cache
+  (measured slower than two launches even at one token, so off by default). A group wider than the K step is scaled once, then reloaded (a cache
   hit) per step.
 * Split K (grid M-tiles x N-tiles x S): when the output tiles alone leave SMs idle (decode at
-  N = 512 / 1024), S slices of K (:func:`pick_split`, a power of two dividing the groups) each
+  N = 512 / 1024; up to 16 rows, up to two waves of programs), S slices of K (:func:`pick_split`, a power of two dividing the groups) each
   store a float32 partial; the tile's last slice to finish (an int32 counter per tile, taken
   with an acquire-release atomic and put back to zero, so CUDA-graph replays find it zeroed)
   adds the S partials in slice order 0, 1, ... and writes the output. The order is fixed, so
@@ -205,12 +205,21 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
-FUSE_MAX_M = 16
-"""fp8_linear quantises the activations inside the GEMM up to this many tokens: one launch instead
-of two, at the price of every N-tile quantising its M x K activations again (cheap while M is small)."""
+FUSE_MAX_M = 0
+"""fp8_linear quantises the activations inside the GEMM up to this many tokens (one launch instead
+of two, every N-tile quantising its M x K activations again). Off: on an H100 at the V4-Flash
+projections the fused GEMM took 15-190 us at M = 1 where the act-quant launch plus the GEMM took
+5-14 us (``scripts/probes/fp8_gemm_variants.py``); the per-tile quantisation costs more than the
+launch it saves."""
 
 MAX_SPLIT = 8
 """The most K slices a small-N GEMM is split into."""
+
+SMALL_M_WAVES = 2
+"""Up to 16 rows, split K may launch this many waves of programs (tiles x S <= 2 x SMs): at M = 1
+and 16 on an H100, two slices of N = 4096 projections (128 tiles) took 14.2 / 8.8 / 6.2 us (o_b,
+gate_up, down) against 20.6 / 12.6 / 6.7 us unsplit; at M = 64 the unsplit GEMM was as fast or
+faster."""
 
 def pick_tiles(m: int, n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Decode (M <= 64) streams the weights: M-tiles
@@ -235,6 +244,15 @@ def pick_split(tiles: int, chunks: int, sms: int, max_split: int = MAX_SPLIT) ->
            and chunks // (2 * s) >= 2):
         s *= 2
     return s
+
+
+def default_split(m: int, m_tiles: int, n_tiles: int, chunks: int, sms: int, invariant: bool) -> int:
+    """The launch's K slices: :func:`pick_split` over the output tiles within one wave of ``sms``
+    programs, or :data:`SMALL_M_WAVES` waves up to 16 rows. Batch-invariant mode: from the N-tiles
+    and one wave alone, the same S for every M (as if one M-tile), so every row's sums are too."""
+    if invariant:
+        return pick_split(n_tiles, chunks, sms)
+    return pick_split(m_tiles * n_tiles, chunks, sms * (SMALL_M_WAVES if m <= 16 else 1))
 
 
 def _check_weight(w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int], k: int) -> None:
@@ -274,8 +292,7 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: to
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     chunks = k // group
     if split is None:
-        # Batch-invariant mode: the same S for every M (as if one M-tile), so every row's sums are too.
-        split = pick_split(n_tiles if invariant else m_tiles * n_tiles, chunks, sm_count(a.device))
+        split = default_split(m, m_tiles, n_tiles, chunks, sm_count(a.device), invariant)
     if split < 1 or split & (split - 1) or chunks % split:
         raise ValueError(f"fp8_gemm: split={split} must be a power of two dividing the K/group={chunks} groups")
     part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out

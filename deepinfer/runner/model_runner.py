@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import statistics
 import time
@@ -210,6 +211,21 @@ class ModelRunner:
                 and self._why_no_cuda_graphs() is None):
             return 0
         return DraftGraphs.static_bytes(self.drafter, max(self.config.scheduler.graph_batch_sizes), self.dtype)
+
+    def release(self) -> None:
+        """Drop the device memory this runner holds (CUDA graphs, the KV cache and its layers'
+        views, the model's parameters) and hand the cached blocks back to the driver; the runner
+        is not used after (``Engine.close``)."""
+        self.decode_graphs = self.draft_graphs = None
+        self._last_sampled = self._last_handle = self._prev_end = None
+        self.drafter = None
+        for layer in self.kv_cache_layers():
+            layer.kv_cache = None
+        self.kv_buffer = None
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def allocate_kv_cache(self, groups: list[KVCacheGroup], num_blocks: int) -> None:
         """One byte buffer of ``num_blocks`` pages; each layer gets a strided view

@@ -278,3 +278,22 @@ def test_final_only_outputs(tiny_llm):
         assert out.outputs[0].text == by_prompt[out.prompt].text
     assert GREEDY.output_kind is RequestOutputKind.CUMULATIVE
     assert pool_is_full(tiny_llm)
+
+
+def test_close_releases_the_engine_memory():
+    """close(): the KV cache, graphs and weights are dropped (another engine can take the memory)
+    and the engine refuses new requests with a clear error; a second close is harmless."""
+    import gc
+    import weakref
+    with LLM(device="cpu", max_model_len=64) as llm:
+        out = llm.generate(["The list type"], SamplingParams(max_tokens=4, temperature=0.0))
+        assert len(out[0].outputs[0].token_ids) == 4
+        runner = llm.engine.runner
+        weight = weakref.ref(next(runner.model.parameters()))
+        cache = weakref.ref(runner.kv_buffer)
+    gc.collect()
+    assert weight() is None and cache() is None
+    assert runner.model is None and runner.kv_buffer is None
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate(["again"], SamplingParams(max_tokens=2))
+    llm.close()

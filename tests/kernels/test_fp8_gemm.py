@@ -14,7 +14,8 @@ import torch
 import triton
 
 from deepinfer.kernels import fp8_gemm, launch, reference
-from deepinfer.kernels.fp8_gemm import fp8_act_quant, fp8_block_gemm, fp8_linear, pick_split, pick_tiles
+from deepinfer.kernels.fp8_gemm import (default_split, fp8_act_quant, fp8_block_gemm, fp8_linear, pick_split,
+                                         pick_tiles)
 from deepinfer.kernels.launch import tile_counters
 from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block
 
@@ -171,6 +172,14 @@ def test_pick_split_fills_the_sms_only_when_the_tiles_do_not():
     assert pick_split(16, 32, 132, max_split=2) == 2
     assert pick_split(1, 4, 132) == 2                                    # slices of two groups at least
     assert pick_split(1, 6, 132) == 2 and pick_split(1, 3, 132) == 1     # S divides the groups
+
+
+def test_default_split_takes_two_waves_up_to_16_rows_and_never_follows_m_when_invariant():
+    # V4-Flash o_b (N = 4096 in 32-wide tiles, K = 8192): two slices at one and 16 tokens, none at 64
+    assert [default_split(m, 1, 128, 64, 132, False) for m in (1, 16, 64)] == [2, 2, 1]
+    assert default_split(1, 1, 32, 32, 132, False) == 8                  # q_a: N = 1024
+    assert default_split(1, 1, 512, 8, 132, False) == 1                  # q_b: N = 32768 fills the GPU
+    assert {default_split(m, -(-m // 64), 128, 64, 132, True) for m in (1, 16, 64, 4096)} == {1}
 
 
 def test_fused_and_split_reject_bad_operands(device):
