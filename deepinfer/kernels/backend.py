@@ -298,13 +298,15 @@ def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.T
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               group: int, pow2_scale: bool) -> torch.Tensor:
+               group: int, pow2_scale: bool, groups: int = 1) -> torch.Tensor:
     """x [..., K] times an FP8 weight [N, K] with block scales, activations quantised per 1 x ``group``
-    -> [..., N] (see :func:`reference.fp8_linear`)."""
+    -> [..., N]; ``groups`` > 1, a block-diagonal weight: x [..., groups, K] -> [..., groups,
+    N / groups] (see :func:`reference.fp8_linear`)."""
     if use_triton(x):
         from deepinfer.kernels.fp8_gemm import fp8_linear as kernel
-        return kernel(x, weight, scale, block, group, pow2_scale, invariant=batch_invariant.enabled())
-    return reference.fp8_linear(x, weight, scale, block, group, pow2_scale)
+        return kernel(x, weight, scale, block, group, pow2_scale, invariant=batch_invariant.enabled(),
+                      groups=groups)
+    return reference.fp8_linear(x, weight, scale, block, group, pow2_scale, groups)
 
 
 def _stacked(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

@@ -141,9 +141,16 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
                  GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  FUSED: tl.constexpr = False, POW2: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
+                 GROUP_N: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if GROUP_N > 0:
+        # Block-diagonal (grouped) weight: output columns [g * GROUP_N, (g + 1) * GROUP_N) read
+        # activation columns [g * k, (g + 1) * k) (a tile lies in one group: GROUP_N % BLOCK_N == 0).
+        grp = (pid_n * BLOCK_N // GROUP_N).to(tl.int64)
+        a_ptr += grp * k
+        if not FUSED:
+            as_ptr += grp * (k // GROUP)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                            # [BLOCK_M] of M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of N
     row_ok, col_ok = rows < m, cols < n
@@ -279,16 +286,19 @@ def _k_step(group: int, block_k: int) -> int:
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor,
           block: tuple[int, int], group: int, pow2_scale: bool, out_dtype: torch.dtype, invariant: bool,
-          split: int | None, tiles: tuple[int, int, int, int] | None) -> torch.Tensor:
+          split: int | None, tiles: tuple[int, int, int, int] | None, groups: int = 1) -> torch.Tensor:
     """The GEMM launch: ``a`` e4m3 with ``a_scale``, or (``a_scale`` None) 16/32-bit activations
-    quantised per group inside the kernel."""
-    m, k = a.shape
+    quantised per group inside the kernel. ``groups`` > 1: a [M, groups * K] against the
+    block-diagonal weight w [N, K] whose g-th N / groups rows read a's g-th K columns."""
+    m, k = a.shape[0], a.shape[1] // groups
     n = w.shape[0]
     block_k = _k_step(group, block[1])
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
     bm, bn, warps, stages = tiles or pick_tiles(64 if invariant else m, n)
+    if groups > 1:
+        bn = min(bn, group_tile_n(n // groups))
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     chunks = k // group
     if split is None:
@@ -303,8 +313,19 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: to
         a.stride(0), 0 if fused else a_scale.stride(0), w.stride(0), ws.stride(0), out.stride(0), m * n,
         GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, FUSED=fused, POW2=pow2_scale, SPLIT=split,
-        num_warps=warps, num_stages=stages, **pdl.flags(a.device))
+        GROUP_N=n // groups if groups > 1 else 0, num_warps=warps, num_stages=stages, **pdl.flags(a.device))
     return out
+
+
+def group_tile_n(group_n: int) -> int:
+    """The widest N-tile (a power of two, 16 to 128) that divides a grouped weight's ``group_n``
+    output rows a group, so no tile straddles two groups."""
+    bn = 128
+    while bn > 16 and group_n % bn:
+        bn //= 2
+    if group_n % bn:
+        raise ValueError(f"fp8_gemm: a grouped weight's {group_n} output rows a group must be a multiple of 16")
+    return bn
 
 
 def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
@@ -326,20 +347,32 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
                group: int = 128, pow2_scale: bool = False, invariant: bool = False, *,
                fuse_max_m: int = FUSE_MAX_M, split: int | None = None,
-               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
     in x's dtype; see :func:`reference.fp8_linear`. Up to ``fuse_max_m`` tokens the quantisation
     runs inside the GEMM (bit for bit the same result); ``split`` and ``tiles`` as
-    :func:`fp8_block_gemm`."""
+    :func:`fp8_block_gemm`. ``groups`` > 1: a block-diagonal weight (DeepSeek-V4's grouped
+    ``wo_a``), x [..., groups, K] -> [..., groups, N / groups], group g's inputs times w's g-th
+    N / groups rows, in one launch."""
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    if groups > 1:
+        if x.dim() < 2 or x.shape[-2] != groups or w.shape[0] % groups:
+            raise ValueError(f"fp8_gemm: a grouped linear takes x [..., groups={groups}, K] and N a multiple "
+                             f"of the groups, got x {tuple(x.shape)} and w {tuple(w.shape)}")
+        x2 = x.reshape(-1, groups * k)
+    else:
+        x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
+    _check_group(group, k)
+    _check_weight(w, ws, block, k)
     if x2.shape[0] <= fuse_max_m:
-        _check_group(group, k)
-        _check_weight(w, ws, block, k)
-        out = _gemm(x2, None, w, ws, block, group, pow2_scale, x.dtype, invariant, split, tiles)
+        out = _gemm(x2, None, w, ws, block, group, pow2_scale, x.dtype, invariant, split, tiles, groups)
     else:
+        # Groups of ``group`` inputs never straddle two weight groups (K is a multiple of them), so
+        # the whole row quantises as each group's inputs would.
         xq, xs = fp8_act_quant(x2, group, pow2_scale)
-        out = fp8_block_gemm(xq, xs, w, ws, block, x.dtype, invariant, split=split, tiles=tiles)
+        out = _gemm(xq, xs, w, ws, block, group, False, x.dtype, invariant, split, tiles, groups)
+    if groups > 1:
+        return out.view(*x.shape[:-1], w.shape[0] // groups)
     return out.view(*x.shape[:-1], w.shape[0])

@@ -1235,11 +1235,21 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
-               group: int = 128, pow2_scale: bool = False) -> torch.Tensor:
+               group: int = 128, pow2_scale: bool = False, groups: int = 1) -> torch.Tensor:
     """x [..., K] quantised per 1 x ``group`` (:func:`fp8_act_quant`) times the FP8 weight
-    (:func:`fp8_block_gemm`) -> [..., N] in x's dtype."""
-    xq, xs = fp8_act_quant(x.reshape(-1, x.shape[-1]), group, pow2_scale)
-    return fp8_block_gemm(xq, xs, w, ws, block, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    (:func:`fp8_block_gemm`) -> [..., N] in x's dtype. ``groups`` > 1: the weight is
+    block-diagonal, x [..., groups, K] -> [..., groups, N / groups], group g's inputs times the
+    g-th N / groups rows of w."""
+    if groups == 1:
+        xq, xs = fp8_act_quant(x.reshape(-1, x.shape[-1]), group, pow2_scale)
+        return fp8_block_gemm(xq, xs, w, ws, block, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    from deepinfer.models.quant import dequant_fp8_block
+    k = x.shape[-1]
+    xq, xs = fp8_act_quant(x.reshape(-1, k), group, pow2_scale)                # [M * groups, K]
+    a = (xq.float() * xs.repeat_interleave(group, dim=1)).view(-1, groups, k)
+    wd = dequant_fp8_block(w, ws, block).view(groups, -1, k)                   # [groups, N / groups, K]
+    out = torch.einsum("mgk,gnk->mgn", a, wd)
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0] // groups)
 
 
 def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor,

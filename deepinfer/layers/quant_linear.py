@@ -36,11 +36,19 @@ def act_group(in_features: int) -> int | None:
 
 class Fp8Linear(nn.Module):
     """``y = x @ dequant(weight, scale)^T`` with weight e4m3 [N, K] and one scale per
-    ``block`` = (bn, bk) tile. Its parameters (``weight``, ``scale``) never require grad."""
+    ``block`` = (bn, bk) tile. Its parameters (``weight``, ``scale``) never require grad.
+
+    ``groups`` > 1: a block-diagonal projection like ``GroupedLinear`` (DeepSeek-V4's ``wo_a``),
+    the g groups' [N / g, K] matrices stacked on the weight's rows (as the checkpoint ships them):
+    x [..., g, K] -> [..., g, N / g]."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int] = (128, 128),
-                 scale_format: str = "float32") -> None:
+                 scale_format: str = "float32", groups: int = 1) -> None:
         super().__init__()
+        if groups < 1 or out_features % groups or (groups > 1 and (out_features // groups) % 16):
+            raise ValueError(f"Fp8Linear: groups={groups} must divide out_features={out_features} into groups "
+                             "of a multiple of 16 rows")
+        self.groups = groups
         if scale_format not in SCALE_FORMATS:
             raise ValueError(f"Fp8Linear: scale_format={scale_format!r} is not one of {SCALE_FORMATS}")
         bn, bk = block
@@ -64,15 +72,16 @@ class Fp8Linear(nn.Module):
             raise NotImplementedError("Fp8Linear: linear layers with a bias are not supported")
         w = linear.weight
         with torch.device(w.device):
-            module = cls(linear.in_features, linear.out_features, block, scale_format)
+            module = cls(linear.in_features, linear.out_features, block, scale_format,
+                         getattr(linear, "groups", 1))
         q, s = quant_fp8_block(w.detach(), block, scale_format)
         module.weight.data, module.scale.data = q, s
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N] in x's dtype
+        # x: [..., K] -> [..., N] in x's dtype (grouped: [..., g, K] -> [..., g, N / g])
         return backend.fp8_linear(x, self.weight, self.scale, self.block, self.group,
-                                  self.scale_format == "ue8m0")
+                                  self.scale_format == "ue8m0", self.groups)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 [N, K] (exact)."""
@@ -80,4 +89,4 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, "
-                f"scale_format={self.scale_format}")
+                f"scale_format={self.scale_format}" + (f", groups={self.groups}" if self.groups > 1 else ""))

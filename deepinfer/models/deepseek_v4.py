@@ -402,9 +402,9 @@ _TOP_RENAMES = {
     "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale",
 }
 # The projections DeepSeek ships in FP8 in V4 and V4.1 (models/quantize.py): the attention's q_a,
-# q_b, kv and o_b, the indexer's q_b and the shared expert. o_a (a grouped GEMM), the compressors
-# and the indexer's other projections stay 16-bit, as do lm_head and the routers.
-FP8_LINEARS = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
+# q_b, kv, o_a (grouped: Fp8Linear with groups) and o_b, the indexer's q_b and the shared expert.
+# The compressors and the indexer's other projections stay 16-bit, as do lm_head and the routers.
+FP8_LINEARS = (r"self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|(compressor\.)?indexer\.q_b_proj)$"
                r"|shared_experts\.(gate_proj|up_proj|down_proj)$")
 _LAYER_NAME = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<idx>\d+)\.(?P<rest>.+)$")
 _EXPERT_NAME = re.compile(r"^(?:ffn|mlp)\.experts\.(?P<expert>\d+)\."

@@ -65,6 +65,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from deepinfer.layers.deepseek_v4_attention import GroupedLinear
 from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import EXPERTS_ON_META, FusedMoE
 from deepinfer.layers.quant_linear import Fp8Linear, act_group
@@ -126,9 +127,12 @@ def plan_for(hf_config: dict[str, Any], quantization: str, device: torch.device)
 
 def _plain_linear(module: nn.Module) -> bool:
     """An ``nn.Linear`` with nothing around its GEMM: a tensor-parallel linear only at size 1
-    (a shard's collectives have no FP8 counterpart yet, so shards stay 16-bit)."""
+    (a shard's collectives have no FP8 counterpart yet, so shards stay 16-bit); a
+    ``GroupedLinear`` (block-diagonal, ``Fp8Linear(groups=...)``) unless it is a shard."""
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return module.tp.is_single and not getattr(module, "gather_output", False)
+    if isinstance(module, GroupedLinear):
+        return getattr(module.weight, "tp_shard", None) is None and (module.out_features // module.groups) % 16 == 0
     return type(module) is nn.Linear
 
 
@@ -274,7 +278,8 @@ def keep_shipped(model: CausalLM, plan: QuantPlan, checkpoint: Mapping[str, Stor
             experts += 1
         else:
             with torch.device(device):
-                fp8[name] = Fp8Linear(module.in_features, module.out_features, plan.block, plan.scale_format)
+                fp8[name] = Fp8Linear(module.in_features, module.out_features, plan.block, plan.scale_format,
+                                      getattr(module, "groups", 1))
     _swap(model, fp8)
     model.shipped_tensors = frozenset(n for names in layers.values() for n in names)
     return {"fp8_linears": len(fp8), "fp4_expert_layers": experts}

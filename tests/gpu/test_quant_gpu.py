@@ -55,7 +55,8 @@ def test_release_checkpoint_loads_as_shipped_on_cuda():
     references)."""
     from deepinfer.config import ModelConfig
     from deepinfer.models.loader import load_model
-    from tests.unit.test_load_shipped import V41_CHECKPOINT, assert_holds_the_shipped_bytes, load_requantised
+    from tests.unit.test_load_shipped import (V41_CHECKPOINT, V41_FP8_LINEARS, assert_holds_the_shipped_bytes,
+                                              load_requantised)
     cuda = torch.device("cuda")
 
     def peak_of(load):
@@ -68,7 +69,7 @@ def test_release_checkpoint_loads_as_shipped_on_cuda():
     model, peak = peak_of(lambda: load_model(ModelConfig.from_path(V41_CHECKPOINT, "float32", None, cuda), cuda))
     old, old_peak = peak_of(lambda: load_requantised(V41_CHECKPOINT, "float32", cuda))
     del old
-    assert assert_holds_the_shipped_bytes(model, V41_CHECKPOINT) == 59 + 8 * 8 * 3
+    assert assert_holds_the_shipped_bytes(model, V41_CHECKPOINT) == V41_FP8_LINEARS + 8 * 8 * 3
     float32_experts = 4 * (model.weight_bytes["fp4"] * 32 // 17)      # n/2 + n/32 FP4 bytes per n values
     assert peak < old_peak - float32_experts // 2, (peak, old_peak)
     del model
@@ -78,7 +79,7 @@ def test_release_checkpoint_loads_as_shipped_on_cuda():
     for device, quantization in (("cpu", "fp8+mxfp4-experts"), ("cuda", "auto")):
         llm = LLM(model=str(V41_CHECKPOINT), device=device, dtype="float32", quantization=quantization,
                   max_model_len=128, gpu_memory_utilization=0.3)
-        assert len(llm.engine.model.shipped_tensors) == 2 * (59 + 8 * 8 * 3)
+        assert len(llm.engine.model.shipped_tensors) == 2 * (V41_FP8_LINEARS + 8 * 8 * 3)
         out = llm.generate(prompts, params, use_tqdm=False)
         lps.append(torch.tensor([o.prompt_logprobs[i + 1][o.prompt_token_ids[i + 1]].logprob
                                  for o in out for i in range(len(o.prompt_token_ids) - 1)]))

@@ -290,3 +290,31 @@ def test_quantised_deepseek_v3_keeps_absorbed_mla_weights_16_bit():
         want, got = (m.compute_logits(m(ids, ForwardContext.no_cache([12], CPU))) for m in (base, quant))
     # About 0.03 per FP8 projection; a top-k routing choice flipped by the rounding adds more.
     assert 0.0 < ((got - want).norm() / want.norm()).item() < 0.25
+
+
+@pytest.mark.parametrize("block,scale_format", [((128, 128), "float32"), ((32, 32), "ue8m0")])
+def test_grouped_linear_quantises_to_a_grouped_fp8_linear(block, scale_format):
+    """V4's grouped o_a: a GroupedLinear becomes Fp8Linear(groups=g) holding the stacked [N, K]
+    weight as the checkpoint ships it, and computes each group's block of the product, as the
+    16-bit layer on its dequantised weight does (up to the activations' e4m3 rounding). A
+    tensor-parallel shard of one stays 16-bit."""
+    from deepinfer.layers.deepseek_v4_attention import GroupedLinear
+    from deepinfer.models import quantize
+    groups, k, npg = 4, 256, 32
+    layer = GroupedLinear(k, groups * npg, groups)
+    with torch.no_grad():
+        layer.weight.copy_(gaussian(groups * npg, k, seed=5) / k ** 0.5)
+    fp8 = Fp8Linear.from_linear(layer, block, scale_format)
+    assert fp8.groups == groups and fp8.weight.shape == (groups * npg, k) and "groups=4" in repr(fp8)
+    x = gaussian(3, groups, k, seed=6)
+    with torch.no_grad():
+        layer.weight.copy_(fp8.dequantized())
+        want = layer(x)
+    got = fp8(x)
+    assert got.shape == want.shape == (3, groups, npg)
+    assert ((got - want).norm() / want.norm()).item() < 0.05
+    assert quantize._plain_linear(layer)
+    layer.weight.tp_shard = (0, 0, 2)
+    assert not quantize._plain_linear(layer)
+    with pytest.raises(ValueError, match="groups=3"):
+        Fp8Linear(k, groups * npg, block, scale_format, groups=3)
