@@ -129,7 +129,7 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="after the timed window, profile a few decode steps (torch.profiler) and write "
                         "the kernels by device time to this text file, headed by launches and device time in "
-                        "matmuls and outside them")
+                        "matmuls and outside them (with --batch-invariant, that mode's to NAME.batch-invariant.EXT)")
     p.add_argument("--compare-sync", action=argparse.BooleanOptionalAction, default=True,
                    help="after the timed window, time as many steps again with overlapped scheduling "
                         "off, to report the GPU idle time between steps without it")

@@ -26,6 +26,7 @@ import copy
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,6 +184,14 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
 PROFILED_STEPS = 4
 
 
+def invariant_profile_path(path: str | None) -> str | None:
+    """Where ``--profile`` writes the batch-invariant mode's profile: ``x.txt`` -> ``x.batch-invariant.txt``."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.batch-invariant{p.suffix}"))
+
+
 def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:
     """Run PROFILED_STEPS decode steps under torch.profiler; write the device kernels by
     total time (with their launch counts per step) to ``path``."""
@@ -256,7 +265,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         engine = build_engine(model, args, max_num_seqs=args.batch_size, max_num_batched_tokens=budget,
                               max_model_len=max_model_len, batch_invariant=True)
         invariant = measure_decode(engine, args.batch_size, args.context_len, args.warmup, args.steps,
-                                   torch.Generator().manual_seed(args.seed))
+                                   torch.Generator().manual_seed(args.seed), invariant_profile_path(args.profile))
         del engine
         free_memory(model.device)
         result["batch_invariant"] = {"ms_per_step": invariant["ms_per_step"],

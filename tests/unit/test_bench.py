@@ -286,9 +286,12 @@ def test_decode_and_prefill_batch_invariant_cost(tiny_config, tmp_path, capsys):
     """--batch-invariant measures the same model in the mode in the same run and reports its
     time against the normal mode's."""
     d = run(["bench", "decode", "--config", tiny_config, *COMMON, "--batch-size", "2", "--context-len", "24",
-             "--steps", "3", "--no-hf", "--no-compare-sync", "--batch-invariant"], tmp_path / "d.json")
+             "--steps", "3", "--no-hf", "--no-compare-sync", "--batch-invariant",
+             "--profile", str(tmp_path / "prof.txt")], tmp_path / "d.json")
     bi = d["batch_invariant"]
     positive(bi, "ms_per_step", "slowdown")
+    # --profile: each mode's decode steps in their own file.
+    assert all("decode steps" in (tmp_path / name).read_text() for name in ("prof.txt", "prof.batch-invariant.txt"))
     assert bi["slowdown"] == pytest.approx(bi["ms_per_step"] / d["engine"]["ms_per_step"])
     p = run(["bench", "prefill", "--config", tiny_config, *COMMON, "--prompt-len", "32", "--iters", "1",
              "--no-hf", "--batch-invariant"], tmp_path / "p.json")
