@@ -69,14 +69,13 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.launch import sm_count
+from deepinfer.kernels.launch import held_counters, sm_count, tile_counters
 from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
 
 _MIN_DOT = 16              # tl.dot needs every tile side >= 16
 _ONE_LAUNCH_MAX_T = 1      # up to here the finishing program also collapses (one launch)
 _MIN_SPLIT_COLS = 256      # columns of K per program at least: caps the partials to reduce
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -304,15 +303,16 @@ INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
 
 
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses):
+    the launchers' shared set (``launch.tile_counters``), which keeps a superseded set allocated
+    for the CUDA graphs captured with it. None is allocated during capture."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        held = held_counters(device)
+        if held is None or held.numel() < n:
             raise RuntimeError(f"hc_pre: the kernel's {n} block counters must be allocated before CUDA-graph "
                                "capture; run one eager forward with at least as many tokens first")
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+        return held
+    return tile_counters(device, n)
 
 
 def _streams_2d(streams: torch.Tensor, who: str, block_k: int = 1) -> tuple[torch.Tensor, bool]:

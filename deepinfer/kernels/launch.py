@@ -1,6 +1,7 @@
 """What the kernels' launchers share: the device's SM count, by which they size grids and K or
 key splits, and the zeroed tile counters of split-K GEMMs (``fp8_gemm``, the batch-invariant
-matmul), whose last program of a tile adds the slices and zeroes its counter again."""
+matmul) and of ``hyper_connection``'s split reductions, whose last program of a tile adds the
+slices and zeroes its counter again."""
 
 from __future__ import annotations
 
@@ -22,13 +23,23 @@ def sm_count(device: torch.device, interpreter: int = INTERPRETER_SMS) -> int:
     return interpreter
 
 
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def held_counters(device: torch.device) -> torch.Tensor | None:
+    """The current (largest) set of :func:`tile_counters` of ``device``'s current stream, or None:
+    a launcher that may not allocate (during CUDA-graph capture) checks it is large enough."""
+    held = _counters.get(_stream_key(device))
+    return held[-1] if held else None
+
+
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """At least ``tiles`` zeroed int32 counters for split K, one set per (device, stream): GEMMs on
     one stream run one after another, and the last program of each tile zeroes its counter again.
     A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
     with it still uses it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _counters.setdefault((device, stream), [])
+    held = _counters.setdefault(_stream_key(device), [])
     if not held or held[-1].numel() < tiles:
         size = max(tiles, 2 * held[-1].numel() if held else 1024)
         held.append(torch.zeros(size, dtype=torch.int32, device=device))
