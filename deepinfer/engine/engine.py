@@ -290,27 +290,32 @@ class Engine:
     def reset_stats(self) -> None:
         self.stats = EngineStats()
 
+    def persist_tiers(self) -> None:
+        """Write what the KV cache's tiers hold to the disk tier, if there is one (every cached
+        block of the device and host tiers, as far as its budget goes: a restarted engine finds
+        them), and wait for the tiers' pending work. Call it once no step is left to run (the
+        server does as it stops); the engine stays usable."""
+        if isinstance(self.runner, MultiprocExecutor) or self.runner.kv_tiers is None:
+            return
+        if self._in_flight is not None:
+            self._land(self._in_flight)
+            self._in_flight = None
+        self.kv.persist()
+        self.runner.kv_tiers.execute(self.kv.take_tier_ops())
+        self.runner.kv_tiers.close()
+
     def close(self) -> None:
-        """Write what the KV cache's tiers hold to the disk tier, if there is one (every
-        cached block of the device and host tiers, as far as its budget goes: a restarted
-        engine finds them), and wait for the tiers' pending work. Call it once no step is
-        left to run; the engine is not used after: it refuses new requests, and its device memory
-        (the KV cache, CUDA graphs, the model's weights) goes back to the allocator, so another
-        engine can be built in the same process. A parallel engine (which has no tiers) stops its
-        worker processes instead (idempotent)."""
+        """:meth:`persist_tiers`, then the engine is not used after: it refuses new requests, and
+        its device memory (the KV cache, CUDA graphs, the model's weights) goes back to the
+        allocator, so another engine can be built in the same process. A parallel engine (which
+        has no tiers) stops its worker processes instead. Idempotent."""
         if isinstance(self.runner, MultiprocExecutor):
             self.runner.close()
             self.dead = self.dead or "the engine was closed"
             return
         if self.dead == "the engine was closed":
             return
-        if self._in_flight is not None:
-            self._land(self._in_flight)
-            self._in_flight = None
-        if self.runner.kv_tiers is not None:
-            self.kv.persist()
-            self.runner.kv_tiers.execute(self.kv.take_tier_ops())
-            self.runner.kv_tiers.close()
+        self.persist_tiers()
         self.dead = "the engine was closed"
         self.model = None
         self.runner.release()

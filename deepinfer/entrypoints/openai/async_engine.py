@@ -186,8 +186,9 @@ class AsyncEngine:
             self._close()
             if self._dead is None:
                 # The KV cache's tiers go to the disk tier, if any: a restarted server finds them.
+                # The engine itself stays usable (its owner closes it).
                 try:
-                    self.engine.close()
+                    self.engine.persist_tiers()
                 except Exception:
                     logger.exception("writing the KV cache's tiers to disk at shutdown failed")
 
