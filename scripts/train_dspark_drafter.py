@@ -322,12 +322,14 @@ def write(target, drafter) -> None:
 
 # -- evaluation -------------------------------------------------------------------------------
 
-def evaluate(prompts: list[list[int]], device: str = "cpu") -> dict:
+def evaluate(prompts: list[list[int]], device: str = "cpu", profile: str | None = None) -> dict:
     """Greedy generation of each held-out prompt alone, with the drafter verifying a full
     block each step: per-position acceptance (P(slot k accepted) over verifications), tau, and
     output tokens per engine step (the prefill step included); then the same prompts without
     speculation on an engine of the same settings: per-user speed (output tokens / wall time of
-    each request, alone) in both, measured in one run, and that the outputs are equal."""
+    each request, alone) in both, measured in one run, and that the outputs are equal. With
+    ``profile``, one more request of each engine runs under torch.profiler after its timed
+    run: DSpark's to ``profile``, plain decode's to ``profile`` with ``.plain`` before the suffix."""
     import time
 
     from deepinfer import LLM, SamplingParams
@@ -352,26 +354,44 @@ def evaluate(prompts: list[list[int]], device: str = "cpu") -> dict:
                 steps += 1
         return outputs, steps, time.perf_counter() - start
 
+    def profiled(llm: LLM, path: str | None) -> None:
+        if path is None:
+            return
+        from deepinfer.bench.common import profile_to_file
+
+        def one_request() -> None:
+            llm.engine.add_request(prompts[1], params)
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+        profile_to_file(path, f"requests of {EVAL_NEW_TOKENS} tokens", 1, one_request)
+
     spec = LLM(model=str(MODEL_DIR), device=device,
                speculative_config={"method": "dspark", "num_speculative_tokens": g})
     spec_out, steps, spec_s = run(spec)
     stats = spec.engine.scheduler.spec_stats
+    graph_steps = {"verify_graph_steps": spec.engine.runner.verify_graph_steps,
+                   "drafter_graph_steps": spec.engine.runner.drafter_graph_steps}
+    profiled(spec, profile)
     spec.close()        # frees its KV cache and graphs for the next engine
     with LLM(model=str(MODEL_DIR), device=device) as plain:
         plain_out, _, plain_s = run(plain)
+        if profile is not None:
+            path = Path(profile)
+            profiled(plain, str(path.with_name(f"{path.stem}.plain{path.suffix}")))
     tokens = len(prompts) * EVAL_NEW_TOKENS
     per_pos = [a / stats.num_drafts for a in stats.accepted_per_pos] + [0.0] * (g - len(stats.accepted_per_pos))
     result = {"prompts": len(prompts), "new_tokens": EVAL_NEW_TOKENS, "device": device,
               "verifications": stats.num_drafts, "acceptance_rate": stats.acceptance_rate,
               "accepted_per_position": per_pos, "tau": stats.mean_committed, "tokens_per_step": tokens / steps,
               "per_user_tok_s": tokens / spec_s, "per_user_tok_s_without": tokens / plain_s,
-              "outputs_equal": spec_out == plain_out}
+              "outputs_equal": spec_out == plain_out, **graph_steps}
     print(f"held-out eval on {device} ({len(prompts)} prompts x {EVAL_NEW_TOKENS} tokens, greedy, each alone, "
           f"num_speculative_tokens={g}): tau {result['tau']:.3f}, acceptance {result['acceptance_rate']:.3f}, "
           f"per position [{' '.join(f'{a:.3f}' for a in per_pos)}], tokens/step {result['tokens_per_step']:.3f}; "
           f"per-user {result['per_user_tok_s']:.1f} tok/s with DSpark, {result['per_user_tok_s_without']:.1f} "
           f"without ({result['per_user_tok_s'] / result['per_user_tok_s_without']:.2f}x); outputs equal: "
-          f"{result['outputs_equal']}", flush=True)
+          f"{result['outputs_equal']}; steps whose verification / drafter forward replayed a CUDA graph: "
+          f"{graph_steps['verify_graph_steps']} / {graph_steps['drafter_graph_steps']} of {steps}", flush=True)
     return result
 
 
@@ -386,6 +406,8 @@ def main() -> None:
     parser.add_argument("--eval-only", action="store_true", help="only measure the written drafter")
     parser.add_argument("--eval-device", default="cpu", help="where the evaluation runs (cpu, cuda)")
     parser.add_argument("--eval-json", default=None, help="also write the evaluation as JSON to this path")
+    parser.add_argument("--eval-profile", default=None,
+                        help="profile one more request with DSpark (to this text file) and without (NAME.plain.EXT)")
     args = parser.parse_args()
 
     t0 = time.time()
@@ -404,7 +426,7 @@ def main() -> None:
         train(target, drafter, stream, args.steps, args.windows, args.seq_len, args.anchors, args.lr)
         print(f"training took {time.time() - t0:.1f}s", flush=True)
         write(target, drafter)
-    result = evaluate(prompts, args.eval_device)
+    result = evaluate(prompts, args.eval_device, args.eval_profile)
     if args.eval_json:
         Path(args.eval_json).write_text(json.dumps(result, indent=2))
     print(f"wall time {time.time() - t0:.1f}s", flush=True)

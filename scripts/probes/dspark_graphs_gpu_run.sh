@@ -34,8 +34,9 @@ for mode in ${CURVE_MODES:-drafter-graphs}; do
 done
 # 3. The embedded model with its trained drafter, each held-out prompt alone, DSpark against plain
 #    decode in one run: tau and per-user speed on the GPU (the drafter's graphs on by default).
-timeout 150 python3 scripts/train_dspark_drafter.py --eval-only --eval-device cuda > "$OUT/embedded_eval.log" 2>&1
-echo "embedded eval exit $?"; tail -12 "$OUT/embedded_eval.log"
+timeout 150 python3 scripts/train_dspark_drafter.py --eval-only --eval-device cuda \
+    --eval-profile "$OUT/embedded_profile.txt" > "$OUT/embedded_eval.log" 2>&1
+echo "embedded eval exit $?"; tail -12 "$OUT/embedded_eval.log"; head -3 "$OUT/embedded_profile.txt" "$OUT/embedded_profile.plain.txt"
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
