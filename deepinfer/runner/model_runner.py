@@ -218,10 +218,10 @@ class ModelRunner:
         is not used after (``Engine.close``)."""
         self.decode_graphs = self.draft_graphs = None
         self._last_sampled = self._last_handle = self._prev_end = None
-        self.drafter = None
         for layer in self.kv_cache_layers():
             layer.kv_cache = None
-        self.kv_buffer = None
+        self.kv_buffer = self.kv_tiers = None         # the tiers' store holds the buffer too
+        self.drafter = None
         self.model = None
         gc.collect()
         if self.device.type == "cuda":
