@@ -159,18 +159,20 @@ def topk_slots(scores: torch.Tensor, slots: torch.Tensor, topk: int) -> torch.Te
     """[T, min(topk, N)] slots of each row's ``topk`` best scores, -1 where the score is -inf
     (see :func:`reference.topk_slots`; the Triton path keeps the same set in candidate order,
     which attention does not depend on)."""
-    if use_triton(scores) and not batch_invariant.enabled():
+    invariant = batch_invariant.enabled()
+    if use_triton(scores):
         from deepinfer.kernels.topk import MAX_CANDIDATES
         from deepinfer.kernels.topk import topk_slots as kernel
-        if slots.shape[1] <= topk:
+        if slots.shape[1] <= topk and not invariant:
             # Every candidate is kept (short contexts, decode buckets): no sort.
             return torch.where(scores > float("-inf"), slots, -1)
         if slots.shape[1] <= MAX_CANDIDATES:
             return kernel(scores, slots, topk)
-    # Batch-invariant mode: a row's selection must not depend on how many candidates its step
-    # padded it to, so ties go to the earliest candidate, and the slots come by descending
-    # score whatever the width (the kernel and the all-kept shortcut keep candidate order).
-    return reference.topk_slots(scores, slots, topk, earliest_ties=batch_invariant.enabled())
+    # Batch-invariant mode: a row's selection and the order attention sums it in must not
+    # depend on how many candidates its step padded it to: ties go to the earliest candidate
+    # and the kept slots come compacted in candidate order (the kernel's output; the all-kept
+    # shortcut above leaves a masked candidate's place empty, so the mode takes the kernel).
+    return reference.topk_slots(scores, slots, topk, earliest_ties=invariant, candidate_order=invariant)
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

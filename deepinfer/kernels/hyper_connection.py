@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.launch import held_counters, sm_count, tile_counters
+from deepinfer.kernels.launch import sm_count, tile_counters
 from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
 
@@ -304,14 +304,9 @@ INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
 
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
     """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses):
-    the launchers' shared set (``launch.tile_counters``), which keeps a superseded set allocated
-    for the CUDA graphs captured with it. None is allocated during capture."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        held = held_counters(device)
-        if held is None or held.numel() < n:
-            raise RuntimeError(f"hc_pre: the kernel's {n} block counters must be allocated before CUDA-graph "
-                               "capture; run one eager forward with at least as many tokens first")
-        return held
+    the current stream's shared set (``launch.tile_counters``), which keeps a superseded set
+    allocated for the CUDA graphs captured with it. A capture stream gets its own set, allocated
+    (and zeroed) within the capture the first time, as the split-K GEMMs' are."""
     return tile_counters(device, n)
 
 

@@ -343,12 +343,19 @@ def topk_slots(
     slots: torch.Tensor,           # [T, N] candidate slots
     topk: int,
     earliest_ties: bool = False,
+    candidate_order: bool = False,
 ) -> torch.Tensor:                 # [T, min(topk, N)] by descending score, -1 where fewer are visible
     """The slots of each row's ``topk`` largest scores (torch.topk, ties in its order; with
-    ``earliest_ties``, ties broken by the earliest candidate: :func:`topk_earliest`)."""
+    ``earliest_ties``, ties broken by the earliest candidate: :func:`topk_earliest`). With
+    ``candidate_order`` the kept slots come in candidate order instead, then the -1s: the
+    Triton kernel's output (``kernels/topk.py``), whatever the row's padded width."""
     k = min(topk, slots.shape[1])
     best, idx = topk_earliest(scores, k) if earliest_ties else scores.topk(k, dim=-1)
-    return torch.where(best > float("-inf"), slots.gather(1, idx), -1)
+    kept = best > float("-inf")
+    if candidate_order:
+        order = torch.where(kept, idx, idx + slots.shape[1]).argsort(dim=-1)
+        idx, kept = idx.gather(1, order), kept.gather(1, order)
+    return torch.where(kept, slots.gather(1, idx), -1)
 
 
 def mla_decode(

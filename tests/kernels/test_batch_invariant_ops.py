@@ -345,8 +345,9 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
     from tests.kernels.test_hyper_connection import weights
 
     gen = torch.Generator().manual_seed(6)
-    h, e, k, i, n = 64, 8, 2, 32, 4
+    h, e, k, i, n = 512, 8, 2, 32, 4          # 512: the router takes two ranges of H
     router_w = torch.randn(e, h, generator=gen).to(device)
+    assert router_config(router_w).split_k == 2
     gate_up = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).to(device)
     down = (torch.randn(e, h, i, generator=gen) * 0.1).to(device)
     fn, base, scale = weights(n, h // n, (2 + n) * n, gen, device)

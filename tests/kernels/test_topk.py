@@ -121,6 +121,30 @@ def test_topk_slots_ties(device):
         assert sorted(out[row].tolist()) == sorted(slots[row, :topk].tolist())
 
 
+def test_topk_slots_candidate_order_reference(device):
+    """The reference's ``candidate_order`` output (batch-invariant mode past the kernel's
+    width) equals the kernel's exactly, ties and holes included, and a row's kept slots sit at
+    the same places whatever its padded width (trailing -inf columns) and topk >= its count."""
+    gen = torch.Generator().manual_seed(8)
+    t, n, topk = 6, 90, 16
+    scores = torch.randint(-3, 4, (t, n), generator=gen).float()                    # many ties
+    scores[1, ::3] = NEG_INF                                                         # holes
+    scores[2, 10:] = NEG_INF                                                         # 10 visible
+    scores[3] = random_scores(1, n, gen)[0]
+    slots = candidate_slots(t, n, gen, torch.int64)
+    ref = reference.topk_slots(scores, slots, topk, earliest_ties=True, candidate_order=True)
+    assert torch.equal(topk_slots(scores.to(device), slots.to(device), topk).cpu(), ref)
+    padded = reference.topk_slots(torch.cat([scores, torch.full((t, 40), NEG_INF)], dim=1),
+                                  torch.cat([slots, candidate_slots(t, 40, gen, torch.int64) + 4 * n], dim=1),
+                                  topk, earliest_ties=True, candidate_order=True)
+    assert torch.equal(padded, ref)
+    wide = reference.topk_slots(scores[2:3], slots[2:3], 64, earliest_ties=True, candidate_order=True)
+    assert torch.equal(wide[:, :10], ref[2:3, :10]) and (wide[:, 10:] == -1).all()
+    by_score = reference.topk_slots(scores, slots, topk, earliest_ties=True)
+    assert torch.equal(by_score.sort(dim=1).values, ref.sort(dim=1).values)
+    assert not torch.equal(by_score, ref)
+
+
 def test_topk_slots_nan_is_invisible(device):
     gen = torch.Generator().manual_seed(5)
     n, topk = 40, 8
