@@ -1219,7 +1219,10 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
     rounded to nearest even.
     """
     blocks = _blocks(x, group)                                             # [M, K/group, group]
-    s = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / 448.0
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4)
+    # A tensor divisor: torch divides by a Python scalar on CUDA as a product with its reciprocal
+    # (one ulp off the quotient at times), by a tensor correctly rounded, as the kernels do.
+    s = amax / torch.full_like(amax, 448.0)
     if pow2_scale:
         # ceil(log2(s)) exactly: s = m * 2^e with m in [0.5, 1), so it is e, or e - 1 when m = 0.5.
         m, e = torch.frexp(s)

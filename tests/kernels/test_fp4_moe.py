@@ -28,8 +28,10 @@ from .test_fused_moe import make_experts, make_routing
 
 ON_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
+# bf16: the kernel rounds the intermediate to bf16 before the down projection (2^-6 relative, up to
+# 0.06 at the clamp 7), the reference keeps it in float32 (an H100 run: 0.0117 at one element).
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float16: {"rtol": 1e-2, "atol": 2e-3},
-       torch.bfloat16: {"rtol": 2e-2, "atol": 1e-2}}
+       torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
 
 
 def quantised(gate_up: torch.Tensor, down: torch.Tensor, scale_format: str):
@@ -109,9 +111,15 @@ def test_fp4_moe_fp8_dots_match_their_reference(act_group, groups, t, config, sc
     out = fp4_moe(x, *weights, topk_weights, ids, 7.0, config=config, kernel=kernel)
     ref = reference.fp4_moe_experts_fp8(x, *weights, topk_weights, ids, 7.0, act_group, scale_format == "ue8m0")
     assert not out.isnan().any()
-    # A float32 act that lands on the other side of an e4m3 rounding boundary moves one element by
-    # an e4m3 step; the rest is accumulation order.
-    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    # A float32 act that lands on the other side of an e4m3 rounding boundary moves one element of
+    # the intermediate by an e4m3 step, and with it its token's whole output row a little; the rest
+    # is accumulation order (and on CUDA the FP8 MMA's ~14-bit running sum, which moves more acts
+    # across a boundary: 1 to 3 tokens of 96 on an H100).
+    err = (out - ref).abs()
+    scale = ref.abs().max().item()
+    off_rows = (err > 1e-3 * scale + 1e-3 * ref.abs()).any(dim=1)
+    assert off_rows.float().mean().item() <= 0.05, f"{int(off_rows.sum())} of {t} tokens off"
+    assert err.max().item() < 2 ** -6 * scale
     exact = reference.fp4_moe_experts(x, *weights, topk_weights, ids, 7.0)
     assert 0.005 < rel_err(out, exact) < 0.1
 

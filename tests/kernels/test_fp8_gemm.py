@@ -22,6 +22,11 @@ from deepinfer.models.quant import dequant_fp8_block, quant_fp8_block
 from .conftest import capture
 
 ON_CUDA = torch.cuda.is_available()
+# Hopper's FP8 tensor-core MMA keeps about 14 bits of its running sum (DeepSeek-V3 report, 3.3.2), so
+# on CUDA a float32 result meets the float32 reference to a few 2^-14 of the sums, not to float32
+# rounding (measured on an H100: 2^-12.3 of the largest output at K = 256); the interpreter sums in
+# float32.
+F32_TOL = 2 ** -11 if ON_CUDA else 1e-5
 FORMATS = [((128, 128), "float32"), ((32, 32), "ue8m0")]
 
 
@@ -66,7 +71,8 @@ def test_fp8_block_gemm_matches_reference(m, n, block, scale_format, device):
         out = fp8_block_gemm(xq, xs, w, ws, block, dtype)
         ref = reference.fp8_block_gemm(xq, xs, w, ws, block, dtype)
         assert out.dtype == dtype and out.shape == (m, n)
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
+        tol = ({"rtol": F32_TOL, "atol": F32_TOL * ref.abs().max().item()} if dtype == torch.float32
+               else {"rtol": 1e-3, "atol": 1e-3})
         torch.testing.assert_close(out, ref, **tol)
 
 
@@ -141,10 +147,12 @@ def test_grouped_linear_matches_reference(m, groups, npg, k, split, block, scale
     got = fp8_linear(x, w, ws, block, 128, pow2, split=split, groups=groups)
     assert got.shape == (m, groups, npg)
     ref = reference.fp8_linear(x, w, ws, block, 128, pow2, groups=groups)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(got, ref, rtol=F32_TOL, atol=F32_TOL * ref.abs().max().item())
     want = reference.fp8_linear(x.float(), w, ws, block, 128, pow2)                   # every group x every row
     for g in range(groups):
-        torch.testing.assert_close(ref[:, g], want[:, g, g * npg:(g + 1) * npg], rtol=1e-5, atol=1e-6)
+        # Two float32 products of other shapes: cuBLAS may sum them in another order.
+        torch.testing.assert_close(ref[:, g], want[:, g, g * npg:(g + 1) * npg], rtol=1e-5,
+                                   atol=1e-5 * want.abs().max().item())
     fused = fp8_linear(x, w, ws, block, 128, pow2, split=split, groups=groups, fuse_max_m=m)
     assert torch.equal(fused, got)
     with pytest.raises(ValueError, match="groups=3"):
