@@ -86,6 +86,7 @@ def test_deepseek_v4_engine_matches_hf(v4_dir):
     assert ("compressed", 4) in kinds and ("compressed", 8) in kinds and ("sliding", 1) in kinds
 
 
+@pytest.mark.slow      # 70 s on 2 cores; V4 preemption stays in tests/unit/test_batch_invariant.py (tiny-v4)
 def test_deepseek_v4_engine_preemption(v4_dir):
     # Short prompts admitted together, then long generations: the compressed groups
     # grow until the pool runs out and sequences are preempted and recomputed.

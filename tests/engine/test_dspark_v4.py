@@ -89,7 +89,8 @@ def test_seeded_sampling_with_v4_dspark_equals_without(bigram_ckpt):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
+@pytest.mark.parametrize("settings", [pytest.param(v, id=k, marks=() if k == "default" else pytest.mark.slow)
+                                      for k, v in SETTINGS.items()])
 def test_engine_drafts_equal_the_module_standalone(random_ckpt, settings):
     """Every proposal (its context rows written by the target's steps into the paged cache,
     through chunked prefill, page boundaries and prefix hits) equals the drafter module's from

@@ -177,7 +177,7 @@ def test_hc_post_matches_reference(t, n, d, dtype, device, poison_empty):
     torch.testing.assert_close(out, ref, **TOL[dtype])
 
 
-@pytest.mark.parametrize("t,d,dtype", [(1, 256, F32), (6, 64, F32), (40, 64, BF16), (300, 128, F32),
+@pytest.mark.parametrize("t,d,dtype", [(1, 256, F32), (6, 64, F32), (40, 64, BF16), pytest.param(300, 128, F32, marks=pytest.mark.slow),
                                        (300, 128, BF16)])
 def test_stream_copies_read_as_one_row(t, d, dtype, device, poison_empty):
     """The first layer's streams are n copies of the embedding (an ``expand``: stream stride 0):

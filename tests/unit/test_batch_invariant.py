@@ -114,7 +114,9 @@ CHECKPOINTS = {"embedded-v41": (None, {}),
                "tiny-v4": (str(DATA / "tiny-v4-model"), {})}
 
 
-@pytest.mark.parametrize("name", CHECKPOINTS)
+# The embedded V4.1 (35 s on 2 cores) only in the slow run: reference-v41 covers V4.1 by default.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "embedded-v41" else n
+                                  for n in CHECKPOINTS])
 def test_deepseek_checkpoints(name):
     """Alone, inside a batch, chunked, after a prefix-cache hit and after preemption: the
     needle's greedy tokens, logprobs and prompt logprobs are bitwise the same."""
@@ -203,7 +205,7 @@ def test_refused_where_not_built(monkeypatch):
         batch_invariant.check_supported(torch.device("cpu"), "GPT2LMHeadModel")
 
 
-@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("varlen", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_speculative_decoding_in_the_mode(varlen):
     """With DSpark drafts, a seeded request's tokens and logprobs are bitwise the same alone,
     in a batch, and without speculation: verification is exact match against the sampler's
