@@ -50,11 +50,11 @@ Small T spreads K over many programs (at least 256 columns each) so that
 ``fn`` is read in parallel; large T uses bigger token blocks so ``fn`` is
 re-read less from L2 (32 x 1.5 MiB at T=4096).
 
-The counters live in one zeroed int32 buffer per device that the finishing
-program resets, so a launch needs no memset and replays under a CUDA graph. Two
-launches that share a device must therefore not run concurrently on different
-streams. The buffer is allocated on first use, which must not happen during
-graph capture (run the model eagerly once first, as warm-up does anyway).
+The counters live in the launchers' zeroed int32 set of the current stream
+(``launch.tile_counters``, shared with the split-K GEMMs) that the finishing
+program resets, so a launch needs no memset and replays under a CUDA graph;
+launches on one stream run one after another. A CUDA-graph capture stream gets
+its own set, allocated and zeroed within the first capture.
 
 **post** is one elementwise launch: for each token and D tile,
 ``out_k = post_k * block_out + sum_j comb[j, k] * s_j`` in float32.
