@@ -67,6 +67,7 @@ DEEPINFER_YOCO_PREFILL_KEEP_TOKENS  int >= 1  (default 140)
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Literal, get_args
 
@@ -77,8 +78,14 @@ PREFILL_TRUNCATION_MODES: tuple[str, ...] = get_args(PrefillTruncationMode)
 
 
 def kernel_backend() -> KernelBackend:
-    """DEEPINFER_KERNEL_BACKEND (see the module docstring)."""
-    value = os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto").strip().lower()
+    """DEEPINFER_KERNEL_BACKEND (see the module docstring). Read at every kernel call (eager
+    steps make ~150), so the parse of each raw value is remembered."""
+    return _kernel_backend(os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto"))
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_backend(raw: str) -> KernelBackend:
+    value = raw.strip().lower()
     if value not in get_args(KernelBackend):
         raise ValueError(f"DEEPINFER_KERNEL_BACKEND={value!r} is not valid; choose one of "
                          f"{', '.join(get_args(KernelBackend))}")

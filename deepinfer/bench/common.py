@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from deepinfer import env
 from deepinfer.bench.args import apply_device_defaults
 from deepinfer.bench.fit import check_fits
 from deepinfer.bench.floors import (DeepseekCost, DeepseekV4Cost, DeepseekV41Cost, measure_hbm_bandwidth,
@@ -382,6 +383,11 @@ def profile_to_file(path: str, label: str, units: int, work) -> None:
     with open(path, "w") as f:
         f.write(f"{label}: {launches / units:.0f} kernels/unit, {total_us / units / 1e3:.3f} ms kernel "
                 "time/unit\n")
+        if cuda and env.pdl_enabled():
+            # A PDL kernel is launched while the one before it runs and waits inside for it, so
+            # the profiler's duration of a kernel after a long one holds that one's time too.
+            f.write("PDL on: a kernel's time includes its wait for the kernel before it (the sum can pass "
+                    "the step time); DEEPINFER_PDL=0 gives per-kernel times\n")
         f.write(kernel_split(kernels, units) + "\n\n")
         f.write(events.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=60,
                              max_name_column_width=90))
