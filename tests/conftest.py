@@ -23,8 +23,16 @@ def _row_invariant_interpreter_dot() -> None:
     multiplied by ``np.einsum`` without BLAS instead: each output element summed over K in order
     in float32, whatever its row or the operands' layout."""
     import numpy as np
+    import triton
     from triton.runtime import interpreter
 
+    needed = ("InterpreterBuilder", "TensorHandle", "_convert_float")
+    missing = [name for name in needed if not hasattr(interpreter, name)]
+    if missing or not hasattr(getattr(interpreter, "InterpreterBuilder", None), "create_dot"):
+        raise RuntimeError(f"tests/conftest.py replaces the Triton interpreter's tl.dot, but triton "
+                           f"{triton.__version__} lacks {missing or ['InterpreterBuilder.create_dot']}: "
+                           "adapt _row_invariant_interpreter_dot to this version (the batch-invariance "
+                           "tests need a row-invariant dot in the interpreter)")
     builder = interpreter.InterpreterBuilder
     blas_dot = builder.create_dot
 
