@@ -16,12 +16,11 @@ launchers. What does not: choosing which weights are FP8 or quantising them (``m
   in float32 (DeepSeek's fp8_gemm does the same with 128-wide steps). V4's 128 x 128 weight
   scales give 128-wide steps; V4.1's 32 x 32 ones 32-wide steps, the narrowest FP8 MMA, with
   one activation scale spanning four of them.
-* Fused (``fp8_linear`` up to ``fuse_max_m`` tokens, :data:`FUSE_MAX_M`): the GEMM reads the
-  16/32-bit activations and quantises each group itself, with the act-quant kernel's own
-  arithmetic (the same jitted helpers), so the result is bit for bit the two-launch one; one
-  launch fewer per linear, at the price of every N-tile quantising the M x K activations again
-  (measured slower than two launches even at one token, so off by default). A group wider than the K step is scaled once, then reloaded (a cache
-  hit) per step.
+* Two launches, not one: quantising the activations inside the GEMM saves a launch but makes
+  every N-tile quantise the M x K activations again; on an H100 at the V4-Flash projections that
+  took 15-190 us at M = 1 against 5-14 us for the act-quant launch plus the GEMM
+  (``scripts/probes/fp8_gemm_variants.py``; the fused variant is in this file's git history), so
+  the GEMM reads e4m3 codes.
 * Split K (grid M-tiles x N-tiles x S): when the output tiles alone leave SMs idle (decode at
   N = 512 / 1024; up to 16 rows, up to two waves of programs), S slices of K (:func:`pick_split`, a power of two dividing the groups) each
   store a float32 partial; the tile's last slice to finish (an int32 counter per tile, taken
@@ -140,8 +139,7 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
                  stride_a, stride_as, stride_w, stride_ws, stride_out, stride_part,
                  GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FUSED: tl.constexpr = False, POW2: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-                 GROUP_N: tl.constexpr = 0, PDL: tl.constexpr = False):
+                 SPLIT: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if GROUP_N > 0:
@@ -149,8 +147,7 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
         # activation columns [g * k, (g + 1) * k) (a tile lies in one group: GROUP_N % BLOCK_N == 0).
         grp = (pid_n * BLOCK_N // GROUP_N).to(tl.int64)
         a_ptr += grp * k
-        if not FUSED:
-            as_ptr += grp * (k // GROUP)
+        as_ptr += grp * (k // GROUP)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                            # [BLOCK_M] of M
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)                            # [BLOCK_N] of N
     row_ok, col_ok = rows < m, cols < n
@@ -164,34 +161,13 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
     as_ptrs = as_ptr + rows.to(tl.int64) * stride_as                         # [BLOCK_M]
     ws_ptrs = ws_ptr + (cols // WBN).to(tl.int64) * stride_ws                # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if FUSED and GROUP > BLOCK_K:
-        # A group spans GROUP / BLOCK_K steps: its scale from the whole group [BLOCK_M, GROUP],
-        # then each step's slice reloaded (a cache hit; register tensors cannot be sliced along K).
-        g_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + (s0 * BLOCK_K + tl.arange(0, GROUP))[None, :]
-        for g in range(s0 // (GROUP // BLOCK_K), (s0 + steps) // (GROUP // BLOCK_K)):
-            xg = tl.load(g_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            sa = _group_scale(tl.max(tl.abs(xg), axis=1), POW2)
-            g_ptrs += GROUP
-            for j in tl.static_range(GROUP // BLOCK_K):
-                x = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                k0 = g * GROUP + j * BLOCK_K
-                acc = _scaled_step(acc, _quant_codes(x, sa[:, None]), sa, w_ptrs, ws_ptrs + k0 // WBK, col_ok, W_E8M0)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-    else:
-        for step in range(s0, s0 + steps):
-            k0 = step * BLOCK_K
-            if FUSED:
-                # _act_quant_kernel's arithmetic on the same values: the same scales and codes.
-                x = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-                sa = _group_scale(tl.max(tl.abs(x), axis=1), POW2)
-                a = _quant_codes(x, sa[:, None])
-            else:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                sa = tl.load(as_ptrs + k0 // GROUP, mask=row_ok, other=0.0)
-            acc = _scaled_step(acc, a, sa, w_ptrs, ws_ptrs + k0 // WBK, col_ok, W_E8M0)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+    for step in range(s0, s0 + steps):
+        k0 = step * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        sa = tl.load(as_ptrs + k0 // GROUP, mask=row_ok, other=0.0)
+        acc = _scaled_step(acc, a, sa, w_ptrs, ws_ptrs + k0 // WBK, col_ok, W_E8M0)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     out_mask = row_ok[:, None] & col_ok[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     if SPLIT == 1:
@@ -211,13 +187,6 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
-
-FUSE_MAX_M = 0
-"""fp8_linear quantises the activations inside the GEMM up to this many tokens (one launch instead
-of two, every N-tile quantising its M x K activations again). Off: on an H100 at the V4-Flash
-projections the fused GEMM took 15-190 us at M = 1 where the act-quant launch plus the GEMM took
-5-14 us (``scripts/probes/fp8_gemm_variants.py``); the per-tile quantisation costs more than the
-launch it saves."""
 
 MAX_SPLIT = 8
 """The most K slices a small-N GEMM is split into."""
@@ -284,12 +253,12 @@ def _k_step(group: int, block_k: int) -> int:
     return step
 
 
-def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: torch.Tensor,
-          block: tuple[int, int], group: int, pow2_scale: bool, out_dtype: torch.dtype, invariant: bool,
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
+          block: tuple[int, int], group: int, out_dtype: torch.dtype, invariant: bool,
           split: int | None, tiles: tuple[int, int, int, int] | None, groups: int = 1) -> torch.Tensor:
-    """The GEMM launch: ``a`` e4m3 with ``a_scale``, or (``a_scale`` None) 16/32-bit activations
-    quantised per group inside the kernel. ``groups`` > 1: a [M, groups * K] against the
-    block-diagonal weight w [N, K] whose g-th N / groups rows read a's g-th K columns."""
+    """The GEMM launch: ``a`` e4m3 with ``a_scale`` (one per ``group`` inputs). ``groups`` > 1: a
+    [M, groups * K] against the block-diagonal weight w [N, K] whose g-th N / groups rows read a's
+    g-th K columns."""
     m, k = a.shape[0], a.shape[1] // groups
     n = w.shape[0]
     block_k = _k_step(group, block[1])
@@ -307,12 +276,11 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, ws: to
         raise ValueError(f"fp8_gemm: split={split} must be a power of two dividing the K/group={chunks} groups")
     part = torch.empty(split, m, n, dtype=torch.float32, device=a.device) if split > 1 else out
     counts = tile_counters(a.device, m_tiles * n_tiles) if split > 1 else out
-    fused = a_scale is None
     _gemm_kernel[(m_tiles, n_tiles, split)](
-        a, a if fused else a_scale, w, ws, out, part, counts, m, n, k,
-        a.stride(0), 0 if fused else a_scale.stride(0), w.stride(0), ws.stride(0), out.stride(0), m * n,
+        a, a_scale, w, ws, out, part, counts, m, n, k,
+        a.stride(0), a_scale.stride(0), w.stride(0), ws.stride(0), out.stride(0), m * n,
         GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, FUSED=fused, POW2=pow2_scale, SPLIT=split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT=split,
         GROUP_N=n // groups if groups > 1 else 0, num_warps=warps, num_stages=stages, **pdl.flags(a.device))
     return out
 
@@ -341,16 +309,15 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
     _check_weight(w, ws, block, k)
     if xs.dim() != 2 or xs.shape[0] != m or xs.shape[1] == 0 or k % xs.shape[1]:
         raise ValueError(f"fp8_gemm: activation scales must be [M={m}, K/group], got {tuple(xs.shape)}")
-    return _gemm(xq, xs, w, ws, block, k // xs.shape[1], False, out_dtype, invariant, split, tiles)
+    return _gemm(xq, xs, w, ws, block, k // xs.shape[1], out_dtype, invariant, split, tiles)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
                group: int = 128, pow2_scale: bool = False, invariant: bool = False, *,
-               fuse_max_m: int = FUSE_MAX_M, split: int | None = None,
+               split: int | None = None,
                tiles: tuple[int, int, int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
-    in x's dtype; see :func:`reference.fp8_linear`. Up to ``fuse_max_m`` tokens the quantisation
-    runs inside the GEMM (bit for bit the same result); ``split`` and ``tiles`` as
+    in x's dtype; see :func:`reference.fp8_linear`. ``split`` and ``tiles`` as
     :func:`fp8_block_gemm`. ``groups`` > 1: a block-diagonal weight (DeepSeek-V4's grouped
     ``wo_a``), x [..., groups, K] -> [..., groups, N / groups], group g's inputs times w's g-th
     N / groups rows, in one launch."""
@@ -366,13 +333,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
         x2 = x2.contiguous()
     _check_group(group, k)
     _check_weight(w, ws, block, k)
-    if x2.shape[0] <= fuse_max_m:
-        out = _gemm(x2, None, w, ws, block, group, pow2_scale, x.dtype, invariant, split, tiles, groups)
-    else:
-        # Groups of ``group`` inputs never straddle two weight groups (K is a multiple of them), so
-        # the whole row quantises as each group's inputs would.
-        xq, xs = fp8_act_quant(x2, group, pow2_scale)
-        out = _gemm(xq, xs, w, ws, block, group, False, x.dtype, invariant, split, tiles, groups)
+    # Groups of ``group`` inputs never straddle two weight groups (K is a multiple of them), so
+    # the whole row quantises as each group's inputs would.
+    xq, xs = fp8_act_quant(x2, group, pow2_scale)
+    out = _gemm(xq, xs, w, ws, block, group, x.dtype, invariant, split, tiles, groups)
     if groups > 1:
         return out.view(*x.shape[:-1], w.shape[0] // groups)
     return out.view(*x.shape[:-1], w.shape[0])

@@ -1,7 +1,6 @@
 """FP8 block-scaled GEMM launch variants at DeepSeek-V4-Flash decode shapes (M = 1, 16, 64) and one
-prefill shape (M = 4096): today's two launches (``fp8_act_quant`` then the GEMM, default tiles, no
-split) against the GEMM that quantises its activations itself (fused) and split K (S = 1, 2, 4, 8),
-then BLOCK_N / num_warps / num_stages around the best of those; a bf16 ``x @ w.T`` of the same
+prefill shape (M = 4096): ``fp8_act_quant`` then the GEMM, unsplit and split K (S = 2, 4, 8) at the
+default tiles, then BLOCK_N / num_warps / num_stages around the best of those; a bf16 ``x @ w.T`` of the same
 shape for the bytes comparison. Each line: µs per call as CUDA-event medians of single launches
 (``ev``) and as CUDA-graph replays (``graph``, no launch gaps), the weight bytes, GB/s from the
 graph time, and the largest absolute difference from the float32 reference (``BAD`` past 1% of
@@ -128,33 +127,29 @@ class Case:
         self.name, self.m, self.n, self.k, self.fmt = f"{name} M={m} N={n} K={k} {fmt}", m, n, k, fmt
         self.wbytes = wq.numel() + ws.numel() * ws.element_size()
 
-    def linear(self, fused: bool | None = None, **kw):
-        if fused is not None:
-            kw["fuse_max_m"] = self.m if fused else 0
+    def linear(self, **kw):
         return lambda: fp8_gemm.fp8_linear(self.x, self.wq, self.ws, self.block, 128, self.pow2, **kw)
 
     def first_pass(self) -> None:
-        """Today's two launches, fused x split at the default tiles, the defaults, the bf16 GEMM."""
-        measure(self.name, "two launches (today)", self.linear(False, split=1), self.ref, self.wbytes)
+        """Unsplit, each split at the default tiles, the defaults, the bf16 GEMM."""
+        measure(self.name, "quant+gemm S=1", self.linear(split=1), self.ref, self.wbytes)
         default = fp8_gemm.pick_tiles(self.m, self.n)
         if self.m <= 64:
-            for fused in (False, True):
-                for split in (1, 2, 4, 8):
-                    if (self.k // 128) % split or (not fused and split == 1):
-                        continue
-                    label = f"{'fused' if fused else 'quant+gemm'} S={split} tiles={default}"
-                    measure(self.name, label, self.linear(fused, split=split, tiles=default), self.ref, self.wbytes)
+            for split in (2, 4, 8):
+                if (self.k // 128) % split:
+                    continue
+                label = f"quant+gemm S={split} tiles={default}"
+                measure(self.name, label, self.linear(split=split, tiles=default), self.ref, self.wbytes)
         measure(self.name, "auto (fp8_linear defaults)", self.linear(), self.ref, self.wbytes)
         if self.fmt == "f32":
             wb = dequant_fp8_block(self.wq, self.ws, self.block).to(torch.bfloat16)
             measure(self.name, "bf16 x @ w.T (2 bytes a weight)", lambda: self.x @ wb.t(), None, wb.numel() * 2)
 
     def tile_sweep(self) -> None:
-        """BLOCK_N, num_warps, num_stages around the first pass's best fused / split choice."""
+        """BLOCK_N, num_warps, num_stages around the first pass's best split."""
         if self.name not in BEST or self.m > 64:
             return
         label = BEST[self.name][1]
-        fused = label.startswith("fused")
         split = int(label.split("S=")[1].split()[0]) if "S=" in label else 1
         default = fp8_gemm.pick_tiles(self.m, self.n)
         for bn in (16, 32, 64, 128):
@@ -162,13 +157,13 @@ class Case:
                 tiles = (default[0], bn, warps, stages)
                 if tiles == default or bn > max(16, triton.next_power_of_2(self.n)):
                     continue
-                measure(self.name, f"{'fused' if fused else 'quant+gemm'} S={split} tiles={tiles}",
-                        self.linear(fused, split=split, tiles=tiles), self.ref, self.wbytes)
+                measure(self.name, f"quant+gemm S={split} tiles={tiles}",
+                        self.linear(split=split, tiles=tiles), self.ref, self.wbytes)
 
 
 def main() -> None:
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "CPU (interpreter)"
-    print(f"# {dev}; SMs {sm_count(torch.device(DEV))}; FUSE_MAX_M {fp8_gemm.FUSE_MAX_M}", flush=True)
+    print(f"# {dev}; SMs {sm_count(torch.device(DEV))}", flush=True)
     cases = [Case(name, m, n, k, "f32") for m in DECODE_M for name, n, k in SHAPES]
     cases += [Case(SHAPES[0][0], m, *SHAPES[0][1:], "e8m0") for m in DECODE_M]
     prefill = SHAPES[-2] if len(SHAPES) > 2 else SHAPES[0]

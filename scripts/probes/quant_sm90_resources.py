@@ -22,18 +22,17 @@ from deepinfer.kernels import fp4_moe, fp8_gemm  # noqa: E402
 from deepinfer.kernels.fp4_moe import fp4_pick_config  # noqa: E402
 
 
-def gemm(bm: int, bn: int, warps: int, stages: int, bk: int = 128, e8m0: bool = False, fused: bool = False,
-         split: int = 1) -> Case:
-    # Weight scales: float32 per 128 x 128, or UE8M0 bytes per bk x bk. Fused: bf16 activations
-    # quantised in the kernel; split: K in ``split`` slices summed by each tile's last program.
-    types = {"a_ptr": "*bf16" if fused else "*fp8e4nv", "as_ptr": "*bf16" if fused else "*fp32",
+def gemm(bm: int, bn: int, warps: int, stages: int, bk: int = 128, e8m0: bool = False, split: int = 1) -> Case:
+    # Weight scales: float32 per 128 x 128, or UE8M0 bytes per bk x bk; split: K in ``split`` slices
+    # summed by each tile's last program.
+    types = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32",
              "w_ptr": "*fp8e4nv", "ws_ptr": "*u8" if e8m0 else "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
              "count_ptr": "*i32", "m": "i32", "n": "i32", "k": "i32", "stride_a": "i32", "stride_as": "i32",
              "stride_w": "i32", "stride_ws": "i32", "stride_out": "i32", "stride_part": "i32"}
     div = {"a_ptr", "as_ptr", "w_ptr", "ws_ptr", "out_ptr", "part_ptr", "count_ptr", "n", "k", "stride_a",
            "stride_w", "stride_out"}
     return Case(fp8_gemm._gemm_kernel, types, dict(GROUP=128, WBN=bk, WBK=bk, W_E8M0=e8m0, BLOCK_M=bm, BLOCK_N=bn,
-                BLOCK_K=min(128, bk), FUSED=fused, POW2=e8m0, SPLIT=split, PDL=True), div, warps, stages,
+                BLOCK_K=min(128, bk), SPLIT=split, PDL=True), div, warps, stages,
                 options={"launch_pdl": True})
 
 
@@ -103,10 +102,8 @@ def group_down(cfg: fp4_moe.MoEConfig, kern: fp4_moe.FP4Kernel, e8m0: bool = Tru
 cases = {"act_quant": act_quant(False), "act_quant_pow2": act_quant(True), "gemm_dec": gemm(16, 32, 4, 4),
          "gemm_dec64": gemm(64, 64, 4, 4), "gemm_pre": gemm(128, 128, 8, 3),
          "gemm_pre_32": gemm(128, 128, 8, 3, bk=32, e8m0=True), "gemm_dec_32": gemm(16, 32, 4, 4, bk=32, e8m0=True),
-         "gemm_dec_fused": gemm(16, 32, 4, 4, fused=True),
-         "gemm_dec_fused_32": gemm(16, 32, 4, 4, bk=32, e8m0=True, fused=True),
-         "gemm_dec_split": gemm(16, 32, 4, 4, split=8), "gemm_dec_fused_split": gemm(16, 32, 4, 4, fused=True, split=8),
-         "gemm_dec64_fused_split_32": gemm(64, 32, 4, 4, bk=32, e8m0=True, fused=True, split=4)}
+         "gemm_dec_split": gemm(16, 32, 4, 4, split=8),
+         "gemm_dec64_split_32": gemm(64, 32, 4, 4, bk=32, e8m0=True, split=4)}
 for t in (1, 64, 4096):
     cfg = fp4_pick_config(t, 6, 256, 4096, 2048)
     cases[f"fp4_gate_up_T{t}"] = gate_up(cfg)

@@ -116,22 +116,22 @@ def random_activations(m: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("block,scale_format", FORMATS)
 @pytest.mark.parametrize("m,n,k,split", [(1, 96, 256, 1), (5, 200, 512, 2), (16, 64, 1024, 4)])
-def test_fused_quantisation_is_bit_identical_to_quant_then_gemm(m, n, k, split, block, scale_format, device):
-    """The GEMM that quantises its activations itself (one launch) against fp8_act_quant then the
-    GEMM: the same codes, scales and sums, so the same bits, with or without split K."""
+def test_fp8_linear_is_quant_then_gemm(m, n, k, split, block, scale_format, device):
+    """fp8_linear (16/32-bit activations) equals fp8_act_quant then the GEMM bit for bit, with or
+    without split K, and the reference GEMM on the reference's codes."""
     pow2 = scale_format == "ue8m0"
     w, ws = make_weight(n, k, block, scale_format, device, seed=n + k)
     x = random_activations(m, k, seed=m).to(device)
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
-        fused = fp8_linear(xd, w, ws, block, 128, pow2, fuse_max_m=m, split=split)
-        unfused = fp8_linear(xd, w, ws, block, 128, pow2, fuse_max_m=0, split=split)
-        assert fused.dtype == dtype and fused.shape == (m, n)
-        assert torch.equal(fused, unfused)
+        out = fp8_linear(xd, w, ws, block, 128, pow2, split=split)
+        assert out.dtype == dtype and out.shape == (m, n)
+        xq, xs = fp8_act_quant(xd, 128, pow2)
+        assert torch.equal(out, fp8_block_gemm(xq, xs, w, ws, block, dtype, split=split))
         xq, xs = reference.fp8_act_quant(xd, 128, pow2)
         ref = reference.fp8_block_gemm(xq, xs, w, ws, block, dtype)
-        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
-        torch.testing.assert_close(fused, ref, rtol=tol, atol=tol * ref.abs().max().item())
+        tol = F32_TOL if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("block,scale_format", FORMATS)
@@ -139,7 +139,7 @@ def test_fused_quantisation_is_bit_identical_to_quant_then_gemm(m, n, k, split, 
 def test_grouped_linear_matches_reference(m, groups, npg, k, split, block, scale_format, device):
     """A block-diagonal weight (V4's grouped wo_a): x [M, g, K] -> [M, g, N/g], group g's inputs
     times the g-th N/g rows, in one launch; against the reference, against the full product's
-    diagonal blocks, and fused quantisation the same bits. 48 rows a group: 16-wide N-tiles."""
+    diagonal blocks. 48 rows a group: 16-wide N-tiles."""
     pow2 = scale_format == "ue8m0"
     n = groups * npg                   # 96 rows: a 128-row scale block spans both groups, and past N
     w, ws = make_weight(n, k, block, scale_format, device, seed=n + k)
@@ -153,8 +153,6 @@ def test_grouped_linear_matches_reference(m, groups, npg, k, split, block, scale
         # Two float32 products of other shapes: cuBLAS may sum them in another order.
         torch.testing.assert_close(ref[:, g], want[:, g, g * npg:(g + 1) * npg], rtol=1e-5,
                                    atol=1e-5 * want.abs().max().item())
-    fused = fp8_linear(x, w, ws, block, 128, pow2, split=split, groups=groups, fuse_max_m=m)
-    assert torch.equal(fused, got)
     with pytest.raises(ValueError, match="groups=3"):
         fp8_linear(x, w, ws, block, 128, pow2, groups=3)
 
@@ -190,8 +188,8 @@ def test_tile_counters_grow_and_keep_the_superseded_set():
 
 @pytest.mark.parametrize("block,scale_format", FORMATS)
 def test_invariant_mode_rows_are_identical_for_every_batch_size(block, scale_format, device):
-    """Batch-invariant mode: one tile shape and one K split for every M, the fused quantisation
-    bit for bit the separate one, so a row's output does not depend on the rows beside it."""
+    """Batch-invariant mode: one tile shape and one K split for every M, so a row's output does
+    not depend on the rows beside it."""
     n, k = 96, 512
     assert pick_split(triton.cdiv(n, 32), k // 128, 132) == 2              # split K is exercised
     w, ws = make_weight(n, k, block, scale_format, device, seed=3)
@@ -219,7 +217,7 @@ def test_default_split_takes_two_waves_up_to_16_rows_and_never_follows_m_when_in
     assert {default_split(m, -(-m // 64), 128, 64, 132, True) for m in (1, 16, 64, 4096)} == {1}
 
 
-def test_fused_and_split_reject_bad_operands(device):
+def test_linear_and_split_reject_bad_operands(device):
     w, ws = make_weight(64, 256, (128, 128), "float32", device)
     x = torch.randn(2, 256).to(device)
     with pytest.raises(ValueError, match="group=48"):
@@ -263,10 +261,9 @@ def test_fp8_linear_gpu_v4_sizes(nk, m, block, scale_format):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("block,scale_format", FORMATS)
-def test_fp8_linear_gpu_fused_split_k_deterministic_and_batch_invariant(block, scale_format):
-    """V4-Flash's kv projection (N = 512, K = 4096, split K at decode): fused equals quant-then-GEMM
-    bit for bit on the device too; runs, CUDA-graph replays and (batch-invariant mode) batch sizes
-    give the same bits."""
+def test_fp8_linear_gpu_split_k_deterministic_and_batch_invariant(block, scale_format):
+    """V4-Flash's kv projection (N = 512, K = 4096, split K at decode): runs, CUDA-graph replays
+    and (batch-invariant mode) batch sizes give the same bits."""
     n, k = 512, 4096
     pow2 = scale_format == "ue8m0"
     w, ws = make_weight(n, k, block, scale_format, "cuda", seed=5)
@@ -276,7 +273,6 @@ def test_fp8_linear_gpu_fused_split_k_deterministic_and_batch_invariant(block, s
     def linear(**kw):
         return fp8_linear(x16, w, ws, block, 128, pow2, **kw)
 
-    assert torch.equal(linear(fuse_max_m=16, split=4), linear(fuse_max_m=0, split=4))
     first = linear()
     assert all(torch.equal(linear(), first) for _ in range(5))
     graph, captured = capture(linear)
