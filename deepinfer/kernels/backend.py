@@ -343,17 +343,18 @@ def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, config=_hc_config(), norm=norm)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, config=_hc_config(streams.dtype),
+                      norm=norm)
     return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
 
 
-def _hc_config():
+def _hc_config(dtype: torch.dtype):
     """The hyper-connection kernels' config: the launcher's by T, or in batch-invariant mode
-    ``hyper_connection.INVARIANT_CONFIG`` for every T."""
+    ``hyper_connection.invariant_config`` for every T."""
     if not batch_invariant.enabled():
         return None
-    from deepinfer.kernels.hyper_connection import INVARIANT_CONFIG
-    return INVARIANT_CONFIG
+    from deepinfer.kernels.hyper_connection import invariant_config
+    return invariant_config(dtype)
 
 
 def hc_post(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -370,7 +371,7 @@ def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     """streams [T, n, D] -> [T, D] (see :func:`reference.hc_head`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_head as kernel
-        return kernel(streams, fn, base, scale, hc_eps, norm_eps, config=_hc_config())
+        return kernel(streams, fn, base, scale, hc_eps, norm_eps, config=_hc_config(streams.dtype))
     return reference.hc_head(streams, fn, base, scale, hc_eps, norm_eps)
 
 
@@ -474,8 +475,8 @@ def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, s
     connection's own pre, post, comb) (see :func:`reference.hc_pre_lagged`)."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre_lagged as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, config=_hc_config(),
-                      norm=norm)
+        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in,
+                      config=_hc_config(streams.dtype), norm=norm)
     return reference.hc_pre_lagged(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm)
 
 

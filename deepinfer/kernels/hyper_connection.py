@@ -295,11 +295,19 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, bf16_split)
 
 
-# Batch-invariant mode's config for every T (kernels/backend.py): 16-token blocks on tensor-core
-# dots over 32 fixed K splits, summed in split order, and the collapse always in the second
-# launch. The launcher's choice changes the product's precision path (float32 FMAs, tf32x3,
-# bf16x3), the split count and where the collapse runs with T.
+# Batch-invariant mode's config for every T (kernels/backend.py, :func:`invariant_config`): 16-token
+# blocks on tensor-core dots over 32 fixed K splits, summed in split order, and the collapse always
+# in the second launch. The launcher's choice changes the product's precision path (float32 FMAs,
+# tf32x3, bf16x3), the split count and where the collapse runs with T.
 INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
+
+
+def invariant_config(dtype: torch.dtype) -> HCConfig:
+    """Batch-invariant mode's config for streams of ``dtype``, the same for every T:
+    :data:`INVARIANT_CONFIG`, with bf16 streams multiplied as loaded against fn's three bf16 parts
+    (``bf16_split``, as the launcher's prefill configs do: the tf32x3 path splits both operands
+    every K step, the ALU work that kept the kernel at ~188 us against ~105 at T = 4,096)."""
+    return INVARIANT_CONFIG._replace(bf16_split=dtype == torch.bfloat16)
 
 
 def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:

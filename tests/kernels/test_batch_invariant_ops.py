@@ -374,6 +374,29 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
             assert torch.equal(got[at], ref[0]), m
 
 
+def test_hc_invariant_config_of_bf16_streams_keeps_a_token(device):
+    """bf16 streams take the mode's config with fn split into three bf16 parts (``bf16_split``):
+    a token's pre / post / comb / collapse are the same bits alone and among 2, 16 or 63 others,
+    and they match the reference in float32."""
+    from deepinfer.kernels import hyper_connection as hc
+    from tests.kernels.test_hyper_connection import weights
+
+    cfg = hc.invariant_config(torch.bfloat16)
+    assert cfg.bf16_split and not hc.invariant_config(torch.float32).bf16_split
+    gen = torch.Generator().manual_seed(9)
+    n, d = 4, 128
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    s = (torch.randn(1, n, d, generator=gen) * 2).to(torch.bfloat16).to(device)
+    want = hc.hc_pre(s, fn, base, scale, 3, 1e-6, 1e-6, config=cfg)
+    ref = reference.hc_pre(s, fn, base, scale, 3, 1e-6, 1e-6)
+    for got, r in zip(want, ref):
+        torch.testing.assert_close(got.float(), r.float(), rtol=2e-2, atol=2e-2)
+    for m in MS[1:]:
+        ss, at = _embedded(s, m, gen)
+        for got, one in zip(hc.hc_pre(ss, fn, base, scale, 3, 1e-6, 1e-6, config=cfg), want):
+            assert torch.equal(got[at], one[0]), m
+
+
 MOE_CONFIGS = [None, fm.ROWS64_INVARIANT_CONFIG, MoEConfig(16, 32, 64, 64, 32, 1, num_warps=4, num_stages=2),
                MoEConfig(32, 32, 32, 32, 32, 4, num_warps=4, num_stages=2, tma=True, sorted_act=True)]
 
