@@ -310,14 +310,6 @@ def invariant_config(dtype: torch.dtype) -> HCConfig:
     return INVARIANT_CONFIG._replace(bf16_split=dtype == torch.bfloat16)
 
 
-def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 counters, zero between launches (the kernel resets the ones it uses):
-    the current stream's shared set (``launch.tile_counters``), which keeps a superseded set
-    allocated for the CUDA graphs captured with it. A capture stream gets its own set, allocated
-    (and zeroed) within the capture the first time, as the split-K GEMMs' are."""
-    return tile_counters(device, n)
-
-
 def _streams_2d(streams: torch.Tensor, who: str, block_k: int = 1) -> tuple[torch.Tensor, bool]:
     """[T, n, D] -> ([T, n*D] view with unit column stride, False), copied only when it cannot
     be; or, for n copies of one row (an ``expand`` of [T, 1, D]: stream stride 0, as the first
@@ -397,7 +389,7 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     # The norm, or a given pre: always the 2nd launch (the first then writes its own pre).
     collapse = t <= cfg.one_launch_max_t and norm is None and pre_in is None
     part = torch.empty(splits, t, ncol, dtype=torch.float32, device=dev)    # per-split partial sums
-    counters = _zeroed_counters(dev, n_tb)
+    counters = tile_counters(dev, n_tb)           # zero between launches: the kernel resets them
     _hc_pre_kernel[(splits, n_tb)](
         s2, fn, base, scale, part, counters, x, pre, post, comb,
         t, d, s2.stride(0), x.stride(0),

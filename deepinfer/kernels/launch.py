@@ -27,18 +27,12 @@ def _stream_key(device: torch.device) -> tuple[torch.device, int]:
     return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def held_counters(device: torch.device) -> torch.Tensor | None:
-    """The current (largest) set of :func:`tile_counters` of ``device``'s current stream, or None:
-    a launcher that may not allocate (during CUDA-graph capture) checks it is large enough."""
-    held = _counters.get(_stream_key(device))
-    return held[-1] if held else None
-
-
 def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """At least ``tiles`` zeroed int32 counters for split K, one set per (device, stream): GEMMs on
     one stream run one after another, and the last program of each tile zeroes its counter again.
     A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
-    with it still uses it."""
+    with it still uses it. A CUDA-graph capture stream gets its set within its first capture (the
+    zeroing is then part of that graph)."""
     held = _counters.setdefault(_stream_key(device), [])
     if not held or held[-1].numel() < tiles:
         size = max(tiles, 2 * held[-1].numel() if held else 1024)

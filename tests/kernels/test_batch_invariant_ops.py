@@ -359,7 +359,7 @@ def test_fixed_configs_of_our_kernels_keep_a_row_whatever_the_batch(device):
         streams = xs.view(-1, n, h // n)
         return (router_logits(xs, router_w, router_config(router_w)),
                 fused_moe(xs, gate_up, down, tw_, ids_, invariant=True),
-                *hc.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6, config=hc.INVARIANT_CONFIG))
+                *hc.hc_pre(streams, fn, base, scale, 3, 1e-6, 1e-6, config=hc.invariant_config(xs.dtype)))
 
     want = run(x, ids, tw)
     torch.testing.assert_close(want[0], reference.router_logits(x, router_w), rtol=1e-4, atol=1e-4)

@@ -7,7 +7,7 @@ import torch
 
 from deepinfer.kernels import hyper_connection as hc
 from deepinfer.kernels import reference
-from deepinfer.kernels.launch import held_counters
+from deepinfer.kernels.launch import tile_counters
 from deepinfer.kernels.rms_norm import rms_norm
 
 # Mixing weights are float32 either way; the collapsed/expanded streams come back in the
@@ -144,7 +144,7 @@ def test_hc_pre_leaves_its_block_counters_at_zero(device):
     s = streams_of(t, n, d, torch.float32, gen, device)
     fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
     first = hc.hc_pre(s, fn, base, scale, 5, 1e-6, 1e-6, num_splits=3)
-    assert int(held_counters(s.device).abs().sum()) == 0
+    assert int(tile_counters(s.device, 1).abs().sum()) == 0
     second = hc.hc_pre(s, fn, base, scale, 5, 1e-6, 1e-6, num_splits=3)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
@@ -271,7 +271,7 @@ def test_hc_gpu_sizes(t):
     torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out[2], ref[2], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out[0], ref[0], rtol=1.6e-2, atol=1e-2)
-    assert int(held_counters(s.device).abs().sum()) == 0
+    assert int(tile_counters(s.device, 1).abs().sum()) == 0
     norm_w = torch.randn(d, device="cuda") + 1
     assert torch.equal(hc.hc_pre(s, fn, base, scale, 20, 1e-6, 1e-6, norm=(norm_w, 1e-6))[0],
                        rms_norm(out[0], norm_w, 1e-6, round_first=False))
