@@ -90,7 +90,7 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="after the timed rounds, profile one round (torch.profiler) and write the kernels "
                         "by device time to this text file, headed by launches and device time in matmuls and "
-                        "outside them")
+                        "outside them (with --batch-invariant, that mode's to NAME.batch-invariant.EXT)")
     p.add_argument("--cp", type=int, default=1,
                    help="context parallel size: each prompt split over this many ranks (devices); per-GPU "
                         "figures are divided by it")

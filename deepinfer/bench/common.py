@@ -16,6 +16,7 @@ import gc
 import json
 import platform
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -364,6 +365,14 @@ def kernel_split(kernels: list, units: int) -> str:
     lines += [f"  {e.key[:70]}: {e.self_device_time_total / units:.1f} us/unit, {e.count / units:.1f}/unit"
               for e in top]
     return "\n".join(lines)
+
+
+def invariant_profile_path(path: str | None) -> str | None:
+    """Where ``--profile`` writes the batch-invariant mode's profile: ``x.txt`` -> ``x.batch-invariant.txt``."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.batch-invariant{p.suffix}"))
 
 
 def profile_to_file(path: str, label: str, units: int, work) -> None:

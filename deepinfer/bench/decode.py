@@ -26,13 +26,12 @@ import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from deepinfer.bench.common import (CP, BenchModel, RoutingRecorder, Timer, build_engine, drain,
-                                    profile_to_file,
+                                    invariant_profile_path, profile_to_file,
                                     fmt, free_memory, header, measure_floors, print_header, print_table,
                                     random_prompts, step_outputs, write_json)
 from deepinfer.bench.floors import floor_ms
@@ -182,14 +181,6 @@ def measure_decode(engine: Engine, batch: int, context: int, warmup: int, steps:
 
 
 PROFILED_STEPS = 4
-
-
-def invariant_profile_path(path: str | None) -> str | None:
-    """Where ``--profile`` writes the batch-invariant mode's profile: ``x.txt`` -> ``x.batch-invariant.txt``."""
-    if path is None:
-        return None
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.batch-invariant{p.suffix}"))
 
 
 def profile_steps(engine: Engine, path: str, produced: dict[str, int]) -> None:

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, measure_floors,
-                                    print_header, print_table, profile_to_file, random_prompts, step_outputs,
-                                    sync, write_json)
+from deepinfer.bench.common import (BenchModel, Timer, build_engine, free_memory, header, invariant_profile_path,
+                                    measure_floors, print_header, print_table, profile_to_file, random_prompts,
+                                    step_outputs, sync, write_json)
 from deepinfer.bench.floors import floor_ms, measure_matmul_tflops, parts_floor_ms
 from deepinfer.engine.engine import Engine
 from deepinfer.sampling_params import SamplingParams
@@ -158,8 +158,12 @@ def run_prefill(args: argparse.Namespace) -> dict[str, Any]:
         # The same engine settings in batch-invariant mode, on the same prompts (same seed).
         engine = build_engine(model, args, max_num_seqs=2 * args.batch_size, max_num_batched_tokens=budget,
                               max_model_len=args.prompt_len + 1, batch_invariant=True, context_parallel_size=cp)
+        invariant_gen = torch.Generator().manual_seed(args.seed)
         invariant = measure_prefill(engine, args.batch_size, args.prompt_len, args.warmup, args.iters,
-                                    torch.Generator().manual_seed(args.seed))
+                                    invariant_gen)
+        if args.profile:
+            profile_to_file(invariant_profile_path(args.profile), "1 prefill round", 1,
+                            lambda: measure_prefill(engine, args.batch_size, args.prompt_len, 0, 1, invariant_gen))
         del engine
         free_memory(model.device)
         result["batch_invariant"] = {"ms": invariant["ms"], "slowdown": invariant["ms"] / result["engine"]["ms"]}
