@@ -295,11 +295,15 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
     return HCConfig(256, 64, 8, 8, _ONE_LAUNCH_MAX_T, bf16_split)
 
 
-# Batch-invariant mode's config for every T (kernels/backend.py, :func:`invariant_config`): 16-token
-# blocks on tensor-core dots over 32 fixed K splits, summed in split order, and the collapse always
+# Batch-invariant mode's config for every T (kernels/backend.py, :func:`invariant_config`): 128-token
+# blocks on tensor-core dots over 16 fixed K splits, summed in split order, and the collapse always
 # in the second launch. The launcher's choice changes the product's precision path (float32 FMAs,
-# tf32x3, bf16x3), the split count and where the collapse runs with T.
-INVARIANT_CONFIG = HCConfig(16, 64, 32, 4, one_launch_max_t=0)
+# tf32x3, bf16x3), the split count and where the collapse runs with T. The block is the prefill
+# shape: a decode step pads its few tokens to one block, which costs it nothing measurable, while
+# 16-token blocks re-read fn from L2 eight times as often (H100, n 4, D 4,096, bf16 streams,
+# scripts/probes/hc_invariant_configs.py: 218 us at T = 4,096 against 390 with 16-token blocks
+# over 32 splits and 202 for the normal mode's config; T = 1 to 64 alike for every candidate).
+INVARIANT_CONFIG = HCConfig(128, 64, 16, 8, one_launch_max_t=0)
 
 
 def invariant_config(dtype: torch.dtype) -> HCConfig:

@@ -1,14 +1,18 @@
 """Where the tiny V4.1 release checkpoint's CUDA forward (quantization "auto": FP8 projections, FP4
-experts) leaves the CPU one (the references): one 30-token prefill on each, every decoder layer's
+experts) leaves the CPU one (the references): one prefill of the prompts on each (lengths from
+``--lens``, default 30 and 7 in one batch, as tests/gpu/test_quant_gpu.py), every decoder layer's
 attention, MoE, engram and layer output compared in execution order (relative error of the CUDA
 output against the CPU output: a jump names the first module whose result moves; later ones may
 only inherit it), then each MoE and engram replayed on the CPU with the CUDA module's own input
 (its own error, not its input's drift).
 
-    python scripts/probes/v41_quant_drift_cuda_vs_cpu.py      # on a GPU, ~1 minute
+    python scripts/probes/v41_quant_drift_cuda_vs_cpu.py               # on a GPU, ~1 minute
+    python scripts/probes/v41_quant_drift_cuda_vs_cpu.py --lens 30 --eager
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -63,19 +67,24 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main() -> None:
-    prompt = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(30)).tolist()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lens", default="30,7", help="prompt lengths, one batch")
+    parser.add_argument("--eager", action="store_true", help="CUDA engine with enforce_eager")
+    args = parser.parse_args()
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in map(int, args.lens.split(","))]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
     cpu = LLM(model=str(V41_CHECKPOINT), device="cpu", dtype="float32", quantization="fp8+mxfp4-experts",
               max_model_len=128)
     cpu_log = record(cpu.engine.model, keep_inputs=False)
-    cpu_out = cpu.generate([prompt], params, use_tqdm=False)[0]
+    cpu_out = cpu.generate(prompts, params, use_tqdm=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = LLM(model=str(V41_CHECKPOINT), device=device, dtype="float32", quantization="auto", max_model_len=128,
-              gpu_memory_utilization=0.3, enforce_eager=True)
+              gpu_memory_utilization=0.3, enforce_eager=args.eager)
     gpu_log = record(gpu.engine.model, keep_inputs=True)
-    gpu_out = gpu.generate([prompt], params, use_tqdm=False)[0]
-    lp = [(a[t].logprob, b[t].logprob) for t, a, b in zip(prompt[1:], cpu_out.prompt_logprobs[1:],
-                                                             gpu_out.prompt_logprobs[1:])]
+    gpu_out = gpu.generate(prompts, params, use_tqdm=False)
+    lp = [(a[t].logprob, b[t].logprob) for p, c, d in zip(prompts, cpu_out, gpu_out)
+          for t, a, b in zip(p[1:], c.prompt_logprobs[1:], d.prompt_logprobs[1:])]
     diffs = torch.tensor([abs(a - b) for a, b in lp])
     print(f"prompt logprobs ({len(lp)} positions): median |diff| {diffs.median():.3e}, max {diffs.max():.3e}")
     print(f"{'module':32s} {'rel err':>10s}  (CUDA output vs CPU output, execution order)")
