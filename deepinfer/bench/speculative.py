@@ -188,7 +188,9 @@ def report_spec(setup: dict[str, Any], points: list[dict[str, Any]]) -> None:
         plain = ", ".join([*(["CUDA graphs"] if s["plain_cuda_graphs"] else []),
                            "overlapped" if s["plain_async_scheduling"] else "synchronous"])
         print(f"B={pt['batch']}: {step} takes {fmt(s['step_over_plain_step'])}x a plain decode step (plain: {plain}; "
-              f"speculative steps: synchronous, {s['spec_counters']['graph_verifications']} of {s['timed_steps']} "
+              f"speculative steps: {s['sync_steps']} of {s['timed_steps']} synchronous, device idle "
+              f"{fmt(s['gpu_idle_ms_per_step'])} ms between steps (a planned-ahead step still waits for the one "
+              f"before at launch), {s['spec_counters']['graph_verifications']} of {s['timed_steps']} "
               f"through CUDA graphs{_drafter_graphs(s)}); "
               f"tau {fmt(s['tau'])} measured ({s['spec_counters']['drafts']} verifications of "
               f"{s['spec_counters']['draft_tokens']} drafts, {s['spec_counters']['accepted_tokens']} accepted)")
