@@ -77,9 +77,10 @@ def prompts(lens):
 
 def test_deepseek_v4_engine_matches_hf(v4_dir):
     # 300 tokens: prefix hits are whole blocks of every group (128 tokens for HCA here).
+    # 32 new tokens: decode still crosses the ratio-4 and ratio-8 compression boundaries many times.
     ps = prompts([300, 9, 30])
-    expected = hf_greedy(v4_dir, ps, 64)
-    got, llm = run_engine(v4_dir, ps, 64, max_num_batched_tokens=16, block_size=4)
+    expected = hf_greedy(v4_dir, ps, 32)
+    got, llm = run_engine(v4_dir, ps, 32, max_num_batched_tokens=16, block_size=4)
     assert got == expected
     assert llm.engine.kv.prefix_hits > 0
     kinds = sorted({(g.kind, g.compress_ratio) for g in llm.engine.kv.groups})

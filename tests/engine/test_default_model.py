@@ -19,7 +19,7 @@ from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.forward_context import ForwardContext
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM, layer_roles
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16      # each checked token recomputes the whole sequence without a cache
 PROMPTS = [
     "The list type is",
     "<|im_start|>user\nWhat does json.dumps do?<|im_end|>\n<|im_start|>assistant\n",
