@@ -401,7 +401,10 @@ MOE_CONFIGS = [None, fm.ROWS64_INVARIANT_CONFIG, MoEConfig(16, 32, 64, 64, 32, 1
                MoEConfig(32, 32, 32, 32, 32, 4, num_warps=4, num_stages=2, tma=True, sorted_act=True)]
 
 
-@pytest.mark.parametrize("cfg", MOE_CONFIGS, ids=["default", "rows64_tma", "rows16", "rows32_tma"])
+# rows32_tma (about 7 s in the interpreter) with -m slow: rows64_tma keeps a TMA config and rows16
+# a small-row one in the default run.
+@pytest.mark.parametrize("cfg", [pytest.param(c, id=name, marks=pytest.mark.slow if name == "rows32_tma" else ())
+                                 for c, name in zip(MOE_CONFIGS, ["default", "rows64_tma", "rows16", "rows32_tma"])])
 def test_moe_invariant_configs_keep_a_token_whatever_t(cfg, device, monkeypatch):
     """fused_moe and fp4_moe in the mode under the default invariant config and others the probe
     sweeps (fused_moe.INVARIANT_CONFIG): a token's outputs are the same bits alone and among 7,

@@ -95,9 +95,25 @@ def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, kernel, device
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-@pytest.mark.parametrize("scale_format", SCALE_FORMATS)
-@pytest.mark.parametrize("t,config", [(5, None), (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))])
-@pytest.mark.parametrize("act_group,groups", [(32, 2), (64, 1), (64, 4)])
+PREFILL_LIKE = (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))
+
+
+def fp8_dot_cases() -> list:
+    """Decode-like (T=5) for every activation group and scale format; prefill-like (T=96, 3-7 s
+    each in the interpreter) by default for two of them, one per scale format and activation group
+    size, the other four with -m slow."""
+    cases = []
+    for act_group, groups in [(32, 2), (64, 1), (64, 4)]:
+        for scale_format in SCALE_FORMATS:
+            name = f"{act_group}-{groups}-{scale_format}"
+            cases.append(pytest.param(act_group, groups, 5, None, scale_format, id=f"decode-{name}"))
+            default = (act_group, groups, scale_format) in {(32, 2, "float32"), (64, 4, "ue8m0")}
+            cases.append(pytest.param(act_group, groups, *PREFILL_LIKE, scale_format, id=f"prefill-{name}",
+                                      marks=() if default else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize("act_group,groups,t,config,scale_format", fp8_dot_cases())
 def test_fp4_moe_fp8_dots_match_their_reference(act_group, groups, t, config, scale_format, device, poison_empty):
     """FP8 dots, decode-like (a few pairs an expert) and prefill-like (about 50 an expert, 64-row
     blocks): the FP8 reference's result up to accumulation order, and within the activations' e4m3
