@@ -16,8 +16,8 @@ import gc
 import json
 import platform
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch

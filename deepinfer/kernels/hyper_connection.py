@@ -299,10 +299,11 @@ def pick_config(t: int, device: torch.device, dtype: torch.dtype) -> HCConfig:
 # blocks on tensor-core dots over 16 fixed K splits, summed in split order, and the collapse always
 # in the second launch. The launcher's choice changes the product's precision path (float32 FMAs,
 # tf32x3, bf16x3), the split count and where the collapse runs with T. The block is the prefill
-# shape: a decode step pads its few tokens to one block, which costs it nothing measurable, while
-# 16-token blocks re-read fn from L2 eight times as often (H100, n 4, D 4,096, bf16 streams,
-# scripts/probes/hc_invariant_configs.py: 218 us at T = 4,096 against 390 with 16-token blocks
-# over 32 splits and 202 for the normal mode's config; T = 1 to 64 alike for every candidate).
+# shape (a decode step pads its few tokens to one block); 16-token blocks re-read fn from L2 eight
+# times as often (H100, n 4, D 4,096, bf16 streams, scripts/probes/hc_invariant_configs.py: 218 us
+# at T = 4,096 against 390 with 16-token blocks over 32 splits and 202 for the normal mode's
+# config). At T <= 64 the probe's times were launch-bound and alike; the decode cost of the
+# padding is not yet measured in the model.
 INVARIANT_CONFIG = HCConfig(128, 64, 16, 8, one_launch_max_t=0)
 
 
