@@ -1,0 +1,73 @@
+"""Why the tiny DeepSeek-V4 DSpark engine's seeded sampled tokens with CUDA graphs differ from
+eager ones (tests/gpu/test_drafter_graphs.py::test_v4_dspark_graphs_match_eager_float32[seeded]):
+the same requests on four float32 CUDA engines (eager / graphs, with / without DSpark), each
+request's tokens with the sampled token's logprob and the top two, then for every engine the
+first position where its tokens leave the eager DSpark engine's, with both engines' logprobs
+there and the largest logprob difference before it. A flip at a near tie after growing
+logprob differences is kernel noise amplified by a random model; a flip with equal logprobs
+before it is a bug in the graph path.
+
+    python scripts/probes/v4_dspark_seeded_graphs.py          # on a GPU, ~1 minute
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from tests.gpu.test_drafter_graphs import SIZES, V4_PROMPTS, greedy, seeded
+from tests.models.v4_dspark_checkpoint import BLOCK, write_bigram_checkpoint, write_checkpoint
+
+DEVICE = os.environ.get("PROBE_DEVICE", "cuda")   # "cpu": a dry run (no graphs)
+
+
+def with_logprobs(params: list[SamplingParams]) -> list[SamplingParams]:
+    for p in params:
+        p.logprobs = 2
+    return params
+
+
+def run(model: str, spec: dict | None, eager: bool) -> list[tuple[list[int], list[dict]]]:
+    kwargs = dict(enforce_eager=True) if eager else dict(cuda_graph_sizes=SIZES)
+    llm = LLM(model=model, device=DEVICE, dtype="float32", max_num_seqs=8, max_num_batched_tokens=160,
+              block_size=4, num_kv_blocks=600, speculative_config=spec, **kwargs)
+    outs = llm.generate(V4_PROMPTS, with_logprobs(seeded()), use_tqdm=False)
+    del llm
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp())
+    random = write_checkpoint(tmp / "random")
+    base = LLM(model=str(random), device="cpu", dtype="float32")
+    outs = [list(o.outputs[0].token_ids) for o in base.generate(V4_PROMPTS, greedy(), use_tqdm=False)]
+    model = str(write_bigram_checkpoint(tmp / "bigram", [(p["prompt_token_ids"], o)
+                                                         for p, o in zip(V4_PROMPTS, outs)]))
+    spec = {"method": "dspark", "num_speculative_tokens": BLOCK}
+    runs = {name: run(model, s, eager) for name, s, eager in
+            (("dspark eager", spec, True), ("dspark graphs", spec, False),
+             ("plain eager", None, True), ("plain graphs", None, False))}
+    ref = runs["dspark eager"]
+    for name, got in runs.items():
+        print(f"== {name}")
+        for i, ((toks, lps), (rtoks, rlps)) in enumerate(zip(got, ref)):
+            n = next((j for j, (a, b) in enumerate(zip(toks, rtoks)) if a != b), None)
+            upto = len(toks) if n is None else n
+            drift = max((abs(lps[j][toks[j]].logprob - rlps[j][rtoks[j]].logprob) for j in range(upto)),
+                        default=0.0)
+            if n is None:
+                print(f"  request {i}: equal ({len(toks)} tokens), max logprob diff {drift:.2e}")
+                continue
+            top = lambda d: sorted(((t, round(l.logprob, 5)) for t, l in d.items()), key=lambda x: -x[1])[:3]
+            print(f"  request {i}: differs at {n}: {toks[n]} vs {rtoks[n]}; max logprob diff before {drift:.2e}; "
+                  f"this {top(lps[n])} ref {top(rlps[n])}")
+
+
+if __name__ == "__main__":
+    main()
