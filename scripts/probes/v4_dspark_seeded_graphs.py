@@ -1,6 +1,7 @@
 """Why the tiny DeepSeek-V4 DSpark engine's seeded sampled tokens with CUDA graphs differ from
 eager ones (tests/gpu/test_drafter_graphs.py::test_v4_dspark_graphs_match_eager_float32[seeded]):
-the same requests on four float32 CUDA engines (eager / graphs, with / without DSpark), each
+the same requests on float32 CUDA engines (eager / graphs, with / without DSpark, and graphs for
+the target only), each
 request's tokens with the sampled token's logprob and the top two, then for every engine the
 first position where its tokens leave the eager DSpark engine's, with both engines' logprobs
 there and the largest logprob difference before it. A flip at a near tie after growing
@@ -52,6 +53,7 @@ def main() -> None:
     spec = {"method": "dspark", "num_speculative_tokens": BLOCK}
     runs = {name: run(model, s, eager) for name, s, eager in
             (("dspark eager", spec, True), ("dspark graphs", spec, False),
+             ("dspark graphs, drafter eager", {**spec, "cuda_graphs": False}, False),
              ("plain eager", None, True), ("plain graphs", None, False))}
     ref = runs["dspark eager"]
     for name, got in runs.items():
