@@ -4,11 +4,22 @@ Triton reads TRITON_INTERPRET when a kernel is decorated (its module's first
 import), and any test module may import one, so the CPU interpreter is switched on
 here, before collection imports anything. On a CUDA machine kernels compile for
 the device.
+
+The README's test command spreads the test files over two worker processes (pytest-xdist's
+``-n 2 --dist loadfile``); each worker then computes on one thread (torch, OpenMP and the
+BLAS), so two workers share a 2-core machine instead of four threads contending for it.
 """
 
 import os
 
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
