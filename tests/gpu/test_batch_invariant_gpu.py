@@ -193,3 +193,40 @@ def test_bf16_kernels_keep_a_row_whatever_the_batch():
     want = fused_moe(xm[:1], gate_up, down, tw[:1], ids[:1], invariant=True)
     for m in (17, 301):
         assert torch.equal(fused_moe(xm[:m], gate_up, down, tw[:m], ids[:m], invariant=True)[0], want[0]), m
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["full", "varlen"])
+def test_speculative_decoding_in_the_mode(varlen):
+    """The embedded DeepSeek-V4.1 with its DSpark drafter in the mode on CUDA: a greedy and a
+    seeded sampled request's tokens and logprobs are bitwise the same alone, inside a batch,
+    eager and from CUDA graphs (verification steps replayed), and without speculation, with
+    full-width and with confidence-scheduled (varlen) verification."""
+    needle = [(7 * i) % 290 + 1 for i in range(40)]
+    others = [[(3 * i) % 290 + 2 for i in range(n)] for n in (5, 33, 70)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=5, logprobs=3, ignore_eos=True)]
+    other = SamplingParams(max_tokens=24, temperature=1.0, seed=9, logprobs=1, ignore_eos=True)
+    spec = {"method": "dspark", "num_speculative_tokens": 4, "varlen": varlen}
+
+    llm = make("v41", enable_prefix_caching=False)
+    plain = [run(llm, [needle], [p])[0][:2] for p in params]
+    del llm
+    torch.cuda.empty_cache()
+
+    llm = make("v41", enable_prefix_caching=False, speculative_config=spec)
+    runner = llm.engine.runner
+    assert runner.decode_graphs is not None
+    assert [run(llm, [needle], [p])[0][:2] for p in params] == plain, "speculation changed the needle"
+    for p, want in zip(params, plain):
+        got = run(llm, [others[0], needle, *others[1:]], [other, p, other, params[0]])[1][:2]
+        assert got == want, "the needle changed inside a batch with speculation"
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert runner.verify_graph_steps > 0, "verification steps replayed graphs"
+    del llm
+    torch.cuda.empty_cache()
+
+    llm = make("v41", enable_prefix_caching=False, speculative_config=spec, enforce_eager=True)
+    assert [run(llm, [needle], [p])[0][:2] for p in params] == plain, "eager speculation differs"
+    del llm
+    torch.cuda.empty_cache()
