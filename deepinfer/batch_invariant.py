@@ -94,11 +94,11 @@ def enabled() -> bool:
     return _depth > 0
 
 
-def check_supported(device: torch.device, architecture: str, world_size: int = 1,
-                    speculative: bool = False) -> None:
+def check_supported(device: torch.device, architecture: str, world_size: int = 1) -> None:
     """Raise unless the mode is built for ``device`` and ``architecture`` (and, on CUDA, a
-    single device without speculative decoding): the mode never silently runs a path that
-    is not invariant."""
+    single device): the mode never silently runs a path that is not invariant. Speculative
+    decoding needs nothing more: a verification step's rows go through the same invariant
+    kernels as a prompt chunk's, and greedy and seeded rows are verified by exact match."""
     if device.type == "cpu":
         if architecture not in CPU_ARCHITECTURES:
             raise NotImplementedError(
@@ -123,10 +123,6 @@ def check_supported(device: torch.device, architecture: str, world_size: int = 1
         raise NotImplementedError(
             f"batch_invariant=True on cuda with {world_size} ranks (tensor/expert/data parallel): the "
             "collectives are not made batch-invariant on cuda; run on one device")
-    if speculative:
-        raise NotImplementedError(
-            "batch_invariant=True on cuda with speculative decoding: the verification steps are not "
-            "made batch-invariant on cuda; drop speculative_config")
 
 
 def _row_tiles(x: torch.Tensor) -> torch.Tensor:

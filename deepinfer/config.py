@@ -575,8 +575,7 @@ class EngineConfig:
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.batch_invariant:
             from deepinfer.batch_invariant import check_supported
-            check_supported(self.device, self.model.architecture, self.parallel.world_size,
-                            self.speculative is not None)
+            check_supported(self.device, self.model.architecture, self.parallel.world_size)
         if self.scheduler.max_num_batched_tokens < self.cache.block_size:
             raise ValueError(
                 f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens} must be >= "

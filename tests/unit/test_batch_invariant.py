@@ -192,9 +192,9 @@ def test_refused_where_not_built(monkeypatch):
         batch_invariant.check_supported(cuda, "DeepseekV3ForCausalLM")
     with pytest.raises(NotImplementedError, match="cuda with 2 ranks"):
         batch_invariant.check_supported(cuda, "LlamaForCausalLM", world_size=2)
-    with pytest.raises(NotImplementedError, match="cuda with speculative decoding"):
-        build_engine_config("x", hf_config=dict(LLAMA), load_format="dummy", device=cuda, batch_invariant=True,
-                            speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    # Speculative decoding is not refused (tests/gpu/test_batch_invariant_gpu.py runs it on CUDA).
+    build_engine_config("x", hf_config=dict(LLAMA), load_format="dummy", device=cuda, batch_invariant=True,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
     with pytest.raises(NotImplementedError, match="DEEPINFER_KERNEL_BACKEND=torch"):
         batch_invariant.check_supported(cuda, "LlamaForCausalLM")
