@@ -80,8 +80,9 @@ VECTOR_WIDTH = 16
 # or :func:`paged_attention`) and tested bitwise; others are refused in the mode.
 CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"})
-# Architectures whose CUDA forward is covered: DeepSeek-V3's MLA decode kernel
-# (kernels/mla_decode.py) splits keys by batch size and has no invariant form yet.
+# Architectures whose CUDA forward is covered and GPU-tested. DeepSeek-V3's attention has its
+# invariant form (layers/mla.py: every token a row of the MLA kernel's unsplit config), checked
+# bitwise in Triton's interpreter (tests/unit/test_batch_invariant.py) but not yet on a GPU.
 CUDA_ARCHITECTURES = CPU_ARCHITECTURES - {"DeepseekV3ForCausalLM"}
 
 _lock = threading.Lock()

@@ -203,8 +203,10 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     """Absorbed MLA decode: q [B, Nh, R + Dr] over latent cache [NB, bs, 1, 1, R + Dr]
     -> [B, Nh, R] (see :func:`reference.mla_decode`)."""
     if use_triton(q):
+        from deepinfer.kernels.mla_decode import invariant_config
         from deepinfer.kernels.mla_decode import mla_decode as kernel
-        return kernel(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
+        config = invariant_config(q, kv_lora_rank) if batch_invariant.enabled() else None
+        return kernel(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len, config)
     return reference.mla_decode(q, cache, block_table, seq_lens, scale, kv_lora_rank, max_seq_len)
 
 

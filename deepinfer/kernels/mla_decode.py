@@ -22,6 +22,7 @@ float32 caches).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -121,17 +122,26 @@ def default_config(q: torch.Tensor, kv_lora_rank: int, max_seq_len: int) -> MLAD
     Warps: 8 once the float32 accumulator [BLOCK_H, R] passes 64 KiB. Splits: about one
     program per SM, each with four position tiles at least, at most 64; none off CUDA.
     """
+    config = invariant_config(q, kv_lora_rank)
     b, nh, _ = q.shape
+    if not q.is_cuda or b == 0:
+        return config
+    programs = b * triton.cdiv(nh, config.block_h)
+    num_splits = max(1, min(triton.cdiv(sm_count(q.device), programs),
+                            triton.cdiv(max_seq_len, 4 * config.block_n), 64))
+    return dataclasses.replace(config, num_splits=num_splits)
+
+
+def invariant_config(q: torch.Tensor, kv_lora_rank: int) -> MLADecodeConfig:
+    """:func:`default_config`'s tiles, warps and stages (chosen from Nh, R and the dtype) without
+    a split: each row walks its positions from 0 in BLOCK_N tiles in one online softmax, the same
+    reduction whatever the batch, its lengths or ``max_seq_len`` (batch-invariant mode's config)."""
+    nh = q.shape[1]
     block_r = max(16, triton.next_power_of_2(kv_lora_rank))
     block_h = min(64 if q.element_size() <= 2 else 16, max(16, triton.next_power_of_2(nh)))
     block_n = max(16, min(64, 32 * 1024 // (block_r * q.element_size())))
     num_warps = 8 if block_h * block_r * 4 > 64 * 1024 else 4
-    num_splits = 1
-    if q.is_cuda:
-        programs = b * triton.cdiv(nh, block_h)
-        num_splits = max(1, min(triton.cdiv(sm_count(q.device), programs),
-                                triton.cdiv(max_seq_len, 4 * block_n), 64))
-    return MLADecodeConfig(block_h, block_n, num_splits, num_warps, num_stages=2)
+    return MLADecodeConfig(block_h, block_n, 1, num_warps, num_stages=2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

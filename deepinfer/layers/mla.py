@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer import batch_invariant
+from deepinfer.forward_context import ForwardContext
 from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.norm import RMSNorm
@@ -249,7 +250,17 @@ class MLAttention(nn.Module):
         elif ctx.decode_only:
             meta = ctx.groups[self.group_id]
             backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
-            out = self._decode_absorbed(q_nope, q_pe, ctx, meta)
+            out = self._decode_absorbed(q_nope, q_pe, meta.block_table, ctx.seq_lens_t, ctx.max_seq_len)
+        elif batch_invariant.enabled() and ctx.cp is None and backend.use_triton(x):
+            # Batch-invariant mode with the Triton kernels: every token, of a chunk or a decode
+            # step, attends in the absorbed form as a row of its own (its sequence's block-table
+            # row, length position + 1) through the kernel's unsplit config, so its reduction
+            # is the same however the step is made up. Device tensors only (graph-safe).
+            meta = ctx.groups[self.group_id]
+            backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
+            tables = meta.block_table.index_select(0, ctx.token_seq)                # [T, M]
+            lengths = (ctx.positions + 1).to(torch.int32)                           # [T]
+            out = self._decode_absorbed(q_nope, q_pe, tables, lengths, ctx.max_seq_len)
         else:
             meta = ctx.groups[self.group_id]
             # A context-parallel share stores the whole step's latents (every rank's, in token
@@ -267,13 +278,14 @@ class MLAttention(nn.Module):
                 out[s:e] = self._attend(q[s:e], ctx_entries[:, 0, 0].to(x.dtype), q_pos, k_pos)
         return self.o_proj(out.reshape(t, -1))                           # [T, H]
 
-    def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: ForwardContext,
-                         meta: GroupMetadata) -> torch.Tensor:
-        """One new token per sequence, attending over the cached latents without expanding
+    def _decode_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """One query row per sequence (row b: its block-table row ``block_table[b]`` and length
+        ``seq_lens[b]``, a device tensor), attending over the cached latents without expanding
         them: with kv_b_proj = [W_uk; W_uv] per head, ``q_nope . (W_uk c) = (W_uk^T q_nope) . c``
         and the values' ``W_uv`` applies once to the attention-weighted latent
-        (``kernels.backend.mla_decode``). Reads only device tensors (``seq_lens_t``), so a
-        decode step never waits for the host.
+        (``kernels.backend.mla_decode``). Reads only device tensors, so a decode step never
+        waits for the host.
 
         q_nope: [B, Nh, Dn]; q_pe: [B, Nh, Dr] (roped) -> [B, Nh, Dv].
         """
@@ -282,8 +294,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, :c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]  # [Nh, Dn, R], [Nh, Dv, R]
         q_latent = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)             # [B, Nh, R]
         q_abs = torch.cat((q_latent, q_pe), dim=-1)                       # [B, Nh, R+Dr]
-        latent_out = backend.mla_decode(q_abs, self.kv_cache, meta.block_table, ctx.seq_lens_t,
-                                        self.scale, c.kv_lora_rank, ctx.max_seq_len)  # [B, Nh, R]
+        latent_out = backend.mla_decode(q_abs, self.kv_cache, block_table, seq_lens,
+                                        self.scale, c.kv_lora_rank, max_seq_len)      # [B, Nh, R]
         return torch.einsum("tnr,nvr->tnv", latent_out, w_uv)             # [B, Nh, Dv]
 
     def _attend(self, q: torch.Tensor, entries: torch.Tensor, q_pos: torch.Tensor,

@@ -224,3 +224,30 @@ def test_speculative_decoding_in_the_mode(varlen):
     assert _run(llm, [others[0], needle, others[1]], [other, seeded, other])[1][:2] == alone
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+def test_deepseek_v3_absorbed_attention_in_the_mode_with_the_kernels(monkeypatch):
+    """DeepSeek-V3 with the Triton kernels (the interpreter here, as on CUDA): in the mode every
+    token attends in the absorbed form as a row of its own through the MLA kernel's unsplit
+    config, so the needle's tokens and logprobs are bitwise the same alone, batched and chunked,
+    and prompt tokens took that path too (not only decode steps)."""
+    from deepinfer.kernels import backend
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    rows: list[int] = []
+    real = backend.mla_decode
+
+    def spy(q, *args):
+        rows.append(q.shape[0])
+        return real(q, *args)
+
+    monkeypatch.setattr(backend, "mla_decode", spy)
+    needle = [(7 * i) % 290 + 1 for i in range(40)]
+    others = [[(3 * i) % 290 + 2 for i in range(n)] for n in (5, 21)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2)
+    seeded = SamplingParams(max_tokens=4, temperature=0.8, seed=11, logprobs=3)
+    arch = "DeepseekV3ForCausalLM"
+    alone = _run(llama(arch, batch_invariant=True), [needle], [greedy])[0]
+    assert max(rows) == len(needle), "the prompt's tokens attended in the absorbed form, one row each"
+    assert _run(llama(arch, batch_invariant=True), [others[0], needle, others[1]], [seeded, greedy, seeded])[1] == alone
+    assert _run(llama(arch, batch_invariant=True, max_num_batched_tokens=16, block_size=16),
+                [*others, needle], [seeded, seeded, greedy])[2] == alone
