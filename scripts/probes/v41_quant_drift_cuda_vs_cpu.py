@@ -8,11 +8,14 @@ only inherit it), then each MoE and engram replayed on the CPU with the CUDA mod
 
     python scripts/probes/v41_quant_drift_cuda_vs_cpu.py               # on a GPU, ~1 minute
     python scripts/probes/v41_quant_drift_cuda_vs_cpu.py --lens 30 --eager
+    TRITON_INTERPRET=1 python scripts/probes/v41_quant_drift_cuda_vs_cpu.py   # no GPU: the kernels
+                                                                              # in the interpreter
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -79,7 +82,15 @@ def main() -> None:
     cpu_log = record(cpu.engine.model, keep_inputs=False)
     cpu_out = cpu.generate(prompts, params, use_tqdm=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = LLM(model=str(V41_CHECKPOINT), device=device, dtype="float32", quantization="auto", max_model_len=128,
+    if device == "cpu":
+        # No GPU: the second engine runs the Triton kernels in the interpreter (the CUDA path's
+        # kernels and packed KV records) against the first's torch references.
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("without a GPU run with TRITON_INTERPRET=1 (the Triton kernels in the interpreter)")
+        os.environ["DEEPINFER_KERNEL_BACKEND"] = "triton"
+    # On the CPU "auto" dequantises: keep the release's formats as the first engine does.
+    quantization = "auto" if device == "cuda" else "fp8+mxfp4-experts"
+    gpu = LLM(model=str(V41_CHECKPOINT), device=device, dtype="float32", quantization=quantization, max_model_len=128,
               gpu_memory_utilization=0.3, enforce_eager=args.eager)
     gpu_log = record(gpu.engine.model, keep_inputs=True)
     gpu_out = gpu.generate(prompts, params, use_tqdm=False)
