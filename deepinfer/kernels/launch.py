@@ -13,6 +13,10 @@ INTERPRETER_SMS = 132
 """The SM count launch choices are made for off CUDA (Triton's interpreter): an H100's / H200's."""
 
 _counters: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
+# Sets allocated while a CUDA graph was being captured: their zeroing was only recorded into
+# that graph (nothing runs during a capture), so until zero_captured_counters() they hold
+# whatever the graph pool's memory held.
+_captured: list[torch.Tensor] = []
 
 
 @functools.cache
@@ -32,9 +36,26 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     one stream run one after another, and the last program of each tile zeroes its counter again.
     A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
     with it still uses it. A CUDA-graph capture stream gets its set within its first capture (the
-    zeroing is then part of that graph)."""
+    zeroing is then part of that graph, so the capturer calls :func:`zero_captured_counters` before
+    any replay: another graph sharing the set may replay first)."""
     held = _counters.setdefault(_stream_key(device), [])
     if not held or held[-1].numel() < tiles:
         size = max(tiles, 2 * held[-1].numel() if held else 1024)
-        held.append(torch.zeros(size, dtype=torch.int32, device=device))
+        counters = torch.zeros(size, dtype=torch.int32, device=device)
+        if _capturing(device):
+            _captured.append(counters)
+        held.append(counters)
     return held[-1]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def zero_captured_counters() -> None:
+    """Zero the counter sets allocated during CUDA-graph captures since the last call, for real
+    (outside any capture, on the current stream). Every capturer calls it after capturing and
+    before replaying: graphs of one capture stream share its set, and one that did not allocate
+    it would otherwise count from the pool memory's old contents."""
+    while _captured:
+        _captured.pop().zero_()

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from deepinfer.forward_context import ForwardContext, GroupMetadata
+from deepinfer.kernels import launch
 from deepinfer.models.dspark import DraftSampling
 from deepinfer.runner.inputs import StepInputs
 from deepinfer.scheduler.kv_cache import KVCacheGroup
@@ -285,6 +286,7 @@ class DecodeGraphs:
                     f"failed ({exc}); its forward must not synchronise with the host in a decode_only "
                     "context (forward_context.py). Run with enforce_eager=True meanwhile") from exc
             self.graphs[n] = graph
+            launch.zero_captured_counters()
             if self.after is not None:
                 self._capture_after(n, pool)
         torch.cuda.synchronize(self.device)
@@ -310,6 +312,7 @@ class DecodeGraphs:
                                "not synchronise with the host. Run with speculative_config cuda_graphs=False "
                                "meanwhile") from exc
         self.after_graphs[n] = graph
+        launch.zero_captured_counters()
 
 
 # A proposal's sampling, each a graph per bucket: every row greedy; sampled (temperature and
@@ -472,6 +475,7 @@ class DraftGraphs(DraftGraphRunner):
                         f"({exc}); ModelDrafter.draft must not synchronise with the host. Run with "
                         "speculative_config cuda_graphs=False meanwhile") from exc
                 self.graphs[(n, mode)] = graph
+                launch.zero_captured_counters()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy, sampled, filtered) in %.1f s, %.0f MiB",

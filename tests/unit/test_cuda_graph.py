@@ -320,3 +320,24 @@ def test_verification_steps_through_graphs_on_llama(llama_dir):
 
 def test_verification_steps_through_graphs_with_sliding_layers(hybrid_dir):
     _verification_through_graphs(str(hybrid_dir))
+
+
+def test_counters_allocated_in_a_capture_are_zeroed_after_it(monkeypatch):
+    """A split-K counter set first needed inside a CUDA-graph capture is allocated there, where
+    its zeroing is only recorded into that graph; the capturer zeroes it for real before any
+    replay (another graph of the same capture stream may replay first). Simulated on the CPU:
+    the capture flag is forced and the set is filled with what a pool's old memory could hold."""
+    from deepinfer.kernels import launch
+
+    device = torch.device("cpu")
+    monkeypatch.setattr(launch, "_counters", {})
+    monkeypatch.setattr(launch, "_capturing", lambda dev: True)
+    counters = launch.tile_counters(device, 4096)
+    counters.fill_(7)                                   # the recorded zeroing has not run
+    assert launch.tile_counters(device, 100) is counters  # later users share the set
+    monkeypatch.setattr(launch, "_capturing", lambda dev: False)
+    launch.zero_captured_counters()
+    assert not counters.any()
+    counters.fill_(3)                                   # eager sets are not tracked: zeroed at allocation
+    launch.zero_captured_counters()
+    assert counters.eq(3).all()
