@@ -5,7 +5,10 @@ slices and zeroes its counter again."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -36,8 +39,8 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     one stream run one after another, and the last program of each tile zeroes its counter again.
     A larger set supersedes a smaller one; the smaller stays allocated, since a CUDA graph captured
     with it still uses it. A CUDA-graph capture stream gets its set within its first capture (the
-    zeroing is then part of that graph, so the capturer calls :func:`zero_captured_counters` before
-    any replay: another graph sharing the set may replay first)."""
+    zeroing is then part of that graph, so captures go through :func:`graph_capture`, which
+    zeroes it for real before any replay: another graph sharing the set may replay first)."""
     held = _counters.setdefault(_stream_key(device), [])
     if not held or held[-1].numel() < tiles:
         size = max(tiles, 2 * held[-1].numel() if held else 1024)
@@ -54,8 +57,19 @@ def _capturing(device: torch.device) -> bool:
 
 def zero_captured_counters() -> None:
     """Zero the counter sets allocated during CUDA-graph captures since the last call, for real
-    (outside any capture, on the current stream). Every capturer calls it after capturing and
-    before replaying: graphs of one capture stream share its set, and one that did not allocate
-    it would otherwise count from the pool memory's old contents."""
+    (outside any capture, on the current stream): graphs of one capture stream share its set,
+    and one that did not allocate it would otherwise count from the pool memory's old contents.
+    :func:`graph_capture` calls it after each capture, before any replay."""
     while _captured:
         _captured.pop().zero_()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool: Any = None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)``, then the counter sets the capture allocated
+    zeroed for real (:func:`zero_captured_counters`): how the engine captures its graphs."""
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        zero_captured_counters()

@@ -247,19 +247,18 @@ class MLAttention(nn.Module):
                 s, e = ctx.query_start_loc[b], ctx.query_start_loc[b + 1]
                 pos = ctx.positions[s:e]
                 out[s:e] = self._attend(q[s:e], entries[s:e], pos, pos)
-        elif ctx.decode_only:
+        elif ctx.decode_only or (batch_invariant.enabled() and ctx.cp is None and backend.use_triton(x)):
             meta = ctx.groups[self.group_id]
             backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
-            out = self._decode_absorbed(q_nope, q_pe, meta.block_table, ctx.seq_lens_t, ctx.max_seq_len)
-        elif batch_invariant.enabled() and ctx.cp is None and backend.use_triton(x):
-            # Batch-invariant mode with the Triton kernels: every token, of a chunk or a decode
-            # step, attends in the absorbed form as a row of its own (its sequence's block-table
-            # row, length position + 1) through the kernel's unsplit config, so its reduction
-            # is the same however the step is made up. Device tensors only (graph-safe).
-            meta = ctx.groups[self.group_id]
-            backend.store_kv(self.kv_cache, meta.slot_mapping, entries[:, None, :])
-            tables = meta.block_table.index_select(0, ctx.token_seq)                # [T, M]
-            lengths = (ctx.positions + 1).to(torch.int32)                           # [T]
+            if ctx.decode_only:
+                tables, lengths = meta.block_table, ctx.seq_lens_t                  # a row per sequence
+            else:
+                # Batch-invariant mode with the Triton kernels: every token, of a chunk or a
+                # decode step, attends in the absorbed form as a row of its own (its sequence's
+                # block-table row, length position + 1) through the kernel's unsplit config, so
+                # its reduction is the same however the step is made up (graph-safe).
+                tables = meta.block_table.index_select(0, ctx.token_seq)            # [T, M]
+                lengths = (ctx.positions + 1).to(torch.int32)                       # [T]
             out = self._decode_absorbed(q_nope, q_pe, tables, lengths, ctx.max_seq_len)
         else:
             meta = ctx.groups[self.group_id]

@@ -278,7 +278,7 @@ class DecodeGraphs:
             # (ForwardContext.memo), which the graph must compute itself.
             ctx = self._context(n, [1] * n)
             try:
-                with torch.cuda.graph(graph, pool=pool):
+                with launch.graph_capture(graph, pool):
                     self.outputs[n] = self.forward(ids, ctx)
             except RuntimeError as exc:
                 raise RuntimeError(
@@ -286,7 +286,6 @@ class DecodeGraphs:
                     f"failed ({exc}); its forward must not synchronise with the host in a decode_only "
                     "context (forward_context.py). Run with enforce_eager=True meanwhile") from exc
             self.graphs[n] = graph
-            launch.zero_captured_counters()
             if self.after is not None:
                 self._capture_after(n, pool)
         torch.cuda.synchronize(self.device)
@@ -305,14 +304,13 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         ctx = self._context(n, [1] * n)
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with launch.graph_capture(graph, pool):
                 self.after_outputs[n] = self.after(state, self.next_ids[n], ctx)
         except RuntimeError as exc:
             raise RuntimeError(f"capturing the drafter's context pass at batch size {n} failed ({exc}); it must "
                                "not synchronise with the host. Run with speculative_config cuda_graphs=False "
                                "meanwhile") from exc
         self.after_graphs[n] = graph
-        launch.zero_captured_counters()
 
 
 # A proposal's sampling, each a graph per bucket: every row greedy; sampled (temperature and
@@ -467,7 +465,7 @@ class DraftGraphs(DraftGraphRunner):
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph, pool=pool):
+                    with launch.graph_capture(graph, pool):
                         self.outputs[(n, mode)] = self.drafter.draft(self.rows(n, mode))
                 except RuntimeError as exc:
                     raise RuntimeError(
@@ -475,8 +473,7 @@ class DraftGraphs(DraftGraphRunner):
                         f"({exc}); ModelDrafter.draft must not synchronise with the host. Run with "
                         "speculative_config cuda_graphs=False meanwhile") from exc
                 self.graphs[(n, mode)] = graph
-                launch.zero_captured_counters()
-        torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d draft CUDA graphs (batch sizes %s, greedy, sampled, filtered) in %.1f s, %.0f MiB",
                     len(self.graphs), self.sizes, time.perf_counter() - start, used / 2**20)
