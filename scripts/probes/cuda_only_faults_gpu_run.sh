@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Three results that differ on CUDA and nowhere else, in one device call of under ten minutes:
+# Three results that differ on CUDA and nowhere else, in one device call of under ten minutes,
+# the ones that decide an issue first:
 #   1. the tiny DeepSeek-V4 DSpark engine's seeded tokens with the drafter's CUDA graphs against
-#      eager (tests/gpu/test_drafter_graphs.py, then the probe with logprobs at the first
-#      difference), after the fix of counter sets first allocated inside a capture;
-#   2. the quantised V4.1 release checkpoint on CUDA against the CPU references with two prompts:
-#      as the test has it (graphs captured), eager, and without side streams
-#      (DEEPINFER_SIDE_STREAM=0), which tells apart the factors the interpreter cannot show;
-#   3. DeepSeek-V3 in the batch-invariant mode on CUDA, its refusal lifted in the test process
-#      only (tests/gpu/test_batch_invariant_gpu.py then includes it).
+#      eager (tests/gpu/test_drafter_graphs.py), after the fix of counter sets first allocated
+#      inside a capture;
+#   2. DeepSeek-V3 in the batch-invariant mode on CUDA, its refusal lifted in the test process
+#      only (tests/gpu/test_batch_invariant_gpu.py then includes it);
+#   3. the probe of 1 (logprobs at the first difference), then the quantised V4.1 release
+#      checkpoint on CUDA against the CPU references with two prompts: as the test has it (graphs
+#      captured), eager, without side streams (DEEPINFER_SIDE_STREAM=0), and with every
+#      uninitialised allocation filled with NaN (--poison: a read of memory nothing wrote shows).
 # Logs go to $OUT; summaries are printed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -17,15 +19,6 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_drafter_graphs.py -k "v4 and seeded" \
     > "$OUT/drafter_graphs.log" 2>&1
 echo "V4 seeded drafter graphs exit $?: $(grep -E "passed|failed" "$OUT/drafter_graphs.log" | tail -1)"
-timeout 100 python3 scripts/probes/v4_dspark_seeded_graphs.py > "$OUT/seeded.log" 2>&1
-echo "seeded probe exit $?"; grep -E "^==|differs" "$OUT/seeded.log" | head -12
-for run in "default:" "eager:--eager" "no side stream:"; do
-    name=${run%%:*}; flags=${run#*:}
-    side=1; [ "$name" = "no side stream" ] && side=0
-    DEEPINFER_SIDE_STREAM=$side timeout 90 python3 scripts/probes/v41_quant_drift_cuda_vs_cpu.py $flags \
-        > "$OUT/drift_${name// /_}.log" 2>&1
-    echo "drift ($name) exit $?: $(head -3 "$OUT/drift_${name// /_}.log" | tr '\n' ' ')"
-done
 timeout 200 python3 - > "$OUT/v3_invariant.log" 2>&1 <<'PY'
 import sys
 
@@ -37,3 +30,12 @@ batch_invariant.CUDA_ARCHITECTURES = batch_invariant.CPU_ARCHITECTURES   # this 
 sys.exit(pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/gpu/test_batch_invariant_gpu.py", "-k", "v3"]))
 PY
 echo "V3 in the batch-invariant mode exit $?: $(grep -E "passed|failed" "$OUT/v3_invariant.log" | tail -1)"
+timeout 100 python3 scripts/probes/v4_dspark_seeded_graphs.py > "$OUT/seeded.log" 2>&1
+echo "seeded probe exit $?"; grep -E "^==|differs" "$OUT/seeded.log" | head -12
+for run in "default:" "eager:--eager" "no side stream:" "poisoned:--poison"; do
+    name=${run%%:*}; flags=${run#*:}
+    side=1; [ "$name" = "no side stream" ] && side=0
+    DEEPINFER_SIDE_STREAM=$side timeout 90 python3 scripts/probes/v41_quant_drift_cuda_vs_cpu.py $flags \
+        > "$OUT/drift_${name// /_}.log" 2>&1
+    echo "drift ($name) exit $?: $(head -3 "$OUT/drift_${name// /_}.log" | tr '\n' ' ')"
+done

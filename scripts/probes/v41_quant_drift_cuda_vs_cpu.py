@@ -8,6 +8,7 @@ only inherit it), then each MoE and engram replayed on the CPU with the CUDA mod
 
     python scripts/probes/v41_quant_drift_cuda_vs_cpu.py               # on a GPU, ~1 minute
     python scripts/probes/v41_quant_drift_cuda_vs_cpu.py --lens 30 --eager
+    python scripts/probes/v41_quant_drift_cuda_vs_cpu.py --poison      # uninitialised memory is NaN
     TRITON_INTERPRET=1 python scripts/probes/v41_quant_drift_cuda_vs_cpu.py   # no GPU: the kernels
                                                                               # in the interpreter
 """
@@ -73,7 +74,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lens", default="30,7", help="prompt lengths, one batch")
     parser.add_argument("--eager", action="store_true", help="CUDA engine with enforce_eager")
+    parser.add_argument("--poison", action="store_true",
+                        help="fill every uninitialised allocation (torch.empty and friends) with NaN / the "
+                             "integer maximum, so a read of memory nothing wrote shows up off the GPU too")
     args = parser.parse_args()
+    if args.poison:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
     prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in map(int, args.lens.split(","))]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
