@@ -29,8 +29,11 @@ cuBLAS picks its kernels, the allocator settles). A replay's output lives in the
 pool and stays valid until the next replay.
 
 Without capture (``capture=False``) :meth:`DecodeGraphs.run` runs the model
-eagerly on the same padded static views: the CPU tests use that mode to check
-padding, slots and slicing without a GPU.
+eagerly on the same padded static views, as a replay would run it: with the
+capture's host context (lengths of 1: a forward that read the host lengths would
+differ here too) and into the bucket's held output, which the bucket's next step
+overwrites (as it does a graph's), and so do the context pass and the proposals.
+The CPU tests use that mode to check padding, slots and slicing without a GPU.
 
 Model drafters (spec/drafter.py, ``graph_safe``): a bucket's graph then holds the
 drafter's forward (the target's with what the drafter keeps), a second graph per
@@ -40,6 +43,7 @@ the proposal per bucket of committed sequences, on static :class:`DraftRows`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -58,6 +62,22 @@ from deepinfer.scheduler.kv_cache import KVCacheGroup
 from deepinfer.spec.drafter import DraftGraphRunner, DraftOutput, DraftRows, ModelDrafter
 
 logger = logging.getLogger(__name__)
+
+
+def _static(held: Any, out: Any) -> Any:
+    """Without capture, a step's eager output written into the bucket's held output (``held``,
+    the first step's, None then) and that returned: as a replay's, it is overwritten by the
+    bucket's next step, so a caller that reads it later sees what it would see on the GPU."""
+    if held is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        return held.copy_(out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(_static(h, o) for h, o in zip(held, out))
+    if dataclasses.is_dataclass(out):
+        return dataclasses.replace(held, **{f.name: _static(getattr(held, f.name), getattr(out, f.name))
+                                            for f in dataclasses.fields(out)})
+    return out
 
 # Forwards per bucket before its capture.
 _WARMUP_RUNS = 2
@@ -232,7 +252,12 @@ class DecodeGraphs:
         n = input_ids.shape[0]
         graph = self.graphs.get(n)
         if graph is None:
-            return self.forward(input_ids, ctx)
+            # As a replay would: the host side of the context is the capture's (lengths of 1,
+            # nothing memoised), the actual lengths only on the device; the output is the
+            # bucket's, overwritten by its next step.
+            out = self.forward(input_ids, self._context(n, [1] * n))
+            self.outputs[n] = _static(self.outputs.get(n), out)
+            return self.outputs[n]
         graph.replay()
         return self.outputs[n]
 
@@ -244,7 +269,9 @@ class DecodeGraphs:
         self.next_ids[n].copy_(next_ids)
         graph = self.after_graphs.get(n)
         if graph is None:
-            return self.after(state, self.next_ids[n], ctx)
+            out = self.after(state, self.next_ids[n], self._context(n, [1] * n))
+            self.after_outputs[n] = _static(self.after_outputs.get(n), out)
+            return self.after_outputs[n]
         graph.replay()
         return self.after_outputs[n]
 
@@ -441,7 +468,7 @@ class DraftGraphs(DraftGraphRunner):
             self.tables[b:n].zero_()
         graph = self.graphs.get((n, mode))
         if graph is None:
-            out = self.drafter.draft(self.rows(n, mode))
+            out = self.outputs[(n, mode)] = _static(self.outputs.get((n, mode)), self.drafter.draft(self.rows(n, mode)))
         else:
             graph.replay()
             out = self.outputs[(n, mode)]

@@ -137,6 +137,39 @@ def test_prepare_pads_to_the_bucket_and_clears_stale_rows():
     assert graphs.run(ids, ctx)[:, 0].tolist() == [10, 12, 11, 0]
 
 
+class _Recorder(nn.Module):
+    """Reads what a replay would see: the host lengths the forward is given, and a fresh output
+    a step (a captured graph's output is the bucket's, overwritten by its next replay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_lens: list[list[int]] = []
+
+    def forward(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        self.host_lens.append(list(ctx.seq_lens))
+        return input_ids.float()[:, None], ctx.seq_lens_t.clone()
+
+
+def test_without_capture_a_step_sees_what_a_replay_sees():
+    """The eager padded path is the CPU's stand-in for a replay, so it gives the forward the
+    capture's host context (lengths of 1; the actual lengths only on the device) and returns
+    the bucket's held output, overwritten by the bucket's next step: a forward that read host
+    lengths, or a caller that read a step's output after the next, fails here as on a GPU."""
+    groups = [group("full", 4)]
+    model = _Recorder()
+    graphs = DecodeGraphs(model, groups, sizes=[2], max_model_len=32, device=CPU, capture=False)
+    outs = []
+    for tok, pos in ((3, 6), (4, 9)):
+        seq = ScheduledSeq(req_id="a", token_ids=[tok], start_pos=pos, block_tables=[[1, 2, 3]], sample=True)
+        ids, ctx = graphs.prepare(StepInputs.build([seq], groups))
+        assert ctx.seq_lens == [pos + 1, 1]                    # the step's own context keeps them
+        outs.append(graphs.run(ids, ctx))
+        assert outs[-1][1].tolist() == [pos + 1, 1]          # on the device
+    assert model.host_lens == [[1, 1], [1, 1]]
+    assert all(a is b for a, b in zip(*outs))               # one held output, now the second step's
+    assert outs[0][0][:, 0].tolist() == [4, 0]
+
+
 def test_bucket_inputs_share_one_buffer_and_mirrors_alternate():
     """A bucket's inputs are typed views of one buffer that one copy fills; consecutive steps
     fill alternate host mirrors, and the buffer holds the latest step whichever was used."""
