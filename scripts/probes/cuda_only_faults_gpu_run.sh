@@ -9,7 +9,8 @@
 #   3. the probe of 1 (logprobs at the first difference), then the quantised V4.1 release
 #      checkpoint on CUDA against the CPU references with two prompts: as the test has it (graphs
 #      captured), eager, without side streams (DEEPINFER_SIDE_STREAM=0), and with every
-#      uninitialised allocation filled with NaN (--poison: a read of memory nothing wrote shows).
+#      uninitialised allocation filled with NaN (--poison: a read of memory nothing wrote shows);
+#   4. in the time left, the eager drift probe under compute-sanitizer memcheck.
 # Logs go to $OUT; summaries are printed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -39,3 +40,12 @@ for run in "default:" "eager:--eager" "no side stream:" "poisoned:--poison"; do
         > "$OUT/drift_${name// /_}.log" 2>&1
     echo "drift ($name) exit $?: $(head -3 "$OUT/drift_${name// /_}.log" | tr '\n' ' ')"
 done
+# Last, in what time the call has left: out-of-bounds or uninitialised device reads under
+# compute-sanitizer (no caching allocator, so a read past a tensor's end leaves its allocation).
+if command -v compute-sanitizer > /dev/null; then
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 8 \
+        python3 scripts/probes/v41_quant_drift_cuda_vs_cpu.py --eager > "$OUT/drift_memcheck.log" 2>&1
+    echo "drift under memcheck exit $?: $(grep -E "ERROR SUMMARY|Invalid" "$OUT/drift_memcheck.log" | head -4 | tr '\n' ' ')"
+else
+    echo "no compute-sanitizer on this machine"
+fi
