@@ -25,6 +25,8 @@ from deepinfer.runner.cuda_graph import DraftGraphs
 from deepinfer.spec.drafter import DraftRows, ModelDrafter
 
 from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
+from ..models.v4_dspark_checkpoint import BLOCK as V4_BLOCK
+from ..models.v4_dspark_checkpoint import write_bigram_checkpoint, write_checkpoint
 
 BLOCK = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["text_config"]["dspark_block_size"]
 SIZES = [1, 2, 4, 8]
@@ -183,6 +185,33 @@ def test_dspark_varlen_verification_through_the_static_buffers_matches_eager(mon
             "sps_table": ((8, 100.0), (16, 99.0), (24, 30.0), (64, 5.0))}
     llm = graph_vs_eager(TEXT, greedy(), min_accepted=5, model=DEFAULT_MODEL, speculative_config=spec)
     assert llm.engine.config.speculative.varlen
+
+
+@pytest.fixture(scope="module")
+def v4_dspark_dir(tmp_path_factory) -> Path:
+    """The tiny DeepSeek-V4 checkpoint with an FP8 DSpark drafter that knows the target's
+    greedy bigrams on :data:`V4_PROMPTS` (so drafts are accepted)."""
+    random = write_checkpoint(tmp_path_factory.mktemp("v4dspark") / "random")
+    base = LLM(model=str(random), device="cpu", dtype="float32")
+    outs = base.generate(V4_PROMPTS, greedy(), use_tqdm=False)
+    return write_bigram_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram",
+                                   [(p["prompt_token_ids"], list(o.outputs[0].token_ids))
+                                    for p, o in zip(V4_PROMPTS, outs)])
+
+
+V4_PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 1000 for j in range(n)]}
+              for i, n in enumerate([11, 29, 5, 40, 17])]
+
+
+def test_v4_dspark_seeded_requests_through_the_static_buffers_match_eager(v4_dspark_dir):
+    """A DeepSeek-V4 target with its (FP8) DSpark module: greedy and seeded sampled requests,
+    one with top-k (tests/gpu/test_drafter_graphs.py runs the same requests replayed)."""
+    params = greedy()
+    for i, seed in ((1, 7), (2, 3), (4, 5)):
+        params[i] = SamplingParams(temperature=0.8, seed=seed, max_tokens=MAX_TOKENS[i], ignore_eos=True,
+                                   top_k=20 if i == 1 else 0, logprobs=0)
+    graph_vs_eager(V4_PROMPTS, params, min_accepted=5, modes={"filtered", "sampled"}, model=str(v4_dspark_dir),
+                   dtype="float32", speculative_config={"method": "dspark", "num_speculative_tokens": V4_BLOCK})
 
 
 def _mtp_prompts() -> list[list[int]]:
