@@ -468,7 +468,8 @@ class DraftGraphs(DraftGraphRunner):
             self.tables[b:n].zero_()
         graph = self.graphs.get((n, mode))
         if graph is None:
-            out = self.outputs[(n, mode)] = _static(self.outputs.get((n, mode)), self.drafter.draft(self.rows(n, mode)))
+            out = _static(self.outputs.get((n, mode)), self.drafter.draft(self.rows(n, mode)))
+            self.outputs[(n, mode)] = out
         else:
             graph.replay()
             out = self.outputs[(n, mode)]
