@@ -248,7 +248,8 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Any:
         """The forward's output (hidden states [n, H], or a drafter's tuple) of a step from
         :meth:`prepare`: the captured graph's replay, or without capture the eager forward
-        over the same padded views."""
+        over the same padded views. Neither reads ``ctx`` (the step's own host context, kept
+        in the signature for the eager path's callers): both see the capture's."""
         n = input_ids.shape[0]
         graph = self.graphs.get(n)
         if graph is None:

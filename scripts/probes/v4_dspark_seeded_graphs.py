@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
-from tests.gpu.test_drafter_graphs import SIZES, V4_PROMPTS, greedy, seeded
-from tests.models.v4_dspark_checkpoint import BLOCK, write_bigram_checkpoint, write_checkpoint
+from tests.gpu.test_drafter_graphs import MAX_TOKENS, SIZES, seeded
+from tests.models.v4_dspark_checkpoint import BLOCK, write_bigram_checkpoint_for
+from tests.models.v4_dspark_checkpoint import PROMPTS as V4_PROMPTS
 
 DEVICE = os.environ.get("PROBE_DEVICE", "cuda")   # "cpu": a dry run (no graphs)
 
@@ -44,12 +45,7 @@ def run(model: str, spec: dict | None, eager: bool) -> list[tuple[list[int], lis
 
 
 def main() -> None:
-    tmp = Path(tempfile.mkdtemp())
-    random = write_checkpoint(tmp / "random")
-    base = LLM(model=str(random), device="cpu", dtype="float32")
-    outs = [list(o.outputs[0].token_ids) for o in base.generate(V4_PROMPTS, greedy(), use_tqdm=False)]
-    model = str(write_bigram_checkpoint(tmp / "bigram", [(p["prompt_token_ids"], o)
-                                                         for p, o in zip(V4_PROMPTS, outs)]))
+    model = str(write_bigram_checkpoint_for(Path(tempfile.mkdtemp()), V4_PROMPTS, MAX_TOKENS))
     spec = {"method": "dspark", "num_speculative_tokens": BLOCK}
     runs = {name: run(model, s, eager) for name, s, eager in
             (("dspark eager", spec, True), ("dspark graphs", spec, False),

@@ -25,7 +25,8 @@ from deepinfer.runner.cuda_graph import DRAFT_MODES
 
 from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
 from ..models.v4_dspark_checkpoint import BLOCK as V4_BLOCK
-from ..models.v4_dspark_checkpoint import write_bigram_checkpoint, write_checkpoint
+from ..models.v4_dspark_checkpoint import PROMPTS as V4_PROMPTS
+from ..models.v4_dspark_checkpoint import write_bigram_checkpoint_for
 
 pytestmark = pytest.mark.gpu
 
@@ -120,15 +121,7 @@ def test_dspark_varlen_graphs_match_eager_float32(replays):
 def v4_dspark_dir(tmp_path_factory) -> Path:
     """The tiny V4 DSpark checkpoint with a drafter that knows the target's greedy bigrams
     (derived on the CPU), so verification accepts drafts."""
-    random = write_checkpoint(tmp_path_factory.mktemp("v4dspark") / "random")
-    base = LLM(model=str(random), device="cpu", dtype="float32")
-    outs = tokens(base, V4_PROMPTS, greedy())
-    return write_bigram_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram",
-                                   [(p["prompt_token_ids"], o) for p, o in zip(V4_PROMPTS, outs)])
-
-
-V4_PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 1000 for j in range(n)]}
-              for i, n in enumerate([11, 29, 5, 40, 17])]
+    return write_bigram_checkpoint_for(tmp_path_factory.mktemp("v4dspark"), V4_PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("params", [greedy, seeded], ids=["greedy", "seeded"])

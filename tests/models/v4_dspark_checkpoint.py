@@ -146,3 +146,22 @@ def write_bigram_checkpoint(out: Path, sequences: Sequence[tuple[Sequence[int], 
     tensors[last + "markov_head.markov_w1.weight"] = torch.eye(vocab)
     tensors[last + "markov_head.markov_w2.weight"] = bias
     return write_checkpoint(out, tensors, config)
+
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 1000 for j in range(n)]}
+           for i, n in enumerate([11, 29, 5, 40, 17])]
+"""Five token-id prompts of different lengths for the V4 DSpark checkpoints' engine tests."""
+
+
+def write_bigram_checkpoint_for(out: Path, prompts: Sequence[dict], max_tokens: Sequence[int]) -> Path:
+    """A random checkpoint's greedy outputs on ``prompts`` (float32, on the CPU, ``max_tokens``
+    each), then the checkpoint whose drafter knows those bigrams
+    (:func:`write_bigram_checkpoint`), in ``out``/bigram."""
+    from deepinfer import LLM, SamplingParams
+
+    random = write_checkpoint(out / "random")
+    base = LLM(model=str(random), device="cpu", dtype="float32")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = base.generate(list(prompts), params, use_tqdm=False)
+    return write_bigram_checkpoint(out / "bigram", [(p["prompt_token_ids"], list(o.outputs[0].token_ids))
+                                                    for p, o in zip(prompts, outs)])

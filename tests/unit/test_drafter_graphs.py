@@ -26,7 +26,8 @@ from deepinfer.spec.drafter import DraftRows, ModelDrafter
 
 from ..engine.test_mtp_drafter import v3_mtp_dir, v3_repeat_dir  # noqa: F401  (fixtures)
 from ..models.v4_dspark_checkpoint import BLOCK as V4_BLOCK
-from ..models.v4_dspark_checkpoint import write_bigram_checkpoint, write_checkpoint
+from ..models.v4_dspark_checkpoint import PROMPTS as V4_PROMPTS
+from ..models.v4_dspark_checkpoint import write_bigram_checkpoint_for
 
 BLOCK = json.loads((Path(DEFAULT_MODEL) / "config.json").read_text())["text_config"]["dspark_block_size"]
 SIZES = [1, 2, 4, 8]
@@ -190,17 +191,8 @@ def test_dspark_varlen_verification_through_the_static_buffers_matches_eager(mon
 @pytest.fixture(scope="module")
 def v4_dspark_dir(tmp_path_factory) -> Path:
     """The tiny DeepSeek-V4 checkpoint with an FP8 DSpark drafter that knows the target's
-    greedy bigrams on :data:`V4_PROMPTS` (so drafts are accepted)."""
-    random = write_checkpoint(tmp_path_factory.mktemp("v4dspark") / "random")
-    base = LLM(model=str(random), device="cpu", dtype="float32")
-    outs = base.generate(V4_PROMPTS, greedy(), use_tqdm=False)
-    return write_bigram_checkpoint(tmp_path_factory.mktemp("v4dspark") / "bigram",
-                                   [(p["prompt_token_ids"], list(o.outputs[0].token_ids))
-                                    for p, o in zip(V4_PROMPTS, outs)])
-
-
-V4_PROMPTS = [{"prompt_token_ids": [(7 * i + 13 * j + 3) % 1000 for j in range(n)]}
-              for i, n in enumerate([11, 29, 5, 40, 17])]
+    greedy bigrams on the prompts (so drafts are accepted)."""
+    return write_bigram_checkpoint_for(tmp_path_factory.mktemp("v4dspark"), V4_PROMPTS, MAX_TOKENS)
 
 
 def test_v4_dspark_seeded_requests_through_the_static_buffers_match_eager(v4_dspark_dir):
