@@ -308,6 +308,19 @@ def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
+def _mx_dot(acc, a, w_rows, s_rows, k, groups, mask_n, G: tl.constexpr, A_FORMAT: tl.constexpr):
+    """acc plus K step k over its G groups by Triton's microscaled dot (``path="mx"``): a [BLOCK_M,
+    32G] in bf16 or fp16, the weights' 16G packed bytes a column loaded K-major as [16G, BLOCK_N]
+    and their UE8M0 scales [BLOCK_N, G]; the compiler decodes e2m1 and applies the scales (on Hopper
+    by upcasting to a's dtype before the MMA). Masked groups read code 0 and scale 2^0."""
+    kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
+    kg = k * G + tl.arange(0, G)                                              # [G] groups
+    b = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < groups * 16)[:, None] & mask_n[None, :], other=0)
+    s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=127)
+    return tl.dot_scaled(a, None, A_FORMAT, b, s, "e2m1", acc, fast_math=True)
+
+
+@triton.jit
 def _fp4g_gate_up_kernel(
     x, xs, wq, ws, act_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, num_pid_m, limit,
@@ -315,7 +328,7 @@ def _fp4g_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
     FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -340,7 +353,13 @@ def _fp4g_gate_up_kernel(
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        if WIDE:
+        if MX:
+            ka = k * (32 * G) + tl.arange(0, 32 * G)
+            a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
+                        other=0.0)                                            # [BLOCK_M, 32G]
+            gate = _mx_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, G, A_FORMAT)
+            up = _mx_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, G, A_FORMAT)
+        elif WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
@@ -368,7 +387,8 @@ def _fp4g_down_kernel(
     stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
-    SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False,
+    A_FORMAT: tl.constexpr = "bf16", PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -389,7 +409,12 @@ def _fp4g_down_kernel(
     groups = inter // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        if WIDE:
+        if MX:
+            ka = k * (32 * G) + tl.arange(0, 32 * G)
+            a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
+                        mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
+            acc = _mx_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, G, A_FORMAT)
+        elif WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
@@ -424,7 +449,7 @@ def fp4_tiles(cfg: MoEConfig) -> MoEConfig:
                                block_k2=max(32, cfg.block_k2), num_stages=min(cfg.num_stages, 3))
 
 
-PATHS = ("dequant", "group")
+PATHS = ("dequant", "group", "mx")
 DOTS = ("bf16", "fp8")
 SCALES = ("dot", "weight")
 
@@ -435,7 +460,9 @@ class FP4Kernel:
     the plainest group-path kernel, :func:`fp4_pick_kernel` names the one :func:`fp4_moe` runs).
 
     path: ``"group"`` (codes turned into e4m3 bytes by integer ops, one scale load a column and
-    32-input group) or ``"dequant"`` (each weight decoded to float32 and scaled before the dot).
+    32-input group), ``"dequant"`` (each weight decoded to float32 and scaled before the dot) or
+    ``"mx"`` (Triton's microscaled dot, ``tl.dot_scaled``, on the packed bytes and UE8M0 scales as
+    they are: MXFP4 weights and bf16 or fp16 activations only; ``groups`` sets its K step).
     The rest is the group path's: ``dot`` ``"bf16"`` (dots in the activations' dtype, bf16 in
     serving) or ``"fp8"`` (activations quantised to e4m3 per token and ``act_group`` inputs, FP8
     dots); ``groups`` 32-input groups per K step (unrolled); ``asm``: the nibble decode by inline
@@ -463,6 +490,8 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: path={self.path!r} is not one of {PATHS}")
         if self.dot not in DOTS:
             raise ValueError(f"FP4Kernel: dot={self.dot!r} is not one of {DOTS}")
+        if self.path == "mx" and self.dot != "bf16":
+            raise ValueError("FP4Kernel: path='mx' dots in the activations' dtype (dot='bf16')")
         if self.groups not in (1, 2, 4, 8):
             raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
         if self.scale not in SCALES:
@@ -532,6 +561,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
     num_pid_m = block_expert.shape[0]
     fp8 = kern.dot == "fp8"
     asm = kern.asm and x.device.type == "cuda"
+    mx = {"MX": kern.path == "mx", "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16"}
     # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
     # float32's exponent range; fp16 has not).
     scale_w = 0 if kern.scale == "dot" else 2 if s_e8m0 and x.dtype == torch.bfloat16 else 1
@@ -548,7 +578,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide,
-        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision,
+        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision, **mx,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -561,7 +591,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
         S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, SPLIT=kern.split, ASM=asm,
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, **mx,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 
@@ -605,7 +635,10 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")
-    if kern.path == "group" and cfg.block_m < 16:
+    if kern.path == "mx" and (gate_up_s.dtype != torch.uint8 or x.dtype not in (torch.bfloat16, torch.float16)):
+        raise ValueError(f"fp4_moe: path='mx' takes UE8M0 (uint8) scales and bf16 or fp16 activations, got "
+                         f"{gate_up_s.dtype} scales and {x.dtype} activations")
+    if kern.path != "dequant" and cfg.block_m < 16:
         raise ValueError(f"fp4_moe: block_m={cfg.block_m} is below the MMA's 16 rows")
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     s_e8m0 = gate_up_s.dtype == torch.uint8
