@@ -239,6 +239,62 @@ def _nibbles_to_e4m3(b, ASM: tl.constexpr):
     return lo.to(tl.float8e4nv, bitcast=True), hi.to(tl.float8e4nv, bitcast=True)
 
 
+# e2m1 code c straight into bf16 bits: the sign to bit 15, the magnitude's 2 exponent bits and 1
+# mantissa bit to bf16's low exponent bits and top mantissa bit, ((c & 8) << 12) | ((c & 7) << 6):
+# exactly the e2m1 value times 2^-126 (codes 0 and 1 land on bf16's subnormals). The kernels fold
+# 2^126 into the group's scale, which then stays finite in bf16 for UE8M0 bytes up to 128 (scales
+# up to 2^1; quantised weights' scales are far below). The same as _NIBBLES_TO_E4M3_ASM without the
+# e4m3 -> bf16 conversion after it.
+_BF16_FROM_E2M1 = tl.constexpr(2.0 ** 126)
+
+# On 4 packed bytes b0..b3 in one register: two permutes spread them to [b0, 0, b1, 0] and
+# [b2, 0, b3, 0], so that each 16-bit half holds one byte and one shift a field serves both halves;
+# $0, $1 take the low nibbles (bf16 pairs (b0, b1), (b2, b3)), $2, $3 the high ones. $4 is read in
+# full before any output is written.
+_NIBBLES_TO_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 y0, y1, z, m, s;
+mov.b32 z, 0;
+prmt.b32 y0, $4, z, 0x4140;
+prmt.b32 y1, $4, z, 0x4342;
+shl.b32 m, y0, 6;
+shl.b32 s, y0, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $0, m, s;
+shl.b32 m, y1, 6;
+shl.b32 s, y1, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $1, m, s;
+shl.b32 m, y0, 2;
+shl.b32 s, y0, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $2, m, s;
+shl.b32 m, y1, 2;
+shl.b32 s, y1, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 $3, m, s;
+}
+""")
+
+
+@triton.jit
+def _nibbles_to_bf16(b, ASM: tl.constexpr):
+    """uint8 packed bytes -> (bf16 of the low nibbles, bf16 of the high nibbles), each an e2m1
+    value times 2^-126, exactly. ``ASM``: 4 bytes a register by inline PTX (CUDA only)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(_NIBBLES_TO_BF16_ASM, "=r,=r,=r,=r,r", [b],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return lo, hi
+    w = b.to(tl.uint16)
+    lo = ((w & 8) << 12) | ((w & 7) << 6)
+    hi = ((w & 128) << 8) | ((w & 112) << 2)
+    return lo.to(tl.bfloat16, bitcast=True), hi.to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit
 def _group_dot(acc, a, sa, w_ptrs, s_ptrs, mask_n, ok, S_E8M0: tl.constexpr, FP8: tl.constexpr,
                SCALE_W: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -280,21 +336,26 @@ def _scaled(w, s, SCALE_W: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
               S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False):
     """acc plus K step k over its G groups: a [BLOCK_M, 32G] in the activations' dtype, the
     weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts ``w_rows``
     [BLOCK_N], decoded and times their scales, each loaded once and broadcast over its inputs.
     One dot over the low and high nibbles interleaved into input order, or (``SPLIT``) two dots of
     16G inputs, the low nibbles with a's even columns and the high with its odd ones (no shuffle of
-    the weight tile; a's, BLOCK_M x 32G, is the smaller at decode)."""
+    the weight tile; a's, BLOCK_M x 32G, is the smaller at decode). ``BF16_BITS``: the codes
+    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3."""
     kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
     kg = k * G + tl.arange(0, G)                                              # [G] groups
     b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
-    lo, hi = _nibbles_to_e4m3(b, ASM)
     s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=0)
     if S_E8M0:
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    s = (s * _E4M3_FROM_E2M1)[:, :, None]                                   # [BLOCK_N, G, 1]
+    if BF16_BITS:
+        lo, hi = _nibbles_to_bf16(b, ASM)
+        s = (s * _BF16_FROM_E2M1)[:, :, None]                               # [BLOCK_N, G, 1]
+    else:
+        lo, hi = _nibbles_to_e4m3(b, ASM)
+        s = (s * _E4M3_FROM_E2M1)[:, :, None]
     if SPLIT:
         s16 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 16]), [BLOCK_N, 16 * G])
         a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], 16 * G, 2]))    # inputs 2j, 2j+1
@@ -328,7 +389,8 @@ def _fp4g_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
     FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16", PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
+    BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -364,9 +426,9 @@ def _fp4g_gate_up_kernel(
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
             gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
-                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
+                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
             up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
-                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
+                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
         else:
             for g in tl.static_range(G):
                 q = k * G + g                                                 # the 32-input group
@@ -388,7 +450,7 @@ def _fp4g_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False,
-    A_FORMAT: tl.constexpr = "bf16", PDL: tl.constexpr = False,
+    A_FORMAT: tl.constexpr = "bf16", BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -419,7 +481,7 @@ def _fp4g_down_kernel(
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
             acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
-                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION)
+                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
         else:
             for g in tl.static_range(G):
                 q = k * G + g
@@ -474,6 +536,9 @@ class FP4Kernel:
     ``wide`` (with ``scale="weight"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
     one dot over 32G inputs, instead of a load and a dot a group; ``split`` (with ``wide``): the
     low and high nibbles left apart, times the activations' even and odd inputs in two dots.
+    ``decode`` (with ``wide``): ``"e4m3"`` (codes to e4m3 bytes, then to the activations' dtype) or
+    ``"bf16"`` (codes straight to bf16 bits, the 2^126 that puts them in range folded into the
+    scale; UE8M0 scales of at most 2^1 and bf16 activations only).
     """
 
     path: str = "group"
@@ -484,6 +549,7 @@ class FP4Kernel:
     scale: str = "dot"
     wide: bool = False
     split: bool = False
+    decode: str = "e4m3"
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -500,6 +566,10 @@ class FP4Kernel:
             raise ValueError("FP4Kernel: wide=True (one dot a K step) needs dot='bf16' and scale='weight'")
         if self.split and not self.wide:
             raise ValueError("FP4Kernel: split=True (even and odd inputs as two dots) needs wide=True")
+        if self.decode not in ("e4m3", "bf16"):
+            raise ValueError(f"FP4Kernel: decode={self.decode!r} is not 'e4m3' or 'bf16'")
+        if self.decode == "bf16" and not self.wide:
+            raise ValueError("FP4Kernel: decode='bf16' (codes straight to bf16 bits) needs wide=True")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -561,7 +631,8 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
     num_pid_m = block_expert.shape[0]
     fp8 = kern.dot == "fp8"
     asm = kern.asm and x.device.type == "cuda"
-    mx = {"MX": kern.path == "mx", "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16"}
+    mx = {"MX": kern.path == "mx", "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
+          "BF16_BITS": kern.decode == "bf16"}
     # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
     # float32's exponent range; fp16 has not).
     scale_w = 0 if kern.scale == "dot" else 2 if s_e8m0 and x.dtype == torch.bfloat16 else 1
@@ -637,6 +708,9 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
                          f"H={h} and I={i}")
     if kern.path == "mx" and (gate_up_s.dtype != torch.uint8 or x.dtype not in (torch.bfloat16, torch.float16)):
         raise ValueError(f"fp4_moe: path='mx' takes UE8M0 (uint8) scales and bf16 or fp16 activations, got "
+                         f"{gate_up_s.dtype} scales and {x.dtype} activations")
+    if kern.decode == "bf16" and (gate_up_s.dtype != torch.uint8 or x.dtype != torch.bfloat16):
+        raise ValueError(f"fp4_moe: decode='bf16' takes UE8M0 (uint8) scales and bf16 activations, got "
                          f"{gate_up_s.dtype} scales and {x.dtype} activations")
     if kern.path != "dequant" and cfg.block_m < 16:
         raise ValueError(f"fp4_moe: block_m={cfg.block_m} is below the MMA's 16 rows")

@@ -124,6 +124,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         out += [
             ("bf16 g2 weight split", base, split),
             ("bf16 g4 weight split", base, rep(split, groups=4)),
+            ("bits g4 weight split", base, rep(split, groups=4, decode="bf16")),
+            ("bits g2 weight split", base, rep(split, decode="bf16")),
             ("mx g2", base, FP4Kernel(path="mx", groups=2)),
             ("mx g4", base, FP4Kernel(path="mx", groups=4)),
             ("mx g8", base, FP4Kernel(path="mx", groups=8)),
@@ -146,6 +148,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         n256 = rep(base, block_n1=128, block_n2=256)
         out += [
             ("bf16 g2 weight split", base, split),
+            ("bits g2 weight split", base, rep(split, decode="bf16")),
+            ("bits g2 weight split n128/128", n128, rep(split, decode="bf16")),
             ("mx g2", base, FP4Kernel(path="mx", groups=2)),
             ("mx g2 n128/128", n128, FP4Kernel(path="mx", groups=2)),
             ("mx g4 n128/128", n128, FP4Kernel(path="mx", groups=4)),

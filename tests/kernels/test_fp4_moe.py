@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import reference
-from deepinfer.kernels.fp4_moe import FP4Kernel, _nibbles_to_e4m3, fp4_moe, fp4_pick_config, fp4_pick_kernel
+from deepinfer.kernels.fp4_moe import (FP4Kernel, _nibbles_to_bf16, _nibbles_to_e4m3, fp4_moe, fp4_pick_config,
+                                       fp4_pick_kernel)
 from deepinfer.kernels.fused_moe import MoEConfig
 from deepinfer.models.quant import SCALE_FORMATS, quant_fp4_e2m1
 
@@ -79,6 +80,27 @@ def test_nibbles_to_e4m3_all_codes(asm, device):
     assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
 
 
+@triton.jit
+def _decode_bf16_kernel(b_ptr, lo_ptr, hi_ptr, ASM: tl.constexpr):
+    offs = tl.arange(0, 256)
+    lo, hi = _nibbles_to_bf16(tl.load(b_ptr + offs), ASM)
+    tl.store(lo_ptr + offs, lo.to(tl.int16, bitcast=True))      # the bits (the interpreter flushes
+    tl.store(hi_ptr + offs, hi.to(tl.int16, bitcast=True))      # bf16 subnormals it converts)
+
+
+@pytest.mark.parametrize("asm", [False] + ([True] if ON_CUDA else []))
+def test_nibbles_to_bf16_all_codes(asm, device):
+    """Every byte: each nibble straight to bf16 bits is its e2m1 value times 2^-126 exactly (codes
+    0 and 1 on bf16's subnormals, -0 included); on CUDA the inline PTX (4 bytes a register) too."""
+    b = torch.arange(256, dtype=torch.uint8)
+    lo, hi = (torch.empty(256, dtype=torch.int16, device=device) for _ in range(2))
+    _decode_bf16_kernel[(1,)](b.to(device), lo, hi, asm)
+    lo, hi = (v.cpu().view(torch.bfloat16).double() for v in (lo, hi))
+    assert torch.equal(lo * 2.0 ** 126, reference._e2m1_values(b & 15).double())
+    assert torch.equal(hi * 2.0 ** 126, reference._e2m1_values(b >> 4).double())
+    assert torch.equal(torch.signbit(lo), (b & 8) != 0) and torch.equal(torch.signbit(hi), (b & 128) != 0)
+
+
 @pytest.mark.parametrize("scale_format", SCALE_FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel,t,limit", KERNEL_CASES, ids=lambda v: kernel_id(v) if isinstance(v, FP4Kernel) else str(v))
@@ -128,6 +150,13 @@ def test_fp4_moe_mx_path_refuses_what_it_cannot_read(device):
         fp4_moe(x, *ue8m0, topk_weights, ids, kernel=mx)
     with pytest.raises(ValueError, match="path='mx' dots in the activations' dtype"):
         FP4Kernel(path="mx", dot="fp8")
+    bits = FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16")
+    with pytest.raises(ValueError, match="decode='bf16' takes UE8M0"):
+        fp4_moe(x.half(), *ue8m0, topk_weights, ids, kernel=bits)
+    with pytest.raises(ValueError, match="decode='bf16' takes UE8M0"):
+        fp4_moe(x.bfloat16(), *f32_scales, topk_weights, ids, kernel=bits)
+    with pytest.raises(ValueError, match="needs wide=True"):
+        FP4Kernel(decode="bf16")
 
 
 PREFILL_LIKE = (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))
@@ -276,15 +305,16 @@ def v4_fp4_experts_gpu(request):
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
-                                    FP4Kernel(dot="fp8", groups=2), FP4Kernel(path="mx", groups=4)],
-                         ids=lambda k: kernel_id(k) + ("-asm" if k.asm else ""))
+                                    FP4Kernel(dot="fp8", groups=2), FP4Kernel(path="mx", groups=4),
+                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16")],
+                         ids=lambda k: kernel_id(k) + ("-asm" if k.asm else "") + f"-{k.decode}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
                                          6, "sqrtsoftplus", 1.5)
-    if kernel.path == "mx" and v4_fp4_experts_gpu[1].dtype != torch.uint8:
-        with pytest.raises(ValueError, match="path='mx' takes UE8M0"):       # MXFP4 only
+    if (kernel.path == "mx" or kernel.decode == "bf16") and v4_fp4_experts_gpu[1].dtype != torch.uint8:
+        with pytest.raises(ValueError, match="takes UE8M0"):                 # MXFP4 only
             fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0, kernel=kernel)
         return
     out = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0, kernel=kernel)
