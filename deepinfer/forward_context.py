@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.layers import side_stream
+
 if TYPE_CHECKING:
     from deepinfer.parallel.context import ContextShard
 
@@ -71,8 +73,9 @@ class ForwardContext:
     cp: ContextShard | None = None
     # Results that several layers of one forward share (e.g. a KV-cache group's slot tables),
     # keyed by their maker. A context serves one forward: build a new one for the next (or
-    # clear this), else the next forward (or a CUDA-graph capture) reuses stale results.
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    # clear this), else the next forward (or a CUDA-graph capture) reuses stale results. An
+    # entry a side-stream branch wrote is readable outside it only after the branch's join.
+    memo: dict = field(default_factory=side_stream.Memo, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         device = self.positions.device

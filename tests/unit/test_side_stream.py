@@ -34,3 +34,59 @@ def test_bad_switch_value_names_the_variable(monkeypatch):
 def test_lanes_and_marks_run_inline_off_cuda():
     assert side_stream.fork(torch.randn(1000, 8), max_tokens=None, lane="engram") is None
     assert side_stream.mark(None) is None
+
+
+@pytest.fixture
+def ledger(monkeypatch):
+    fresh = side_stream.Ledger()
+    monkeypatch.setattr(side_stream, "LEDGER", fresh)
+    return fresh
+
+
+class FakeStream:
+    """A stand-in side stream: ``on`` only needs a key off CUDA (torch.cuda.stream is then a no-op)."""
+
+
+def test_memo_entries_of_a_branch_are_read_outside_it_only_after_its_join(ledger):
+    memo, a = side_stream.Memo(), FakeStream()
+    memo["main"] = 1
+    with side_stream.on(a):
+        assert ledger.current() is a
+        memo["slots"] = 2
+        assert memo["slots"] == 2 and memo["main"] == 1      # the branch reads its own and the main's
+    assert ledger.current() is None
+    with pytest.raises(RuntimeError, match="'slots' was written on a side stream"):
+        memo.get("slots")
+    with pytest.raises(RuntimeError, match="before side_stream.join"):
+        memo["slots"]
+    ledger.join(a)
+    assert memo.get("slots") == 2 and memo.get("absent") is None
+
+
+def test_a_partial_join_covers_the_writes_before_its_mark(ledger):
+    memo, a = side_stream.Memo(), FakeStream()
+    with side_stream.on(a):
+        memo["early"] = 1
+    upto = ledger.written[a]                    # what mark(a) records in its event
+    with side_stream.on(a):
+        memo["late"] = 2
+    ledger.join(a, upto)
+    assert memo["early"] == 1
+    with pytest.raises(RuntimeError, match="'late'"):
+        memo["late"]
+
+
+def test_another_lane_may_not_read_an_unjoined_entry(ledger):
+    memo, a, b = side_stream.Memo(), FakeStream(), FakeStream()
+    with side_stream.on(a):
+        memo["k"] = 1
+    with side_stream.on(b), pytest.raises(RuntimeError, match="'k'"):
+        memo["k"]
+    memo["k"] = 3                               # rewritten on the main stream: readable anywhere
+    with side_stream.on(b):
+        assert memo["k"] == 3
+
+
+def test_forward_contexts_hold_a_checked_memo():
+    from deepinfer.forward_context import ForwardContext
+    assert isinstance(ForwardContext.no_cache([3, 2], torch.device("cpu")).memo, side_stream.Memo)
