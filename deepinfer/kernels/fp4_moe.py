@@ -336,14 +336,17 @@ def _scaled(w, s, SCALE_W: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
               S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False):
+              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False):
     """acc plus K step k over its G groups: a [BLOCK_M, 32G] in the activations' dtype, the
     weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts ``w_rows``
     [BLOCK_N], decoded and times their scales, each loaded once and broadcast over its inputs.
     One dot over the low and high nibbles interleaved into input order, or (``SPLIT``) two dots of
     16G inputs, the low nibbles with a's even columns and the high with its odd ones (no shuffle of
     the weight tile; a's, BLOCK_M x 32G, is the smaller at decode). ``BF16_BITS``: the codes
-    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3."""
+    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3. ``SWAP``: acc is
+    the transposed tile [BLOCK_N, BLOCK_M], the decoded weights the dot's first operand (held in
+    registers, where Hopper's warp-group MMA can take them, its rows then the 64-row MMA side)
+    and a transposed the second."""
     kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
     kg = k * G + tl.arange(0, G)                                              # [G] groups
     b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
@@ -359,12 +362,20 @@ def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, 
     if SPLIT:
         s16 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 16]), [BLOCK_N, 16 * G])
         a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], 16 * G, 2]))    # inputs 2j, 2j+1
-        acc = tl.dot(a_even, tl.trans(_scaled(lo, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(a_odd, tl.trans(_scaled(hi, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
+        lo, hi = _scaled(lo, s16, SCALE_W, a.dtype), _scaled(hi, s16, SCALE_W, a.dtype)
+        if SWAP:
+            acc = tl.dot(lo, tl.trans(a_even), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(hi, tl.trans(a_odd), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a_even, tl.trans(lo), acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a_odd, tl.trans(hi), acc, input_precision=DOT_PRECISION)
     else:
         s32 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 32]), [BLOCK_N, 32 * G])
         w = _scaled(tl.interleave(lo, hi), s32, SCALE_W, a.dtype)            # [BLOCK_N, 32G] in input order
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
 
@@ -390,7 +401,7 @@ def _fp4g_gate_up_kernel(
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
     FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
-    BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
+    BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -412,8 +423,12 @@ def _fp4g_gate_up_kernel(
     gs_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn          # [BLOCK_N]
     us_ptrs = gs_ptrs + inter * stride_sn
     groups = hidden // 32
-    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:                                                                 # tiles transposed
+        gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
         if MX:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
@@ -426,9 +441,9 @@ def _fp4g_gate_up_kernel(
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
             gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
-                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
             up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
-                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
         else:
             for g in tl.static_range(G):
                 q = k * G + g                                                 # the 32-input group
@@ -439,6 +454,8 @@ def _fp4g_gate_up_kernel(
                                   S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
                 up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
                                 S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+    if SWAP:
+        gate, up = tl.trans(gate), tl.trans(up)
     _store_swiglu(gate, up, limit, act_ptr, pair, stride_act, cols, valid, col_ok, HAS_LIMIT)
 
 
@@ -450,7 +467,8 @@ def _fp4g_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False,
-    A_FORMAT: tl.constexpr = "bf16", BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
+    A_FORMAT: tl.constexpr = "bf16", BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -469,7 +487,10 @@ def _fp4g_down_kernel(
     w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]                       # [BLOCK_N, 16]
     s_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn
     groups = inter // 32
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
         if MX:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
@@ -481,7 +502,7 @@ def _fp4g_down_kernel(
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
             acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
-                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
         else:
             for g in tl.static_range(G):
                 q = k * G + g
@@ -490,6 +511,8 @@ def _fp4g_down_kernel(
                 sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
                 acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
                                  S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
     _store_weighted(acc, weights_ptr, out_ptr, out_rows, stride_out, cols, valid, col_ok)
 
 
@@ -538,7 +561,10 @@ class FP4Kernel:
     low and high nibbles left apart, times the activations' even and odd inputs in two dots.
     ``decode`` (with ``wide``): ``"e4m3"`` (codes to e4m3 bytes, then to the activations' dtype) or
     ``"bf16"`` (codes straight to bf16 bits, the 2^126 that puts them in range folded into the
-    scale; UE8M0 scales of at most 2^1 and bf16 activations only).
+    scale; UE8M0 scales of at most 2^1 and bf16 activations only). ``swap`` (with ``wide``): each
+    tile computed transposed, the decoded weights as the dot's first operand (Hopper's warp-group
+    MMA reads that one from registers, so the decoded tile need not go through shared memory,
+    and a block_n of 64 or more fills its 64-row side even at one token a block).
     """
 
     path: str = "group"
@@ -550,6 +576,7 @@ class FP4Kernel:
     wide: bool = False
     split: bool = False
     decode: str = "e4m3"
+    swap: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -570,6 +597,8 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: decode={self.decode!r} is not 'e4m3' or 'bf16'")
         if self.decode == "bf16" and not self.wide:
             raise ValueError("FP4Kernel: decode='bf16' (codes straight to bf16 bits) needs wide=True")
+        if self.swap and not self.wide:
+            raise ValueError("FP4Kernel: swap=True (weights as the dot's first operand) needs wide=True")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -632,7 +661,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
     fp8 = kern.dot == "fp8"
     asm = kern.asm and x.device.type == "cuda"
     mx = {"MX": kern.path == "mx", "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
-          "BF16_BITS": kern.decode == "bf16"}
+          "BF16_BITS": kern.decode == "bf16", "SWAP": kern.swap}
     # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
     # float32's exponent range; fp16 has not).
     scale_w = 0 if kern.scale == "dot" else 2 if s_e8m0 and x.dtype == torch.bfloat16 else 1

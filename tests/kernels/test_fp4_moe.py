@@ -52,11 +52,14 @@ KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pi
                     FP4Kernel(groups=1), FP4Kernel(groups=2), FP4Kernel(groups=4), FP4Kernel(groups=2, scale="weight"),
                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
                     FP4Kernel(groups=1, scale="weight", wide=True, split=True),
-                    FP4Kernel(groups=2, scale="weight", wide=True, split=True))])
+                    FP4Kernel(groups=2, scale="weight", wide=True, split=True),
+                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True),
+                    FP4Kernel(groups=2, scale="weight", wide=True, swap=True))])
 
 
 def kernel_id(k: FP4Kernel) -> str:
-    return f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
+    return (f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
+            f"{'-swap' if k.swap else ''}")
 
 
 @triton.jit
@@ -157,6 +160,8 @@ def test_fp4_moe_mx_path_refuses_what_it_cannot_read(device):
         fp4_moe(x.bfloat16(), *f32_scales, topk_weights, ids, kernel=bits)
     with pytest.raises(ValueError, match="needs wide=True"):
         FP4Kernel(decode="bf16")
+    with pytest.raises(ValueError, match="swap=True"):
+        FP4Kernel(scale="weight", swap=True)
 
 
 PREFILL_LIKE = (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))
@@ -306,7 +311,8 @@ def v4_fp4_experts_gpu(request):
 @pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
                                     FP4Kernel(dot="fp8", groups=2), FP4Kernel(path="mx", groups=4),
-                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16")],
+                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16"),
+                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True)],
                          ids=lambda k: kernel_id(k) + ("-asm" if k.asm else "") + f"-{k.decode}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
