@@ -247,38 +247,24 @@ def _nibbles_to_e4m3(b, ASM: tl.constexpr):
 # e4m3 -> bf16 conversion after it.
 _BF16_FROM_E2M1 = tl.constexpr(2.0 ** 126)
 
+
+def _bf16_pair_ptx(dst: str, spread: str, mag_shift: int, sign_shift: int) -> str:
+    """PTX for one bf16 pair from a spread register (one byte a 16-bit half): each half's nibble
+    magnitude shifted to bits 6..8 and its sign to bit 15."""
+    return (f"shl.b32 m, {spread}, {mag_shift};\nshl.b32 s, {spread}, {sign_shift};\n"
+            f"and.b32 m, m, 0x01C001C0;\nand.b32 s, s, 0x80008000;\nor.b32 {dst}, m, s;\n")
+
+
 # On 4 packed bytes b0..b3 in one register: two permutes spread them to [b0, 0, b1, 0] and
 # [b2, 0, b3, 0], so that each 16-bit half holds one byte and one shift a field serves both halves;
 # $0, $1 take the low nibbles (bf16 pairs (b0, b1), (b2, b3)), $2, $3 the high ones. $4 is read in
 # full before any output is written.
-_NIBBLES_TO_BF16_ASM = tl.constexpr("""
-{
-.reg .b32 y0, y1, z, m, s;
-mov.b32 z, 0;
-prmt.b32 y0, $4, z, 0x4140;
-prmt.b32 y1, $4, z, 0x4342;
-shl.b32 m, y0, 6;
-shl.b32 s, y0, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $0, m, s;
-shl.b32 m, y1, 6;
-shl.b32 s, y1, 12;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $1, m, s;
-shl.b32 m, y0, 2;
-shl.b32 s, y0, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $2, m, s;
-shl.b32 m, y1, 2;
-shl.b32 s, y1, 8;
-and.b32 m, m, 0x01C001C0;
-and.b32 s, s, 0x80008000;
-or.b32 $3, m, s;
-}
-""")
+_NIBBLES_TO_BF16_ASM = tl.constexpr(
+    "{\n.reg .b32 y0, y1, z, m, s;\nmov.b32 z, 0;\n"
+    "prmt.b32 y0, $4, z, 0x4140;\nprmt.b32 y1, $4, z, 0x4342;\n"
+    + _bf16_pair_ptx("$0", "y0", 6, 12) + _bf16_pair_ptx("$1", "y1", 6, 12)        # low nibbles
+    + _bf16_pair_ptx("$2", "y0", 2, 8) + _bf16_pair_ptx("$3", "y1", 2, 8)          # high nibbles
+    + "}\n")
 
 
 @triton.jit
