@@ -80,10 +80,10 @@ VECTOR_WIDTH = 16
 # or :func:`paged_attention`) and tested bitwise; others are refused in the mode.
 CPU_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                "DeepseekV3ForCausalLM", "DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"})
-# Architectures whose CUDA forward is covered and GPU-tested. DeepSeek-V3's attention has its
-# invariant form (layers/mla.py: every token a row of the MLA kernel's unsplit config), checked
-# bitwise in Triton's interpreter (tests/unit/test_batch_invariant.py) but not yet on a GPU.
-CUDA_ARCHITECTURES = CPU_ARCHITECTURES - {"DeepseekV3ForCausalLM"}
+# Architectures whose CUDA forward is covered and GPU-tested (tests/gpu/test_batch_invariant_gpu.py),
+# DeepSeek-V3's invariant MLA (layers/mla.py: every token a row of the MLA kernel's unsplit
+# config) included: the same list as the CPU's.
+CUDA_ARCHITECTURES = CPU_ARCHITECTURES
 
 _lock = threading.Lock()
 _depth = 0

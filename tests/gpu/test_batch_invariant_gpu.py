@@ -35,16 +35,13 @@ MODELS = {"llama": {"model": "tiny", "hf_config": LLAMA, "load_format": "dummy",
                         "dtype": "bfloat16", "seed": 3},
           "tiny_v4": {"model": TINY_V4_MODEL},
           "v41": {"model": None}}
-# DeepSeek-V3 (random weights, bf16) joins once the mode covers it on CUDA (batch_invariant's
-# CUDA_ARCHITECTURES): its invariant attention is built (layers/mla.py) and interpreter-tested,
-# and this is the GPU run that lifts its refusal.
+# DeepSeek-V3, random weights, bf16 (its invariant MLA: layers/mla.py).
 V3 = {**LLAMA, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "moe_intermediate_size": 32,
       "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
       "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
       "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_nextn_predict_layers": 0}
-if "DeepseekV3ForCausalLM" in batch_invariant.CUDA_ARCHITECTURES:
-    MODELS["v3"] = {"model": "tiny", "hf_config": V3, "load_format": "dummy", "skip_tokenizer_init": True,
-                    "dtype": "bfloat16", "seed": 3}
+MODELS["v3"] = {"model": "tiny", "hf_config": V3, "load_format": "dummy", "skip_tokenizer_init": True,
+                "dtype": "bfloat16", "seed": 3}
 GRAPH_SIZES = [1, 2, 4, 8]
 # KV blocks of 4 tokens that hold each request alone but not all four at once (DeepSeek's
 # sliding-window layers hold less per token than full attention does).

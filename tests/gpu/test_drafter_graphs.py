@@ -79,14 +79,14 @@ def tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def check_graphs_match_eager(model: str, spec: dict, prompts, params, replays: list[int]) -> None:
-    eager = make_llm(model, spec, enforce_eager=True)
+def check_graphs_match_eager(model: str, spec: dict, prompts, params, replays: list[int], **kwargs) -> None:
+    eager = make_llm(model, spec, enforce_eager=True, **kwargs)
     assert eager.engine.runner.decode_graphs is None
     expected = tokens(eager, prompts, params)
     del eager
     torch.cuda.empty_cache()
 
-    llm = make_llm(model, spec, cuda_graph_sizes=SIZES)
+    llm = make_llm(model, spec, cuda_graph_sizes=SIZES, **kwargs)
     runner = llm.engine.runner
     assert runner.decode_graphs is not None and runner.draft_graphs is not None, "graphs were captured"
     assert sorted(runner.draft_graphs.graphs) == sorted((n, m) for n in SIZES for m in DRAFT_MODES)
@@ -124,10 +124,19 @@ def v4_dspark_dir(tmp_path_factory) -> Path:
     return write_bigram_checkpoint_for(tmp_path_factory.mktemp("v4dspark"), V4_PROMPTS, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("params", [greedy, seeded], ids=["greedy", "seeded"])
-def test_v4_dspark_graphs_match_eager_float32(v4_dspark_dir, params, replays):
+@pytest.mark.parametrize("params,invariant", [(greedy, False), (seeded, True)], ids=["greedy", "seeded-invariant"])
+def test_v4_dspark_graphs_match_eager_float32(v4_dspark_dir, params, invariant, replays):
+    """Seeded requests are compared in the batch-invariant mode, where no kernel config depends
+    on the row count. In the normal mode graphs and eager may round differently: the checkpoint
+    keeps its FP8 projections as shipped, the FP8 GEMM picks its tiles and K split by the row
+    count (the drafter's graph rows are padded to a bucket), and an activation near an e4m3
+    boundary turns a last-bit difference into ~1e-2 in a logprob, enough to move a seeded
+    draw. On an H100 the target's graphs with an eager drafter matched eager bitwise, and with
+    the drafter's graphs too logprobs moved by up to 1.5e-2 and one seeded request's tokens
+    changed (scripts/probes/v4_dspark_seeded_graphs.py); this test in the mode tells that
+    rounding from a fault."""
     check_graphs_match_eager(str(v4_dspark_dir), {"method": "dspark", "num_speculative_tokens": V4_BLOCK},
-                             V4_PROMPTS, params(), replays)
+                             V4_PROMPTS, params(), replays, batch_invariant=invariant)
 
 
 def test_mtp_graphs_match_eager_float32(v3_repeat_dir, replays):

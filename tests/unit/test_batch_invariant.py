@@ -186,10 +186,11 @@ def test_switch_from_env_arg_and_cli(monkeypatch):
 
 def test_refused_where_not_built(monkeypatch):
     cuda = torch.device("cuda")          # the device is taken as given (no CUDA needed)
+    assert batch_invariant.CUDA_ARCHITECTURES == batch_invariant.CPU_ARCHITECTURES
     for arch in sorted(batch_invariant.CUDA_ARCHITECTURES):
         batch_invariant.check_supported(cuda, arch)
-    with pytest.raises(NotImplementedError, match="cuda with DeepseekV3ForCausalLM: this model's CUDA forward"):
-        batch_invariant.check_supported(cuda, "DeepseekV3ForCausalLM")
+    with pytest.raises(NotImplementedError, match="cuda with GPT2LMHeadModel: this model's CUDA forward"):
+        batch_invariant.check_supported(cuda, "GPT2LMHeadModel")
     with pytest.raises(NotImplementedError, match="cuda with 2 ranks"):
         batch_invariant.check_supported(cuda, "LlamaForCausalLM", world_size=2)
     # Speculative decoding is not refused (tests/gpu/test_batch_invariant_gpu.py runs it on CUDA).
