@@ -290,13 +290,14 @@ def clamped_moe_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: 
 
 def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, down_q: torch.Tensor,
                     down_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
+                    swiglu_limit: float, small_scales: bool = False) -> torch.Tensor:
     """Routed experts over packed FP4 weights (gate_up_q [E, 2I, H/2], down_q [E, H, I/2], scales per
-    32 inputs) -> [T, H] (see :func:`reference.fp4_moe_experts`)."""
+    32 inputs) -> [T, H] (see :func:`reference.fp4_moe_experts`); ``small_scales``: every UE8M0
+    scale is at most 2^1 (:meth:`FusedMoE.note_fp4_scales`)."""
     if use_triton(x):
         from deepinfer.kernels.fp4_moe import fp4_moe as kernel
         return kernel(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids, swiglu_limit,
-                      invariant=batch_invariant.enabled())
+                      invariant=batch_invariant.enabled(), small_scales=small_scales)
     return reference.fp4_moe_experts(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, topk_ids,
                                      swiglu_limit)
 

@@ -589,22 +589,29 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
 
-def fp4_pick_kernel(cfg: MoEConfig | None = None) -> FP4Kernel:
+def fp4_pick_kernel(cfg: MoEConfig | None = None, bf16_bits: bool = False) -> FP4Kernel:
     """The group path with bf16 dots, scaled weight tiles and wide, split K steps: four groups a
     step for decode's blocks (``cfg.block_m`` < 128, or no config), two for prefill's 128-row
-    blocks. bf16 dots keep the reference's accuracy (FP8 dots add the activations' e4m3
-    rounding).
+    blocks; for decode's blocks with ``bf16_bits`` (UE8M0 scales of at most 2^1, bf16
+    activations) the codes decoded straight to bf16. bf16 dots keep the reference's accuracy
+    (FP8 dots add the activations' e4m3 rounding); both decodes give the same bf16 weights, so
+    the same bits.
 
     Measured (H100, V4-Flash widths, UE8M0 scales, CUDA-graph replays with L2 flushed,
-    ``scripts/probes/fp4_moe_variants.py``): at T = 1 / 16 / 64 tokens this kernel takes 82.8 /
-    745 / 1,701 us against 383 / 3,938 / 8,923 us for the dequant path (4.6-5.3x); two groups a
-    step 94 / 826 / 1,851 us, scales after the dot 107-119 / 1,067-1,125 us, FP8 dots 108-110 /
-    1,069-1,099 us, the nibble decode without inline PTX 121 / 1,227 us. In the sm_90 SASS of the
-    K loops (``scripts/probes/fp4_moe_sass.py``) it spends about 6-7 instructions a weight against
-    26-30 for the dequant path; two groups a step read 32 contiguous bytes a weight row, a whole
-    sector. The prefill tiles (two groups) are unmeasured."""
-    groups = 2 if cfg is not None and cfg.block_m >= 128 else 4
-    return FP4Kernel(groups=groups, scale="weight", wide=True, split=True)
+    ``scripts/probes/fp4_moe_variants.py``): at T = 1 / 16 / 64 tokens the e4m3 decode takes 80.3 /
+    732 / 1,670 us and the bf16 one 73.5 / 629 / 1,429 us (1.09-1.17x), against 383 / 3,938 /
+    8,923 us for the dequant path; two groups a step 94 / 826 / 1,851 us (bf16 decode: 86 / 741 /
+    1,671), scales after the dot 107-119 / 1,067-1,125 us, FP8 dots 108-110 / 1,069-1,099 us, the
+    nibble decode without inline PTX 121 / 1,227 us, Triton's microscaled dot (``path="mx"``) 84
+    / 828 / 1,903 us, tiles transposed (``swap``, the weights as the MMA's register operand,
+    N-tiles of 64) 122 / 887 / 1,985 us. In the sm_90 SASS of the K loops
+    (``scripts/probes/fp4_moe_sass.py``) the e4m3 decode spends about 6-7 instructions a weight
+    against 26-30 for the dequant path; two groups a step read 32 contiguous bytes a weight row,
+    a whole sector. The prefill tiles (two groups) are unmeasured."""
+    decode = cfg is None or cfg.block_m < 128
+    groups = 4 if decode else 2
+    return FP4Kernel(groups=groups, scale="weight", wide=True, split=True,
+                     decode="bf16" if decode and bf16_bits else "e4m3")
 
 
 def _check_fp4(q: torch.Tensor, s: torch.Tensor, e: int, n: int, k: int, name: str) -> None:
@@ -684,7 +691,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
 def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, down_q: torch.Tensor,
             down_s: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             swiglu_limit: float = 0.0, config: MoEConfig | None = None, invariant: bool = False,
-            kernel: FP4Kernel | None = None) -> torch.Tensor:
+            kernel: FP4Kernel | None = None, small_scales: bool = False) -> torch.Tensor:
     """``sum_k w[t,k] * down_e(silu(min(g, L)) * clamp(u, -L, L))``, (g, u) = gate_up_e(x_t), with the
     experts' weights in FP4 (see :func:`reference.fp4_moe_experts`).
 
@@ -694,7 +701,9 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     id is outside [0, E) contributes nothing. ``config`` overrides :func:`fp4_pick_config`;
     ``invariant`` (batch-invariant mode) takes :func:`fused_moe.invariant_config`'s tiles for every T
     (made fit by :func:`fp4_tiles`); ``kernel`` overrides :func:`fp4_pick_kernel` (with ``dot="fp8"``
-    the result is :func:`reference.fp4_moe_experts_fp8`'s).
+    the result is :func:`reference.fp4_moe_experts_fp8`'s); ``small_scales``: the caller knows every
+    UE8M0 scale is at most 2^1 (byte 128), so the default kernel may decode codes straight to bf16
+    (a larger scale would overflow there).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"fp4_moe: x must be [T, H] with unit column stride, got shape {tuple(x.shape)}")
@@ -717,7 +726,8 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
                      else fp4_pick_config(t, k, e, h, i, x.element_size()))
     if cfg.tma or cfg.sorted_act:
         raise ValueError("fp4_moe: the FP4 kernels load by pointer; configs with tma or sorted_act are not supported")
-    kern = kernel or fp4_pick_kernel(cfg)
+    bits = small_scales and gate_up_s.dtype == torch.uint8 and x.dtype == torch.bfloat16
+    kern = kernel or fp4_pick_kernel(cfg, bits)
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")

@@ -96,6 +96,9 @@ class FusedMoE(nn.Module):
         self.packed = False
         # Whether the parameters hold packed FP4 codes with scales (quantize_fp4).
         self.fp4 = False
+        # Every UE8M0 scale of the FP4 weights is at most 2^1 (set by note_fp4_scales after load):
+        # the FP4 kernel may then decode codes straight to bf16 (kernels/fp4_moe.py).
+        self.fp4_small_scales = False
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -117,7 +120,15 @@ class FusedMoE(nn.Module):
                     swiglu_limit: float) -> torch.Tensor:
         # x: [T, H]; topk_weights, topk_ids: [T, K] -> [T, H], over the FP4 weights of quantize_fp4
         return backend.fp4_moe_experts(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                       self.down_proj_scale, topk_weights, topk_ids, swiglu_limit)
+                                       self.down_proj_scale, topk_weights, topk_ids, swiglu_limit,
+                                       small_scales=self.fp4_small_scales)
+
+    @torch.no_grad()
+    def note_fp4_scales(self) -> None:
+        """Record whether every UE8M0 scale is at most 2^1 (byte 128), once the FP4 weights are in
+        place (``CausalLM.after_load``; one host sync). Reloaded weights must call it again."""
+        self.fp4_small_scales = (self.fp4 and self.gate_up_proj_scale.dtype == torch.uint8
+                                 and bool((self.gate_up_proj_scale.max() <= 128) & (self.down_proj_scale.max() <= 128)))
 
     @torch.no_grad()
     def quantize_fp4(self, scale_format: str = "ue8m0", experts_per_chunk: int = 16) -> None:

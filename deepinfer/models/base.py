@@ -172,10 +172,13 @@ class CausalLM(nn.Module):
         for speed here (e.g. fuse projections). The forward must stay correct without it,
         for models filled by other means. The default packs the routed experts' weights
         for the fused MoE kernels where they run (:meth:`FusedMoE.packing_helps`), one
-        layer at a time; overrides call it."""
+        layer at a time, and notes the range of FP4 experts' scales
+        (:meth:`FusedMoE.note_fp4_scales`); overrides call it."""
         for module in self.modules():
             if isinstance(module, FusedMoE) and module.packing_helps():
                 module.pack_weights()
+            if isinstance(module, FusedMoE):
+                module.note_fp4_scales()
 
     def skips_tensor(self, name: str) -> bool:
         """Whether the loader may leave checkpoint tensor ``name`` unread: a routed expert's

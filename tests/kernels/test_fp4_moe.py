@@ -289,6 +289,10 @@ def test_fp4_pick_config_uses_pointer_loads():
     prefill = fp4_pick_config(4096, 6, 256, 4096, 2048)
     assert fp4_pick_kernel(prefill) == FP4Kernel(path="group", dot="bf16", groups=2, scale="weight", wide=True,
                                                  split=True)
+    # Small UE8M0 scales and bf16 activations: decode's codes straight to bf16 (prefill's unmeasured).
+    assert fp4_pick_kernel(None, bf16_bits=True).decode == "bf16"
+    assert fp4_pick_kernel(fp4_pick_config(16, 6, 256, 4096, 2048), bf16_bits=True).decode == "bf16"
+    assert fp4_pick_kernel(prefill, bf16_bits=True).decode == "e4m3"
 
 
 # -- GPU, DeepSeek-V4-Flash widths ----------------------------------------------------------------
@@ -331,6 +335,22 @@ def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
         ref = reference.fp4_moe_experts(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("t", [1, 16, 64])
+def test_fp4_moe_gpu_small_scales_decode_to_the_same_bits(t, v4_fp4_experts_gpu):
+    """small_scales (UE8M0 scales of at most 2^1) picks the decode straight to bf16: the same bf16
+    weights as through e4m3, so the same output bits. With float32 scales it changes nothing."""
+    if v4_fp4_experts_gpu[1].dtype == torch.uint8:
+        assert int(v4_fp4_experts_gpu[1].max()) <= 128 and int(v4_fp4_experts_gpu[3].max()) <= 128
+    x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
+                                         6, "sqrtsoftplus", 1.5)
+    e4m3 = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0)
+    bits = fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0, small_scales=True)
+    assert torch.equal(bits, e4m3)
 
 
 @pytest.mark.gpu

@@ -136,6 +136,28 @@ def test_fp4_experts_forward_is_the_reference():
         load_module_weights(moe, [("w", gate_up[:, :, :32])], lambda _: "gate_up_proj")
 
 
+def test_fp4_experts_note_whether_their_scales_allow_the_bf16_decode():
+    """FusedMoE.note_fp4_scales (run by CausalLM.after_load): UE8M0 scales of at most 2^1 let the
+    FP4 kernel decode codes straight to bf16; a larger one, float32 scales or 16-bit weights not."""
+    moe = FusedMoE(4, 64, 32)
+    with torch.no_grad():
+        moe.gate_up_proj.copy_(gaussian(4, 64, 64, seed=4))
+        moe.down_proj.copy_(gaussian(4, 64, 32, seed=5))
+    moe.note_fp4_scales()
+    assert not moe.fp4_small_scales                                   # 16-bit experts
+    moe.quantize_fp4("ue8m0")
+    moe.note_fp4_scales()
+    assert moe.fp4_small_scales
+    with torch.no_grad():
+        moe.down_proj_scale[3, 5, 0] = 129                            # a scale of 2^2
+    moe.note_fp4_scales()
+    assert not moe.fp4_small_scales
+    f32 = FusedMoE(4, 64, 32)
+    f32.quantize_fp4("float32")
+    f32.note_fp4_scales()
+    assert not f32.fp4_small_scales
+
+
 def test_plan_for_each_quantization():
     shipped = {"quantization_config": {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32],
                                        "expert_dtype": "fp4"}}
