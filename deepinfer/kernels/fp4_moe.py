@@ -522,7 +522,7 @@ def fp4_tiles(cfg: MoEConfig) -> MoEConfig:
 
 PATHS = ("dequant", "group", "mx")
 DOTS = ("bf16", "fp8")
-SCALES = ("dot", "weight")
+SCALES = ("dot", "weight", "weight32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,8 +541,10 @@ class FP4Kernel:
     ``scale`` (bf16 dots) ``"dot"``: each group's dot result times the column's scale (BLOCK_M x
     BLOCK_N multiplies a group, cheap for decode's 16-row blocks), or ``"weight"``: the decoded
     [BLOCK_N, 32] tile times the scales before the dot (BLOCK_N x 32 multiplies a group, cheaper
-    for prefill's 128-row blocks; the MMA accumulates in place). FP8 dots always scale after.
-    ``wide`` (with ``scale="weight"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
+    for prefill's 128-row blocks; the MMA accumulates in place), or ``"weight32"``: the same with
+    the product in float32, rounded to a's dtype (``"weight"`` multiplies in bf16 where that is
+    exact: power-of-two scales and bf16 activations). FP8 dots always scale after.
+    ``wide`` (with ``scale="weight"`` or ``"weight32"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
     one dot over 32G inputs, instead of a load and a dot a group; ``split`` (with ``wide``): the
     low and high nibbles left apart, times the activations' even and odd inputs in two dots.
     ``decode`` (with ``wide``): ``"e4m3"`` (codes to e4m3 bytes, then to the activations' dtype) or
@@ -575,8 +577,9 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
         if self.scale not in SCALES:
             raise ValueError(f"FP4Kernel: scale={self.scale!r} is not one of {SCALES}")
-        if self.wide and (self.dot != "bf16" or self.scale != "weight"):
-            raise ValueError("FP4Kernel: wide=True (one dot a K step) needs dot='bf16' and scale='weight'")
+        if self.wide and (self.dot != "bf16" or self.scale == "dot"):
+            raise ValueError("FP4Kernel: wide=True (one dot a K step) needs dot='bf16' and scale='weight' or "
+                             "'weight32'")
         if self.split and not self.wide:
             raise ValueError("FP4Kernel: split=True (even and odd inputs as two dots) needs wide=True")
         if self.decode not in ("e4m3", "bf16"):
@@ -657,7 +660,8 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
           "BF16_BITS": kern.decode == "bf16", "SWAP": kern.swap}
     # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
     # float32's exponent range; fp16 has not).
-    scale_w = 0 if kern.scale == "dot" else 2 if s_e8m0 and x.dtype == torch.bfloat16 else 1
+    scale_w = (0 if kern.scale == "dot" else 2 if kern.scale == "weight" and s_e8m0 and x.dtype == torch.bfloat16
+               else 1)
     if fp8:
         # One e4m3 copy of x for all its K experts; power-of-two scales beside UE8M0 weights (as
         # DeepSeek's act quant with scale_fmt), so their products with the weight scales are exact.

@@ -131,6 +131,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         split4 = rep(split, groups=4)
         out = [
             ("e4m3 g4 weight split", base, split4),
+            ("bits g4 weight32 split", base, rep(split4, scale="weight32", decode="bf16")),
+            ("e4m3 g4 weight32 split", base, rep(split4, scale="weight32")),
             ("swap g4 split n64/64", n64, rep(split4, swap=True)),
             ("swap g4 split n64/128", wide, rep(split4, swap=True)),
             ("swap g4 split bits n64/128", wide, rep(split4, swap=True, decode="bf16")),
@@ -164,6 +166,8 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
             ("swap g2 split bits n128/128", n128, rep(split, swap=True, decode="bf16")),
             ("swap g2 wide n128/128", n128, rep(split, swap=True, split=False)),
             ("bits g2 weight split", base, rep(split, decode="bf16")),
+            ("bits g2 weight32 split", base, rep(split, scale="weight32", decode="bf16")),
+            ("e4m3 g2 weight32 split", base, rep(split, scale="weight32")),
             ("bits g2 weight split n128/128", n128, rep(split, decode="bf16")),
             ("mx g2", base, FP4Kernel(path="mx", groups=2)),
             ("mx g2 n128/128", n128, FP4Kernel(path="mx", groups=2)),

@@ -54,7 +54,8 @@ KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pi
                     FP4Kernel(groups=1, scale="weight", wide=True, split=True),
                     FP4Kernel(groups=2, scale="weight", wide=True, split=True),
                     FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True),
-                    FP4Kernel(groups=2, scale="weight", wide=True, swap=True))])
+                    FP4Kernel(groups=2, scale="weight", wide=True, swap=True),
+                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True))])
 
 
 def kernel_id(k: FP4Kernel) -> str:
@@ -316,7 +317,8 @@ def v4_fp4_experts_gpu(request):
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
                                     FP4Kernel(dot="fp8", groups=2), FP4Kernel(path="mx", groups=4),
                                     FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16"),
-                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True)],
+                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True),
+                                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True, decode="bf16")],
                          ids=lambda k: kernel_id(k) + ("-asm" if k.asm else "") + f"-{k.decode}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
