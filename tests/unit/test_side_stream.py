@@ -90,3 +90,41 @@ def test_another_lane_may_not_read_an_unjoined_entry(ledger):
 def test_forward_contexts_hold_a_checked_memo():
     from deepinfer.forward_context import ForwardContext
     assert isinstance(ForwardContext.no_cache([3, 2], torch.device("cpu")).memo, side_stream.Memo)
+
+
+class FakeEvent:
+    """A stand-in for mark()'s event: the part of its branch it covers."""
+
+    def __init__(self, side: FakeStream) -> None:
+        self.deepinfer_part = (side, side_stream.LEDGER.written.get(side, 0))
+
+
+def test_v4_forwards_read_no_branch_entry_before_its_join(ledger, monkeypatch):
+    """DeepSeek-V4's forwards as they run on a GPU, branches and all (stand-in streams: every
+    fork opens a branch, whatever the device; its compressor and indexer branch writes slot
+    tables to the memo), prefill chunks and decode steps: no entry a branch wrote is read
+    outside it before its join (Memo would raise)."""
+    from deepinfer import LLM, SamplingParams
+    from tests import TINY_V4_MODEL
+
+    lanes: dict[str, FakeStream] = {}
+    forks: list[str] = []
+
+    def fork(x, max_tokens=side_stream.MAX_TOKENS, lane="branch"):
+        forks.append(lane)
+        return lanes.setdefault(lane, FakeStream())
+
+    def join(side):
+        if isinstance(side, FakeEvent):
+            ledger.join(*side.deepinfer_part)
+        elif side is not None:
+            ledger.join(side)
+
+    monkeypatch.setattr(side_stream, "fork", fork)
+    monkeypatch.setattr(side_stream, "mark", lambda side: None if side is None else FakeEvent(side))
+    monkeypatch.setattr(side_stream, "join", join)
+    llm = LLM(model=TINY_V4_MODEL, device="cpu", max_num_batched_tokens=16, block_size=4)
+    prompts = [{"prompt_token_ids": [(5 * i + 7 * j + 3) % 200 for j in range(n)]} for i, n in enumerate([9, 23, 4])]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert "branch" in forks and ledger.written, "no branch wrote to the memo: nothing was checked"
