@@ -322,17 +322,14 @@ def _scaled(w, s, SCALE_W: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
               S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False):
+              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False):
     """acc plus K step k over its G groups: a [BLOCK_M, 32G] in the activations' dtype, the
     weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts ``w_rows``
     [BLOCK_N], decoded and times their scales, each loaded once and broadcast over its inputs.
     One dot over the low and high nibbles interleaved into input order, or (``SPLIT``) two dots of
     16G inputs, the low nibbles with a's even columns and the high with its odd ones (no shuffle of
     the weight tile; a's, BLOCK_M x 32G, is the smaller at decode). ``BF16_BITS``: the codes
-    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3. ``SWAP``: acc is
-    the transposed tile [BLOCK_N, BLOCK_M], the decoded weights the dot's first operand (held in
-    registers, where Hopper's warp-group MMA can take them, its rows then the 64-row MMA side)
-    and a transposed the second."""
+    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3."""
     kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
     kg = k * G + tl.arange(0, G)                                              # [G] groups
     b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
@@ -348,34 +345,13 @@ def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, 
     if SPLIT:
         s16 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 16]), [BLOCK_N, 16 * G])
         a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], 16 * G, 2]))    # inputs 2j, 2j+1
-        lo, hi = _scaled(lo, s16, SCALE_W, a.dtype), _scaled(hi, s16, SCALE_W, a.dtype)
-        if SWAP:
-            acc = tl.dot(lo, tl.trans(a_even), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(hi, tl.trans(a_odd), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(a_even, tl.trans(lo), acc, input_precision=DOT_PRECISION)
-            acc = tl.dot(a_odd, tl.trans(hi), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_even, tl.trans(_scaled(lo, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_odd, tl.trans(_scaled(hi, s16, SCALE_W, a.dtype)), acc, input_precision=DOT_PRECISION)
     else:
         s32 = tl.reshape(tl.broadcast_to(s, [BLOCK_N, G, 32]), [BLOCK_N, 32 * G])
         w = _scaled(tl.interleave(lo, hi), s32, SCALE_W, a.dtype)            # [BLOCK_N, 32G] in input order
-        if SWAP:
-            acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
-
-
-@triton.jit
-def _mx_dot(acc, a, w_rows, s_rows, k, groups, mask_n, G: tl.constexpr, A_FORMAT: tl.constexpr):
-    """acc plus K step k over its G groups by Triton's microscaled dot (``path="mx"``): a [BLOCK_M,
-    32G] in bf16 or fp16, the weights' 16G packed bytes a column loaded K-major as [16G, BLOCK_N]
-    and their UE8M0 scales [BLOCK_N, G]; the compiler decodes e2m1 and applies the scales (on Hopper
-    by upcasting to a's dtype before the MMA). Masked groups read code 0 and scale 2^0."""
-    kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
-    kg = k * G + tl.arange(0, G)                                              # [G] groups
-    b = tl.load(w_rows[None, :] + kb[:, None], mask=(kb < groups * 16)[:, None] & mask_n[None, :], other=0)
-    s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=127)
-    return tl.dot_scaled(a, None, A_FORMAT, b, s, "e2m1", acc, fast_math=True)
 
 
 @triton.jit
@@ -386,8 +362,7 @@ def _fp4g_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
     FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False, A_FORMAT: tl.constexpr = "bf16",
-    BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -409,27 +384,17 @@ def _fp4g_gate_up_kernel(
     gs_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn          # [BLOCK_N]
     us_ptrs = gs_ptrs + inter * stride_sn
     groups = hidden // 32
-    if SWAP:                                                                 # tiles transposed
-        gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        if MX:
-            ka = k * (32 * G) + tl.arange(0, 32 * G)
-            a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
-                        other=0.0)                                            # [BLOCK_M, 32G]
-            gate = _mx_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, G, A_FORMAT)
-            up = _mx_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, G, A_FORMAT)
-        elif WIDE:
+        if WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
             gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
-                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
+                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
             up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
-                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
+                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
         else:
             for g in tl.static_range(G):
                 q = k * G + g                                                 # the 32-input group
@@ -440,8 +405,6 @@ def _fp4g_gate_up_kernel(
                                   S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
                 up = _group_dot(up, a, sa, u_ptrs + q * 16, us_ptrs + q, col_ok, ok,
                                 S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
-    if SWAP:
-        gate, up = tl.trans(gate), tl.trans(up)
     _store_swiglu(gate, up, limit, act_ptr, pair, stride_act, cols, valid, col_ok, HAS_LIMIT)
 
 
@@ -452,8 +415,7 @@ def _fp4g_down_kernel(
     stride_act, stride_as, stride_qe, stride_qn, stride_se, stride_sn, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
-    SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, MX: tl.constexpr = False,
-    A_FORMAT: tl.constexpr = "bf16", BF16_BITS: tl.constexpr = False, SWAP: tl.constexpr = False,
+    SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
@@ -473,22 +435,14 @@ def _fp4g_down_kernel(
     w_ptrs = w_rows[:, None] + tl.arange(0, 16)[None, :]                       # [BLOCK_N, 16]
     s_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn
     groups = inter // 32
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(tl.cdiv(groups, G)):
-        if MX:
-            ka = k * (32 * G) + tl.arange(0, 32 * G)
-            a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
-                        mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
-            acc = _mx_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, G, A_FORMAT)
-        elif WIDE:
+        if WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
             acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
-                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS, SWAP)
+                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
         else:
             for g in tl.static_range(G):
                 q = k * G + g
@@ -497,8 +451,6 @@ def _fp4g_down_kernel(
                 sa = tl.load(sa_ptrs + q * 32 // ACT_GROUP, mask=valid & ok, other=0.0) if FP8 else 0.0
                 acc = _group_dot(acc, a, sa, w_ptrs + q * 16, s_ptrs + q, col_ok, ok,
                                  S_E8M0, FP8, SCALE_W, ASM, DOT_PRECISION)
-    if SWAP:
-        acc = tl.trans(acc)
     _store_weighted(acc, weights_ptr, out_ptr, out_rows, stride_out, cols, valid, col_ok)
 
 
@@ -520,7 +472,7 @@ def fp4_tiles(cfg: MoEConfig) -> MoEConfig:
                                block_k2=max(32, cfg.block_k2), num_stages=min(cfg.num_stages, 3))
 
 
-PATHS = ("dequant", "group", "mx")
+PATHS = ("dequant", "group")
 DOTS = ("bf16", "fp8")
 SCALES = ("dot", "weight", "weight32")
 
@@ -531,9 +483,7 @@ class FP4Kernel:
     the plainest group-path kernel, :func:`fp4_pick_kernel` names the one :func:`fp4_moe` runs).
 
     path: ``"group"`` (codes turned into e4m3 bytes by integer ops, one scale load a column and
-    32-input group), ``"dequant"`` (each weight decoded to float32 and scaled before the dot) or
-    ``"mx"`` (Triton's microscaled dot, ``tl.dot_scaled``, on the packed bytes and UE8M0 scales as
-    they are: MXFP4 weights and bf16 or fp16 activations only; ``groups`` sets its K step).
+    32-input group) or ``"dequant"`` (each weight decoded to float32 and scaled before the dot).
     The rest is the group path's: ``dot`` ``"bf16"`` (dots in the activations' dtype, bf16 in
     serving) or ``"fp8"`` (activations quantised to e4m3 per token and ``act_group`` inputs, FP8
     dots); ``groups`` 32-input groups per K step (unrolled); ``asm``: the nibble decode by inline
@@ -544,15 +494,12 @@ class FP4Kernel:
     for prefill's 128-row blocks; the MMA accumulates in place), or ``"weight32"``: the same with
     the product in float32, rounded to a's dtype (``"weight"`` multiplies in bf16 where that is
     exact: power-of-two scales and bf16 activations). FP8 dots always scale after.
-    ``wide`` (with ``scale="weight"`` or ``"weight32"``): each K step's G groups as one [BLOCK_N, 16G] byte load and
-    one dot over 32G inputs, instead of a load and a dot a group; ``split`` (with ``wide``): the
+    ``wide`` (with ``scale="weight"`` or ``"weight32"``): each K step's G groups as one [BLOCK_N,
+    16G] byte load and one dot over 32G inputs, instead of a load and a dot a group; ``split`` (with ``wide``): the
     low and high nibbles left apart, times the activations' even and odd inputs in two dots.
     ``decode`` (with ``wide``): ``"e4m3"`` (codes to e4m3 bytes, then to the activations' dtype) or
     ``"bf16"`` (codes straight to bf16 bits, the 2^126 that puts them in range folded into the
-    scale; UE8M0 scales of at most 2^1 and bf16 activations only). ``swap`` (with ``wide``): each
-    tile computed transposed, the decoded weights as the dot's first operand (Hopper's warp-group
-    MMA reads that one from registers, so the decoded tile need not go through shared memory,
-    and a block_n of 64 or more fills its 64-row side even at one token a block).
+    scale; UE8M0 scales of at most 2^1 and bf16 activations only).
     """
 
     path: str = "group"
@@ -564,15 +511,12 @@ class FP4Kernel:
     wide: bool = False
     split: bool = False
     decode: str = "e4m3"
-    swap: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
             raise ValueError(f"FP4Kernel: path={self.path!r} is not one of {PATHS}")
         if self.dot not in DOTS:
             raise ValueError(f"FP4Kernel: dot={self.dot!r} is not one of {DOTS}")
-        if self.path == "mx" and self.dot != "bf16":
-            raise ValueError("FP4Kernel: path='mx' dots in the activations' dtype (dot='bf16')")
         if self.groups not in (1, 2, 4, 8):
             raise ValueError(f"FP4Kernel: groups={self.groups} must be 1, 2, 4 or 8")
         if self.scale not in SCALES:
@@ -586,8 +530,6 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: decode={self.decode!r} is not 'e4m3' or 'bf16'")
         if self.decode == "bf16" and not self.wide:
             raise ValueError("FP4Kernel: decode='bf16' (codes straight to bf16 bits) needs wide=True")
-        if self.swap and not self.wide:
-            raise ValueError("FP4Kernel: swap=True (weights as the dot's first operand) needs wide=True")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -605,9 +547,10 @@ def fp4_pick_kernel(cfg: MoEConfig | None = None, bf16_bits: bool = False) -> FP
     732 / 1,670 us and the bf16 one 73.5 / 629 / 1,429 us (1.09-1.17x), against 383 / 3,938 /
     8,923 us for the dequant path; two groups a step 94 / 826 / 1,851 us (bf16 decode: 86 / 741 /
     1,671), scales after the dot 107-119 / 1,067-1,125 us, FP8 dots 108-110 / 1,069-1,099 us, the
-    nibble decode without inline PTX 121 / 1,227 us, Triton's microscaled dot (``path="mx"``) 84
-    / 828 / 1,903 us, tiles transposed (``swap``, the weights as the MMA's register operand,
-    N-tiles of 64) 122 / 887 / 1,985 us. In the sm_90 SASS of the K loops
+    nibble decode without inline PTX 121 / 1,227 us; two variants tried and removed as slower
+    (``1d5e1ae``, docs/BENCHMARKS.md): Triton's microscaled dot (``tl.dot_scaled``) 84 / 828 /
+    1,903 us, tiles transposed (the weights as the MMA's register operand, N-tiles of 64) 122 /
+    887 / 1,985 us. In the sm_90 SASS of the K loops
     (``scripts/probes/fp4_moe_sass.py``) the e4m3 decode spends about 6-7 instructions a weight
     against 26-30 for the dequant path; two groups a step read 32 contiguous bytes a weight row,
     a whole sector. The prefill tiles (two groups) are unmeasured."""
@@ -656,8 +599,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
     num_pid_m = block_expert.shape[0]
     fp8 = kern.dot == "fp8"
     asm = kern.asm and x.device.type == "cuda"
-    mx = {"MX": kern.path == "mx", "A_FORMAT": "fp16" if x.dtype == torch.float16 else "bf16",
-          "BF16_BITS": kern.decode == "bf16", "SWAP": kern.swap}
+    bits = kern.decode == "bf16"
     # Scaled weight tiles multiply in bf16 only where that is exact: power-of-two scales (bf16 has
     # float32's exponent range; fp16 has not).
     scale_w = (0 if kern.scale == "dot" else 2 if kern.scale == "weight" and s_e8m0 and x.dtype == torch.bfloat16
@@ -675,7 +617,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide,
-        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision, **mx,
+        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision, BF16_BITS=bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -688,7 +630,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
         S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, SPLIT=kern.split, ASM=asm,
-        DOT_PRECISION=precision, **mx,
+        DOT_PRECISION=precision, BF16_BITS=bits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 
@@ -735,9 +677,6 @@ def fp4_moe(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.Tensor, d
     if kern.path == "group" and kern.dot == "fp8" and (h % kern.act_group or i % kern.act_group):
         raise ValueError(f"fp4_moe: FP8 dots quantise activations per {kern.act_group} inputs, which must divide "
                          f"H={h} and I={i}")
-    if kern.path == "mx" and (gate_up_s.dtype != torch.uint8 or x.dtype not in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"fp4_moe: path='mx' takes UE8M0 (uint8) scales and bf16 or fp16 activations, got "
-                         f"{gate_up_s.dtype} scales and {x.dtype} activations")
     if kern.decode == "bf16" and (gate_up_s.dtype != torch.uint8 or x.dtype != torch.bfloat16):
         raise ValueError(f"fp4_moe: decode='bf16' takes UE8M0 (uint8) scales and bf16 activations, got "
                          f"{gate_up_s.dtype} scales and {x.dtype} activations")

@@ -6,8 +6,7 @@ float32-scale row a T).
 For each T in 1, 16, 64, 4096: the default kernel (fp4_pick_kernel at fp4_pick_config's tiles),
 the group path's variants (dot type, groups a K step, where the scale is applied, the decode
 through e4m3 or straight to bf16 bits, inline PTX or not, one load and dot a K step or one a
-group, tiles transposed so the weights are the MMA's register operand, a few tile shapes),
-Triton's microscaled dot (path "mx") and the dequant path, each one line: microseconds (CUDA events, median of 20 CUDA-graph
+group, a few tile shapes) and the dequant path, each one line: microseconds (CUDA events, median of 20 CUDA-graph
 replays after warm-up, the L2 evicted before each; the whole fp4_moe, routing sort, activation
 quantisation and slot sum included), the bytes that must move
 (the distinct experts touched times their packed weights and scales, plus x, act, the slot
@@ -19,7 +18,7 @@ A variant that fails to compile or run prints its error and the sweep goes on.
 On an H100 or H200, from the repository root (about 3 minutes, mostly Triton compiles; stops
 timing after BUDGET_S and names what it skipped):
     PYTHONPATH=. python scripts/probes/fp4_moe_variants.py            # writes $OUT/fp4_moe_variants.txt too
-    PROBE_TOKENS=1,16 PROBE_MATCH=swap,mx PYTHONPATH=. python scripts/probes/fp4_moe_variants.py   # some
+    PROBE_TOKENS=1,16 PROBE_MATCH=bits,weight32 PYTHONPATH=. python scripts/probes/fp4_moe_variants.py   # some
 On the CPU (Triton interpreter, tiny widths, a handful of variants; checks the script runs):
     PYTHONPATH=. python scripts/probes/fp4_moe_variants.py --dry-run
 """
@@ -120,30 +119,17 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
     if DRY:
         return [default, ("bf16 g2 dot", base, FP4Kernel()), ("bf16 g1 weight", base, FP4Kernel(groups=1, scale="weight")),
                 ("bf16 g2 weight wide", base, FP4Kernel(scale="weight", wide=True)),
-                ("swap g2 weight split", base, FP4Kernel(scale="weight", wide=True, split=True, swap=True)),
                 ("fp8 g2 a32", base, FP4Kernel(dot="fp8")),
-                ("fp8 g4 a128", base, FP4Kernel(dot="fp8", groups=4, act_group=128)),
-                ("mx g2", base, FP4Kernel(path="mx")), dequant]
+                ("fp8 g4 a128", base, FP4Kernel(dot="fp8", groups=4, act_group=128)), dequant]
     split = FP4Kernel(groups=2, scale="weight", wide=True, split=True)
     if base.block_m <= 32:                                    # decode: weight streaming
         wide = rep(base, block_n1=64, block_n2=128)
-        n64 = rep(base, block_n1=64, block_n2=64)
         split4 = rep(split, groups=4)
         out = [
             ("e4m3 g4 weight split", base, split4),
             ("bits g4 weight32 split", base, rep(split4, scale="weight32", decode="bf16")),
             ("e4m3 g4 weight32 split", base, rep(split4, scale="weight32")),
-            ("swap g4 split n64/64", n64, rep(split4, swap=True)),
-            ("swap g4 split n64/128", wide, rep(split4, swap=True)),
-            ("swap g4 split bits n64/128", wide, rep(split4, swap=True, decode="bf16")),
-            ("swap g2 split n64/128", wide, rep(split, swap=True)),
-            ("swap g4 wide n64/128", wide, rep(split4, swap=True, split=False)),
-            ("mx g4", base, FP4Kernel(path="mx", groups=4)),
-            ("mx g4 n64/128", wide, FP4Kernel(path="mx", groups=4)),
-            ("mx g8", base, FP4Kernel(path="mx", groups=8)),
             ("bits g2 weight split", base, rep(split, decode="bf16")),
-            ("mx g2", base, FP4Kernel(path="mx", groups=2)),
-            ("mx g4 s4", rep(base, num_stages=4), FP4Kernel(path="mx", groups=4)),
             ("bf16 g2 weight split", base, split),
             ("bf16 g2 weight split n64/128", wide, split),
             ("bf16 g2 weight split s4", rep(base, num_stages=4), split),
@@ -161,18 +147,10 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         n128 = rep(base, block_n1=128, block_n2=128)
         n256 = rep(base, block_n1=128, block_n2=256)
         out = [
-            ("swap g2 split", base, rep(split, swap=True)),
-            ("swap g2 split n128/128", n128, rep(split, swap=True)),
-            ("swap g2 split bits n128/128", n128, rep(split, swap=True, decode="bf16")),
-            ("swap g2 wide n128/128", n128, rep(split, swap=True, split=False)),
             ("bits g2 weight split", base, rep(split, decode="bf16")),
             ("bits g2 weight32 split", base, rep(split, scale="weight32", decode="bf16")),
             ("e4m3 g2 weight32 split", base, rep(split, scale="weight32")),
             ("bits g2 weight split n128/128", n128, rep(split, decode="bf16")),
-            ("mx g2", base, FP4Kernel(path="mx", groups=2)),
-            ("mx g2 n128/128", n128, FP4Kernel(path="mx", groups=2)),
-            ("mx g4 n128/128", n128, FP4Kernel(path="mx", groups=4)),
-            ("mx g2 n128/256", n256, FP4Kernel(path="mx", groups=2)),
             ("bf16 g2 weight split n128/128", n128, split),
             ("bf16 g2 weight split n128/256", n256, split),
             ("bf16 g4 weight split", base, rep(split, groups=4)),

@@ -53,14 +53,11 @@ KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pi
                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
                     FP4Kernel(groups=1, scale="weight", wide=True, split=True),
                     FP4Kernel(groups=2, scale="weight", wide=True, split=True),
-                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True),
-                    FP4Kernel(groups=2, scale="weight", wide=True, swap=True),
                     FP4Kernel(groups=4, scale="weight32", wide=True, split=True))])
 
 
 def kernel_id(k: FP4Kernel) -> str:
-    return (f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
-            f"{'-swap' if k.swap else ''}")
+    return f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
 
 
 @triton.jit
@@ -121,39 +118,12 @@ def test_fp4_moe_matches_reference(t, limit, dtype, scale_format, kernel, device
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
-MX_DTYPES = [torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
-
-
-@pytest.mark.parametrize("dtype", MX_DTYPES)
-@pytest.mark.parametrize("groups", [1, 4])
-@pytest.mark.parametrize("t,limit", [(1, 0.0), (7, 0.7), (40, 7.0)])
-def test_fp4_moe_mx_path_matches_reference(t, limit, groups, dtype, device, poison_empty):
-    """Triton's microscaled dot on the packed bytes and UE8M0 scales (MXFP4), H = 96: a ragged last
-    K step at 4 groups a step."""
-    e, h, i, k = 6, 96, 64, 2
-    gate_up, down = make_experts(e, h, i, torch.float32, "cpu", seed=t)
-    weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
-    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(device)
-    topk_weights, ids = make_routing(t, k, [0, 1, 3, 4, 5], device, seed=t)
-    out = fp4_moe(x, *weights, topk_weights, ids, limit, kernel=FP4Kernel(path="mx", groups=groups))
-    ref = reference.fp4_moe_experts(x, *weights, topk_weights, ids, limit)
-    assert out.dtype == dtype and not out.isnan().any()
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
-
-
-def test_fp4_moe_mx_path_refuses_what_it_cannot_read(device):
+def test_fp4_moe_bf16_decode_refuses_what_it_cannot_read(device):
     gate_up, down = make_experts(2, 64, 32, torch.float32, "cpu")
     topk_weights, ids = make_routing(3, 1, [0, 1], device)
     x = torch.randn(3, 64).to(device)
-    mx = FP4Kernel(path="mx")
     f32_scales = [w.to(device) for w in quantised(gate_up, down, "float32")]
-    with pytest.raises(ValueError, match="path='mx' takes UE8M0"):
-        fp4_moe(x.half(), *f32_scales, topk_weights, ids, kernel=mx)
     ue8m0 = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
-    with pytest.raises(ValueError, match="torch.float32 activations"):
-        fp4_moe(x, *ue8m0, topk_weights, ids, kernel=mx)
-    with pytest.raises(ValueError, match="path='mx' dots in the activations' dtype"):
-        FP4Kernel(path="mx", dot="fp8")
     bits = FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16")
     with pytest.raises(ValueError, match="decode='bf16' takes UE8M0"):
         fp4_moe(x.half(), *ue8m0, topk_weights, ids, kernel=bits)
@@ -161,8 +131,6 @@ def test_fp4_moe_mx_path_refuses_what_it_cannot_read(device):
         fp4_moe(x.bfloat16(), *f32_scales, topk_weights, ids, kernel=bits)
     with pytest.raises(ValueError, match="needs wide=True"):
         FP4Kernel(decode="bf16")
-    with pytest.raises(ValueError, match="swap=True"):
-        FP4Kernel(scale="weight", swap=True)
 
 
 PREFILL_LIKE = (96, MoEConfig(64, 32, 32, 64, 32, 1, 4, 2))
@@ -315,9 +283,8 @@ def v4_fp4_experts_gpu(request):
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("kernel", [FP4Kernel(path="dequant"), fp4_pick_kernel(),
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
-                                    FP4Kernel(dot="fp8", groups=2), FP4Kernel(path="mx", groups=4),
+                                    FP4Kernel(dot="fp8", groups=2),
                                     FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16"),
-                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, swap=True),
                                     FP4Kernel(groups=4, scale="weight32", wide=True, split=True, decode="bf16")],
                          ids=lambda k: kernel_id(k) + ("-asm" if k.asm else "") + f"-{k.decode}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
@@ -325,7 +292,7 @@ def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
     x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     weights, ids = reference.biased_topk(torch.randn(t, 256, device="cuda"), torch.zeros(256, device="cuda"),
                                          6, "sqrtsoftplus", 1.5)
-    if (kernel.path == "mx" or kernel.decode == "bf16") and v4_fp4_experts_gpu[1].dtype != torch.uint8:
+    if kernel.decode == "bf16" and v4_fp4_experts_gpu[1].dtype != torch.uint8:
         with pytest.raises(ValueError, match="takes UE8M0"):                 # MXFP4 only
             fp4_moe(x, *v4_fp4_experts_gpu, weights, ids, 10.0, kernel=kernel)
         return
