@@ -125,7 +125,21 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
     if base.block_m <= 32:                                    # decode: weight streaming
         wide = rep(base, block_n1=64, block_n2=128)
         split4 = rep(split, groups=4)
+        bits4 = rep(split4, decode="bf16")
         out = [
+            # The default kernel (bf16 bits, 4 groups a step) over tile shapes, warps and stages.
+            ("bits g4 tiles n16/32", rep(base, block_n1=16, block_n2=32), bits4),
+            ("bits g4 tiles n64/128", wide, bits4),
+            ("bits g4 tiles n32/32", rep(base, block_n2=32), bits4),
+            ("bits g4 tiles n16/64", rep(base, block_n1=16), bits4),
+            ("bits g4 tiles s2", rep(base, num_stages=2), bits4),
+            ("bits g4 tiles s4", rep(base, num_stages=4), bits4),
+            ("bits g4 tiles s5", rep(base, num_stages=5), bits4),
+            ("bits g4 tiles w2", rep(base, num_warps=2), bits4),
+            ("bits g4 tiles w8", rep(base, num_warps=8), bits4),
+            ("bits g8 tiles", base, rep(bits4, groups=8)),
+            ("bits g8 tiles s2", rep(base, num_stages=2), rep(bits4, groups=8)),
+            ("bits g2 tiles s4", rep(base, num_stages=4), rep(bits4, groups=2)),
             ("e4m3 g4 weight split", base, split4),
             ("bits g4 weight32 split", base, rep(split4, scale="weight32", decode="bf16")),
             ("e4m3 g4 weight32 split", base, rep(split4, scale="weight32")),
