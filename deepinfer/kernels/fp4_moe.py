@@ -320,20 +320,27 @@ def _scaled(w, s, SCALE_W: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _wide_dot(acc, a, w_rows, s_rows, k, groups, mask_n, BLOCK_N: tl.constexpr, G: tl.constexpr,
-              S_E8M0: tl.constexpr, SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False):
-    """acc plus K step k over its G groups: a [BLOCK_M, 32G] in the activations' dtype, the
-    weights' 16G bytes a column loaded as one [BLOCK_N, 16G] tile from the row starts ``w_rows``
-    [BLOCK_N], decoded and times their scales, each loaded once and broadcast over its inputs.
-    One dot over the low and high nibbles interleaved into input order, or (``SPLIT``) two dots of
-    16G inputs, the low nibbles with a's even columns and the high with its odd ones (no shuffle of
-    the weight tile; a's, BLOCK_M x 32G, is the smaller at decode). ``BF16_BITS``: the codes
-    decoded straight to bf16 (:func:`_nibbles_to_bf16`) instead of through e4m3."""
+def _wide_load(w_rows, s_rows, k, groups, mask_n, G: tl.constexpr):
+    """K step k's weight bytes [BLOCK_N, 16G] (from the row starts ``w_rows`` [BLOCK_N]) and their
+    scales [BLOCK_N, G]; a step past the last group loads nothing (all masked)."""
     kb = k * (16 * G) + tl.arange(0, 16 * G)                                  # [16G] bytes
     kg = k * G + tl.arange(0, G)                                              # [G] groups
     b = tl.load(w_rows[:, None] + kb[None, :], mask=mask_n[:, None] & (kb < groups * 16)[None, :], other=0)
     s = tl.load(s_rows[:, None] + kg[None, :], mask=mask_n[:, None] & (kg < groups)[None, :], other=0)
+    return b, s
+
+
+@triton.jit
+def _wide_apply(acc, a, b, s, BLOCK_N: tl.constexpr, G: tl.constexpr, S_E8M0: tl.constexpr,
+                SCALE_W: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BF16_BITS: tl.constexpr = False):
+    """acc plus one K step over G groups: a [BLOCK_M, 32G] in the activations' dtype times the
+    step's packed bytes b [BLOCK_N, 16G], decoded and times their scales s [BLOCK_N, G] (each
+    loaded once and broadcast over its inputs). One dot over the low and high nibbles interleaved
+    into input order, or (``SPLIT``) two dots of 16G inputs, the low nibbles with a's even columns
+    and the high with its odd ones (no shuffle of the weight tile; a's, BLOCK_M x 32G, is the
+    smaller at decode). ``BF16_BITS``: the codes decoded straight to bf16
+    (:func:`_nibbles_to_bf16`) instead of through e4m3."""
     if S_E8M0:
         s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     if BF16_BITS:
@@ -362,7 +369,8 @@ def _fp4g_gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
     ACT_GROUP: tl.constexpr, GROUP_M: tl.constexpr, HAS_LIMIT: tl.constexpr, S_E8M0: tl.constexpr,
     FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False, PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -386,15 +394,25 @@ def _fp4g_gate_up_kernel(
     groups = hidden // 32
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH:
+        # Step k + 1's weight bytes and scales are loaded before step k's are decoded.
+        gb, gsc = _wide_load(g_rows, gs_ptrs, 0, groups, col_ok, G)
+        ub, usc = _wide_load(u_rows, us_ptrs, 0, groups, col_ok, G)
     for k in range(tl.cdiv(groups, G)):
         if WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(x + token[:, None] * stride_x + ka[None, :], mask=valid[:, None] & (ka < hidden)[None, :],
                         other=0.0)                                            # [BLOCK_M, 32G]
-            gate = _wide_dot(gate, a, g_rows, gs_ptrs, k, groups, col_ok, BLOCK_N, G,
-                             S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
-            up = _wide_dot(up, a, u_rows, us_ptrs, k, groups, col_ok, BLOCK_N, G,
-                           S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+            if PREFETCH:
+                gb_next, gsc_next = _wide_load(g_rows, gs_ptrs, k + 1, groups, col_ok, G)
+                ub_next, usc_next = _wide_load(u_rows, us_ptrs, k + 1, groups, col_ok, G)
+            else:
+                gb, gsc = _wide_load(g_rows, gs_ptrs, k, groups, col_ok, G)
+                ub, usc = _wide_load(u_rows, us_ptrs, k, groups, col_ok, G)
+            gate = _wide_apply(gate, a, gb, gsc, BLOCK_N, G, S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+            up = _wide_apply(up, a, ub, usc, BLOCK_N, G, S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+            if PREFETCH:
+                gb, gsc, ub, usc = gb_next, gsc_next, ub_next, usc_next
         else:
             for g in tl.static_range(G):
                 q = k * G + g                                                 # the 32-input group
@@ -416,7 +434,7 @@ def _fp4g_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr, ACT_GROUP: tl.constexpr,
     GROUP_M: tl.constexpr, S_E8M0: tl.constexpr, FP8: tl.constexpr, SCALE_W: tl.constexpr, WIDE: tl.constexpr,
     SPLIT: tl.constexpr, ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_BITS: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     pid_m, pid_n = _tile(tl.program_id(0), num_pid_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -436,13 +454,20 @@ def _fp4g_down_kernel(
     s_ptrs = ws + expert * stride_se + cols.to(tl.int64) * stride_sn
     groups = inter // 32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if PREFETCH:
+        wb, wsc = _wide_load(w_rows, s_ptrs, 0, groups, col_ok, G)
     for k in range(tl.cdiv(groups, G)):
         if WIDE:
             ka = k * (32 * G) + tl.arange(0, 32 * G)
             a = tl.load(act + out_rows[:, None] * stride_act + ka[None, :],
                         mask=valid[:, None] & (ka < inter)[None, :], other=0.0)   # [BLOCK_M, 32G]
-            acc = _wide_dot(acc, a, w_rows, s_ptrs, k, groups, col_ok, BLOCK_N, G,
-                            S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+            if PREFETCH:
+                wb_next, wsc_next = _wide_load(w_rows, s_ptrs, k + 1, groups, col_ok, G)
+            else:
+                wb, wsc = _wide_load(w_rows, s_ptrs, k, groups, col_ok, G)
+            acc = _wide_apply(acc, a, wb, wsc, BLOCK_N, G, S_E8M0, SCALE_W, SPLIT, ASM, DOT_PRECISION, BF16_BITS)
+            if PREFETCH:
+                wb, wsc = wb_next, wsc_next
         else:
             for g in tl.static_range(G):
                 q = k * G + g
@@ -499,7 +524,9 @@ class FP4Kernel:
     low and high nibbles left apart, times the activations' even and odd inputs in two dots.
     ``decode`` (with ``wide``): ``"e4m3"`` (codes to e4m3 bytes, then to the activations' dtype) or
     ``"bf16"`` (codes straight to bf16 bits, the 2^126 that puts them in range folded into the
-    scale; UE8M0 scales of at most 2^1 and bf16 activations only).
+    scale; UE8M0 scales of at most 2^1 and bf16 activations only). ``prefetch`` (with ``wide``):
+    each K step's weight bytes and scales loaded one step ahead, before the previous step's are
+    decoded (a register double buffer, in flight across the decode and the dots).
     """
 
     path: str = "group"
@@ -511,6 +538,7 @@ class FP4Kernel:
     wide: bool = False
     split: bool = False
     decode: str = "e4m3"
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -530,6 +558,8 @@ class FP4Kernel:
             raise ValueError(f"FP4Kernel: decode={self.decode!r} is not 'e4m3' or 'bf16'")
         if self.decode == "bf16" and not self.wide:
             raise ValueError("FP4Kernel: decode='bf16' (codes straight to bf16 bits) needs wide=True")
+        if self.prefetch and not self.wide:
+            raise ValueError("FP4Kernel: prefetch=True (the next K step's bytes loaded a step ahead) needs wide=True")
         if self.act_group not in (32, 64, 128):
             raise ValueError(f"FP4Kernel: act_group={self.act_group} must be 32, 64 or 128")
 
@@ -617,7 +647,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         gate_up_s.stride(1), act.stride(0),
         TOP_K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n1, G=kern.groups, ACT_GROUP=kern.act_group,
         GROUP_M=cfg.group_m, HAS_LIMIT=swiglu_limit > 0, S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide,
-        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision, BF16_BITS=bits,
+        SPLIT=kern.split, ASM=asm, DOT_PRECISION=precision, BF16_BITS=bits, PREFETCH=kern.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
     if fp8:
         aa, as_ = fp8_act_quant(act, kern.act_group, s_e8m0)
@@ -630,7 +660,7 @@ def _group_path(x, gate_up_q, gate_up_s, down_q, down_s, topk_weights, act, out,
         out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n2, G=kern.groups, ACT_GROUP=kern.act_group, GROUP_M=cfg.group_m,
         S_E8M0=s_e8m0, FP8=fp8, SCALE_W=scale_w, WIDE=kern.wide, SPLIT=kern.split, ASM=asm,
-        DOT_PRECISION=precision, BF16_BITS=bits,
+        DOT_PRECISION=precision, BF16_BITS=bits, PREFETCH=kern.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags(x.device))
 
 

@@ -128,6 +128,12 @@ def variants(t: int) -> list[tuple[str, MoEConfig, FP4Kernel]]:
         bits4 = rep(split4, decode="bf16")
         out = [
             # The default kernel (bf16 bits, 4 groups a step) over tile shapes, warps and stages.
+            # ... and with the next K step's bytes loaded a step ahead (a register double buffer).
+            ("bits g4 prefetch", base, rep(bits4, prefetch=True)),
+            ("bits g4 prefetch s2", rep(base, num_stages=2), rep(bits4, prefetch=True)),
+            ("bits g4 prefetch n16/32", rep(base, block_n1=16, block_n2=32), rep(bits4, prefetch=True)),
+            ("bits g8 prefetch", base, rep(bits4, groups=8, prefetch=True)),
+            ("bits g2 prefetch", base, rep(bits4, groups=2, prefetch=True)),
             ("bits g4 tiles n16/32", rep(base, block_n1=16, block_n2=32), bits4),
             ("bits g4 tiles n64/128", wide, bits4),
             ("bits g4 tiles n32/32", rep(base, block_n2=32), bits4),

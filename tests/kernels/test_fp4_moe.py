@@ -53,11 +53,14 @@ KERNEL_CASES = ([(kern, t, limit) for kern in (FP4Kernel(path="dequant"), fp4_pi
                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=4, scale="weight", wide=True),
                     FP4Kernel(groups=1, scale="weight", wide=True, split=True),
                     FP4Kernel(groups=2, scale="weight", wide=True, split=True),
-                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True))])
+                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True),
+                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, prefetch=True),
+                    FP4Kernel(groups=2, scale="weight32", wide=True, prefetch=True))])
 
 
 def kernel_id(k: FP4Kernel) -> str:
-    return f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
+    return (f"{k.path}-{k.dot}-g{k.groups}-{k.scale}{'-wide' if k.wide else ''}{'-split' if k.split else ''}"
+            f"{'-prefetch' if k.prefetch else ''}")
 
 
 @triton.jit
@@ -243,6 +246,8 @@ def test_fp4_kernel_rejects_bad_choices(device):
         FP4Kernel(wide=True)
     with pytest.raises(ValueError, match="split=True"):
         FP4Kernel(scale="weight", split=True)
+    with pytest.raises(ValueError, match="prefetch=True"):
+        FP4Kernel(scale="weight", prefetch=True)
     gate_up, down = make_experts(2, 96, 32, torch.float32, "cpu")
     weights = [w.to(device) for w in quantised(gate_up, down, "ue8m0")]
     topk_weights, ids = make_routing(3, 1, [0, 1], device)
@@ -285,7 +290,9 @@ def v4_fp4_experts_gpu(request):
                                     FP4Kernel(groups=2, scale="weight", wide=True), FP4Kernel(groups=1, asm=False),
                                     FP4Kernel(dot="fp8", groups=2),
                                     FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16"),
-                                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True, decode="bf16")],
+                                    FP4Kernel(groups=4, scale="weight32", wide=True, split=True, decode="bf16"),
+                                    FP4Kernel(groups=4, scale="weight", wide=True, split=True, decode="bf16",
+                                              prefetch=True)],
                          ids=lambda k: kernel_id(k) + ("-asm" if k.asm else "") + f"-{k.decode}")
 @pytest.mark.parametrize("t", [1, 16, 64, 4096])
 def test_fp4_moe_gpu_v4_sizes(t, kernel, v4_fp4_experts_gpu):
