@@ -33,11 +33,30 @@ def with_logprobs(params: list[SamplingParams]) -> list[SamplingParams]:
     return params
 
 
-def run(model: str, spec: dict | None, eager: bool) -> list[tuple[list[int], list[dict]]]:
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def run(model: str, spec: dict | None, eager: bool, env: dict[str, str] | None = None
+        ) -> list[tuple[list[int], list[dict]]]:
     kwargs = dict(enforce_eager=True) if eager else dict(cuda_graph_sizes=SIZES)
-    llm = LLM(model=model, device=DEVICE, dtype="float32", max_num_seqs=8, max_num_batched_tokens=160,
-              block_size=4, num_kv_blocks=600, speculative_config=spec, **kwargs)
-    outs = llm.generate(V4_PROMPTS, with_logprobs(seeded()), use_tqdm=False)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        llm = LLM(model=model, device=DEVICE, dtype="float32", max_num_seqs=8, max_num_batched_tokens=160,
+                  block_size=4, num_kv_blocks=600, speculative_config=spec, **kwargs)
+        outs = llm.generate(V4_PROMPTS, with_logprobs(seeded()), use_tqdm=False)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    # Drafts and acceptance: equal counts with different logprobs mean the same verification
+    # layout computed differently (a fault), different counts a different layout.
+    counts = {m.name.split(":")[-1]: getattr(m, "value", None) for m in llm.get_metrics()
+              if any(m.name.endswith(c) for c in SPEC_COUNTERS)}
+    if counts:
+        print(f"   ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})", flush=True)
     del llm
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -47,10 +66,14 @@ def run(model: str, spec: dict | None, eager: bool) -> list[tuple[list[int], lis
 def main() -> None:
     model = str(write_bigram_checkpoint_for(Path(tempfile.mkdtemp()), V4_PROMPTS, MAX_TOKENS))
     spec = {"method": "dspark", "num_speculative_tokens": BLOCK}
-    runs = {name: run(model, s, eager) for name, s, eager in
-            (("dspark eager", spec, True), ("dspark graphs", spec, False),
-             ("dspark graphs, drafter eager", {**spec, "cuda_graphs": False}, False),
-             ("plain eager", None, True), ("plain graphs", None, False))}
+    runs = {}
+    for name, s, eager, env in (("dspark eager", spec, True, None), ("dspark graphs", spec, False, None),
+                                ("dspark graphs, drafter eager", {**spec, "cuda_graphs": False}, False, None),
+                                ("dspark graphs, PDL off", spec, False, {"DEEPINFER_PDL": "0"}),
+                                ("dspark graphs, no side stream", spec, False, {"DEEPINFER_SIDE_STREAM": "0"}),
+                                ("plain eager", None, True, None), ("plain graphs", None, False, None)):
+        print(f"-- {name}", flush=True)
+        runs[name] = run(model, s, eager, env)
     ref = runs["dspark eager"]
     for name, got in runs.items():
         print(f"== {name}")
