@@ -17,11 +17,13 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
 
 
 @triton.jit
-def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, limit,
-                           CLAMP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, q_ptr, s_ptr, width, gate_stride, up_stride, limit,
+                           CLAMP: tl.constexpr, BLOCK: tl.constexpr, QUANT_GROUP: tl.constexpr = 0,
+                           POW2: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -31,12 +33,23 @@ def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_str
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    out = g * tl.sigmoid(g) * u
-    tl.store(out_ptr + t * width + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * width + cols, out, mask=mask)
+    if QUANT_GROUP > 0:
+        # The output quantised for the FP8 down projection (BLOCK is whole groups), as
+        # fp8_act_quant would quantise it.
+        q, s = quant_groups(out.to(tl.float32), QUANT_GROUP, POW2)
+        tl.store(q_ptr + t * width + cols, q, mask=mask)
+        groups = tl.program_id(1) * (BLOCK // QUANT_GROUP) + tl.arange(0, BLOCK // QUANT_GROUP)
+        tl.store(s_ptr + t * (width // QUANT_GROUP) + groups, s, mask=groups < width // QUANT_GROUP)
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """gate, up: [T, I] (unit column stride) -> [T, I] in gate's dtype; no clamp when ``limit`` is 0."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, fp8: tuple[int, bool] | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up: [T, I] (unit column stride) -> [T, I] in gate's dtype; no clamp when ``limit`` is 0.
+    ``fp8`` = (group, pow2_scale): also the output quantised for an FP8 linear by the same
+    launch, returned as (out, codes [T, I] e4m3, scales [T, I/group] float32):
+    :func:`fp8_gemm.fp8_act_quant` of out, bit for bit."""
     if gate.dim() != 2 or gate.shape != up.shape:
         raise ValueError(f"clamped_swiglu: gate and up must both be [T, I], got {tuple(gate.shape)} and "
                          f"{tuple(up.shape)}")
@@ -44,11 +57,18 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         raise ValueError("clamped_swiglu: gate and up need a unit column stride")
     t, width = gate.shape
     out = torch.empty(t, width, dtype=gate.dtype, device=gate.device)
-    if out.numel() == 0:
-        return out
-    # Tile config: 1024 columns per program (4 warps, 8 per thread); one row of the grid per token.
-    block = min(triton.next_power_of_2(width), 1024)
-    _clamped_swiglu_kernel[(t, triton.cdiv(width, block))](
-        gate, up, out, width, gate.stride(0), up.stride(0), float(limit),
-        CLAMP=limit > 0, BLOCK=block, num_warps=4, **pdl.flags(gate.device))
-    return out
+    group, pow2 = fp8 or (0, False)
+    if fp8 is not None:
+        check_quant_group(group, width, "clamped_swiglu")
+        q = torch.empty(t, width, dtype=torch.float8_e4m3fn, device=gate.device)
+        s = torch.empty(t, width // group, dtype=torch.float32, device=gate.device)
+    else:
+        q = s = out
+    if out.numel():
+        # Tile config: 1024 columns per program (4 warps, 8 per thread; whole activation groups);
+        # one row of the grid per token.
+        block = min(triton.next_power_of_2(width), 1024)
+        _clamped_swiglu_kernel[(t, triton.cdiv(width, block))](
+            gate, up, out, q, s, width, gate.stride(0), up.stride(0), float(limit),
+            CLAMP=limit > 0, BLOCK=block, QUANT_GROUP=group, POW2=pow2, num_warps=4, **pdl.flags(gate.device))
+    return out if fp8 is None else (out, q, s)

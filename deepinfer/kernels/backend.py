@@ -50,11 +50,46 @@ def use_triton(x: torch.Tensor) -> bool:
     return True
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
-    """x: [..., D]; weight: [D] -> [..., D] (see :func:`reference.rms_norm`)."""
+# -- activations quantised by the kernel that produced them --------------------------------
+# A kernel whose output feeds FP8 linears (a norm, the collapse of a hyper-connection, the shared
+# expert's SwiGLU) can store the output's FP8 codes and scales in the same launch; the output
+# tensor then carries them (attach_fp8) and an FP8 linear reading that very tensor object with
+# the same activation group and scale format skips its act-quant launch (attached_fp8;
+# layers/quant_linear.py). The codes are fp8_act_quant's of the output, bit for bit, so the result
+# is the same either way. Contract: only a kernel's fresh output carries them, and nothing writes
+# that tensor in place afterwards (inference tensors keep no version counter to check). Views and
+# reshapes are new tensor objects and carry nothing (their linear quantises as usual). Only the
+# Triton paths attach: the references leave the quantisation to the linear.
+_FP8 = "_deepinfer_fp8"
+
+
+def attach_fp8(x: torch.Tensor, group: int, pow2_scale: bool, codes: torch.Tensor, scales: torch.Tensor
+               ) -> torch.Tensor:
+    """``x`` (a kernel's fresh output [..., K]) carrying its codes [rows, K] e4m3 and scales [rows,
+    K/group] float32 (``fp8_act_quant(x.reshape(-1, K), group, pow2_scale)``); returns x."""
+    setattr(x, _FP8, (group, pow2_scale, x.data_ptr(), tuple(x.shape), codes, scales))
+    return x
+
+
+def attached_fp8(x: torch.Tensor, group: int, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The codes and scales :func:`attach_fp8` put on ``x`` for this group and scale format, or None."""
+    rec = getattr(x, _FP8, None)
+    if rec is None or rec[:4] != (group, pow2_scale, x.data_ptr(), tuple(x.shape)):
+        return None
+    return rec[4], rec[5]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True,
+             fp8: tuple[int, bool] | None = None) -> torch.Tensor:
+    """x: [..., D]; weight: [D] -> [..., D] (see :func:`reference.rms_norm`). ``fp8`` = (group,
+    pow2_scale): the output feeds FP8 linears; the kernel quantises it in the same launch and
+    the output carries the codes (:func:`attach_fp8`)."""
     if use_triton(x):
         from deepinfer.kernels.rms_norm import rms_norm as kernel
-        return kernel(x, weight, eps, round_first)
+        if fp8 is None:
+            return kernel(x, weight, eps, round_first)
+        out, codes, scales = kernel(x, weight, eps, round_first, fp8=fp8)
+        return attach_fp8(out, *fp8, codes, scales)
     return reference.rms_norm(x, weight, eps, round_first)
 
 
@@ -306,11 +341,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                group: int, pow2_scale: bool, groups: int = 1) -> torch.Tensor:
     """x [..., K] times an FP8 weight [N, K] with block scales, activations quantised per 1 x ``group``
     -> [..., N]; ``groups`` > 1, a block-diagonal weight: x [..., groups, K] -> [..., groups,
-    N / groups] (see :func:`reference.fp8_linear`)."""
+    N / groups] (see :func:`reference.fp8_linear`). Codes and scales that x carries for this group
+    (:func:`attach_fp8`) are used instead of quantising x again."""
+    quantized = attached_fp8(x, group, pow2_scale) if groups == 1 else None
     if use_triton(x):
         from deepinfer.kernels.fp8_gemm import fp8_linear as kernel
         return kernel(x, weight, scale, block, group, pow2_scale, invariant=batch_invariant.enabled(),
-                      groups=groups)
+                      groups=groups, quantized=quantized)
+    if quantized is not None:
+        return reference.fp8_block_gemm(*quantized, weight, scale, block, x.dtype).reshape(*x.shape[:-1],
+                                                                                           weight.shape[0])
     return reference.fp8_linear(x, weight, scale, block, group, pow2_scale, groups)
 
 
@@ -328,26 +368,35 @@ def _stacked(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
             unpack_expert_weights(down_proj, h, i, *DOWN_TILE))
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, fp8: tuple[int, bool] | None = None
+                   ) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)``, gate/up [T, I] -> [T, I]
-    (see :func:`reference.clamped_swiglu`)."""
+    (see :func:`reference.clamped_swiglu`). ``fp8`` as :func:`rms_norm`'s."""
     if use_triton(gate):
         from deepinfer.kernels.activation import clamped_swiglu as kernel
-        return kernel(gate, up, limit)
+        if fp8 is None:
+            return kernel(gate, up, limit)
+        out, codes, scales = kernel(gate, up, limit, fp8=fp8)
+        return attach_fp8(out, *fp8, codes, scales)
     return reference.clamped_swiglu(gate, up, limit)
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-           norm: tuple[torch.Tensor, float] | None = None
+           norm: tuple[torch.Tensor, float] | None = None, fp8: tuple[int, bool] | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D] -> (block input [T, D], post [T, n], comb [T, n, n]); with ``norm``
     (weight [D], eps) the block input comes back RMS-normalised, equal bit for bit to
-    ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`)."""
+    ``rms_norm(x, weight, eps, round_first=False)`` on the same backend (see :func:`reference.hc_pre`).
+    ``fp8`` (with ``norm``) as :func:`rms_norm`'s, for the block input."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, config=_hc_config(streams.dtype),
-                      norm=norm)
+        out = kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, config=_hc_config(streams.dtype),
+                     norm=norm, fp8=fp8)
+        if fp8 is not None:
+            x, post, comb, codes, scales = out
+            return attach_fp8(x, *fp8, codes, scales), post, comb
+        return out
     return reference.hc_pre(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, norm)
 
 
@@ -472,14 +521,19 @@ def interleaved_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
 
 def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor,
-                  norm: tuple[torch.Tensor, float] | None = None
+                  norm: tuple[torch.Tensor, float] | None = None, fp8: tuple[int, bool] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [T, n, D], pre_in [T, n] -> (block input collapsed with pre_in [T, D], the
-    connection's own pre, post, comb) (see :func:`reference.hc_pre_lagged`)."""
+    connection's own pre, post, comb) (see :func:`reference.hc_pre_lagged`). ``fp8`` as
+    :func:`hc_pre`'s."""
     if use_triton(streams):
         from deepinfer.kernels.hyper_connection import hc_pre_lagged as kernel
-        return kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in,
-                      config=_hc_config(streams.dtype), norm=norm)
+        out = kernel(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in,
+                     config=_hc_config(streams.dtype), norm=norm, fp8=fp8)
+        if fp8 is not None:
+            x, pre, post, comb, codes, scales = out
+            return attach_fp8(x, *fp8, codes, scales), pre, post, comb
+        return out
     return reference.hc_pre_lagged(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, pre_in, norm)
 
 

@@ -89,6 +89,18 @@ def _quant_codes(x, s):
 
 
 @triton.jit
+def quant_groups(y, GROUP: tl.constexpr, POW2: tl.constexpr):
+    """A float32 row tile y [BLOCK] (BLOCK a multiple of ``GROUP``) quantised per ``GROUP``
+    inputs exactly as the act-quant kernel quantises a row: (e4m3 codes [BLOCK], float32 scales
+    [BLOCK / GROUP]). For kernels whose output feeds an FP8 linear (the norms, the SwiGLU): they
+    store both and the linear skips its act-quant launch (``layers/quant_linear.py``)."""
+    BLOCK: tl.constexpr = y.shape[0]
+    g = tl.reshape(y, [BLOCK // GROUP, GROUP])
+    s = _group_scale(tl.max(tl.abs(g), axis=1), POW2)
+    return tl.reshape(_quant_codes(g, s[:, None]), [BLOCK]), s
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
                       GROUP: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)
@@ -101,9 +113,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
     tl.store(s_ptr + row * stride_s + g, s)
 
 
-def _check_group(group: int, k: int) -> None:
+def check_quant_group(group: int, k: int, who: str = "fp8_act_quant") -> None:
+    """An activation group must be a power of two >= 16 dividing the row width K."""
     if group < 16 or group & (group - 1) or k % group:
-        raise ValueError(f"fp8_act_quant: group={group} must be a power of two >= 16 dividing K={k}")
+        raise ValueError(f"{who}: group={group} must be a power of two >= 16 dividing K={k}")
 
 
 def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,7 +126,7 @@ def fp8_act_quant(x: torch.Tensor, group: int = 128, pow2_scale: bool = False) -
         raise ValueError(f"fp8_act_quant: x must be [M, K] with unit column stride, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
-    _check_group(group, k)
+    check_quant_group(group, k)
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, k // group, dtype=torch.float32, device=x.device)
     if m:
@@ -315,12 +328,14 @@ def fp8_block_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torc
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[int, int],
                group: int = 128, pow2_scale: bool = False, invariant: bool = False, *,
                split: int | None = None,
-               tiles: tuple[int, int, int, int] | None = None, groups: int = 1) -> torch.Tensor:
+               tiles: tuple[int, int, int, int] | None = None, groups: int = 1,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
     in x's dtype; see :func:`reference.fp8_linear`. ``split`` and ``tiles`` as
     :func:`fp8_block_gemm`. ``groups`` > 1: a block-diagonal weight (DeepSeek-V4's grouped
     ``wo_a``), x [..., groups, K] -> [..., groups, N / groups], group g's inputs times w's g-th
-    N / groups rows, in one launch."""
+    N / groups rows, in one launch. ``quantized``: x's codes and scales as :func:`fp8_act_quant`
+    makes them (the producer of x stored them), so no act-quant launch runs."""
     k = x.shape[-1]
     if groups > 1:
         if x.dim() < 2 or x.shape[-2] != groups or w.shape[0] % groups:
@@ -331,11 +346,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
         x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    _check_group(group, k)
+    check_quant_group(group, k)
     _check_weight(w, ws, block, k)
     # Groups of ``group`` inputs never straddle two weight groups (K is a multiple of them), so
     # the whole row quantises as each group's inputs would.
-    xq, xs = fp8_act_quant(x2, group, pow2_scale)
+    if quantized is None:
+        xq, xs = fp8_act_quant(x2, group, pow2_scale)
+    else:
+        xq, xs = quantized
+        if groups > 1 or xq.shape != x2.shape or xs.shape != (x2.shape[0], k // group):
+            raise ValueError(f"fp8_gemm: quantized activations {tuple(xq.shape)} / {tuple(xs.shape)} do not "
+                             f"match x {tuple(x2.shape)} in groups of {group} (ungrouped linears only)")
     out = _gemm(xq, xs, w, ws, block, group, x.dtype, invariant, split, tiles, groups)
     if groups > 1:
         return out.view(*x.shape[:-1], w.shape[0] // groups)

@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
 from deepinfer.kernels.launch import sm_count, tile_counters
 from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
@@ -206,9 +207,9 @@ def _hc_pre_kernel(
 
 @triton.jit
 def _hc_collapse_kernel(
-    s_ptr, pre_ptr, w_ptr, x_ptr, D, s_stride, x_stride, eps,
+    s_ptr, pre_ptr, w_ptr, x_ptr, q_ptr, qs_ptr, D, s_stride, x_stride, eps,
     N: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, COPIES: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    QUANT_GROUP: tl.constexpr = 0, POW2: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -226,6 +227,13 @@ def _hc_collapse_kernel(
         w = tl.load(w_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
         xo = (xf * inv_rms(xf, D, eps) * w).to(x_ptr.dtype.element_ty)
     tl.store(x_ptr + t * x_stride + ds, xo, mask=dmask)
+    if QUANT_GROUP > 0:
+        # (With NORM: the whole row.) The normalised input quantised for the block's FP8
+        # linears, as fp8_act_quant would quantise it.
+        q, qs = quant_groups(xo.to(tl.float32), QUANT_GROUP, POW2)
+        tl.store(q_ptr + t * D + ds, q, mask=dmask)
+        groups = tl.arange(0, BLOCK_D // QUANT_GROUP)
+        tl.store(qs_ptr + t * (D // QUANT_GROUP) + groups, qs, mask=groups < D // QUANT_GROUP)
 
 
 @triton.jit
@@ -333,10 +341,12 @@ def _streams_2d(streams: torch.Tensor, who: str, block_k: int = 1) -> tuple[torc
 def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
          sinkhorn_iters: int, hc_eps: float, norm_eps: float, full: bool, num_splits: int | None,
          config: HCConfig | None, who: str, norm: tuple[torch.Tensor, float] | None = None,
-         pre_in: torch.Tensor | None = None
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x, post, comb, pre); with ``pre_in`` [T, n] float32 the collapse uses it instead of
-    the connection's own pre (which is still computed and returned)."""
+         pre_in: torch.Tensor | None = None, fp8: tuple[int, bool] | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(x, post, comb, pre, x's FP8 codes and scales or None); with ``pre_in`` [T, n] float32 the
+    collapse uses it instead of the connection's own pre (which is still computed and returned);
+    ``fp8`` = (group, pow2_scale), with ``norm`` only: the normalised x also quantised per group
+    by the collapse launch (:func:`fp8_gemm.fp8_act_quant` of x, bit for bit)."""
     if streams.dim() != 3:
         raise ValueError(f"{who}: streams must be [T, n, D], got shape {tuple(streams.shape)}")
     t, n, d = streams.shape
@@ -358,16 +368,22 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         if d > MAX_COLS:
             raise ValueError(f"{who}: a norm needs the whole row in one program; D={d} exceeds {MAX_COLS}")
         norm = (norm[0].contiguous(), float(norm[1]))
+    if fp8 is not None:
+        if norm is None:
+            raise ValueError(f"{who}: fp8 output needs the norm (the collapse then holds whole rows)")
+        check_quant_group(fp8[0], d, who)
     fn, base, scale = fn.contiguous(), base.float().contiguous(), scale.float().contiguous()
     x = torch.empty(t, d, dtype=streams.dtype, device=dev)                  # [T, D]
     post = torch.empty(t, n, dtype=torch.float32, device=dev)               # [T, n]
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)            # [T, n, n]
     pre = torch.empty(t, n, dtype=torch.float32, device=dev)                # [T, n]
+    quant = None if fp8 is None else (torch.empty(t, d, dtype=torch.float8_e4m3fn, device=dev),
+                                      torch.empty(t, d // fp8[0], dtype=torch.float32, device=dev))
     if pre_in is not None and (pre_in.shape != (t, n) or pre_in.dtype != torch.float32 or pre_in.device != dev):
         raise ValueError(f"{who}: pre_in must be float32 [{t}, {n}] on {dev}, got {pre_in.dtype} "
                          f"{tuple(pre_in.shape)} on {pre_in.device}")
     if t == 0:
-        return x, post, comb, pre
+        return x, post, comb, pre, quant
 
     cfg = config or pick_config(t, dev, streams.dtype)
     if num_splits is not None:
@@ -414,37 +430,44 @@ def _mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
         else:
             (block_d, warps), (w_arg, eps_arg) = row_config(d), norm
         weights = pre if pre_in is None else pre_in.contiguous()
+        q, qs = quant or (x, x)                                             # unused without QUANT_GROUP
         _hc_collapse_kernel[(t, triton.cdiv(d, block_d))](
-            s2, weights, w_arg, x, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
-            NORM=norm is not None, COPIES=copies, num_warps=warps, **pdl.flags(s2.device))
-    return x, post, comb, pre
+            s2, weights, w_arg, x, q, qs, d, s2.stride(0), x.stride(0), eps_arg, N=n, BLOCK_D=block_d,
+            NORM=norm is not None, COPIES=copies, QUANT_GROUP=fp8[0] if fp8 else 0, POW2=bool(fp8 and fp8[1]),
+            num_warps=warps, **pdl.flags(s2.device))
+    return x, post, comb, pre, quant
 
 
 def hc_pre(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, num_splits: int | None = None,
-           config: HCConfig | None = None, norm: tuple[torch.Tensor, float] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           config: HCConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
+           fp8: tuple[int, bool] | None = None
+           ) -> tuple[torch.Tensor, ...]:
     """streams [T, n, D]; fn [(2+n)*n, n*D] float32; base [(2+n)*n]; scale [3] ->
     (block input [T, D] in the streams' dtype, post [T, n] float32, comb [T, n, n] float32).
     ``norm`` (weight [D], eps): the block input comes back through the block's RMSNorm
-    (``round_first=False``), equal bit for bit to :func:`rms_norm.rms_norm` of the plain result.
+    (``round_first=False``), equal bit for bit to :func:`rms_norm.rms_norm` of the plain result;
+    with ``fp8`` = (group, pow2_scale) as well, two more: the block input's FP8 codes [T, D] and
+    scales [T, D/group] (:func:`fp8_gemm.fp8_act_quant` of it, from the same launch).
     ``num_splits`` overrides the number of K splits, ``config`` the whole launch config (tests, tuning)."""
-    return _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits, config,
-                "hc_pre", norm)[:3]
+    x, post, comb, _, quant = _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits,
+                                   config, "hc_pre", norm, fp8=fp8)
+    return (x, post, comb) if quant is None else (x, post, comb, *quant)
 
 
 def hc_pre_lagged(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   sinkhorn_iters: int, hc_eps: float, norm_eps: float, pre_in: torch.Tensor,
                   norm: tuple[torch.Tensor, float] | None = None, num_splits: int | None = None,
-                  config: HCConfig | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  config: HCConfig | None = None, fp8: tuple[int, bool] | None = None
+                  ) -> tuple[torch.Tensor, ...]:
     """DeepSeek-V4.1's lagged connection: the block input collapses the streams with
     ``pre_in`` [T, n] float32 (the previous sublayer's pre), not with this connection's own
     pre, which is returned for the next sublayer -> (block input [T, D], pre [T, n], post
-    [T, n], comb [T, n, n]). Two launches (mixings, then the collapse with ``norm``)."""
-    x, post, comb, pre = _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits,
-                              config, "hc_pre_lagged", norm, pre_in)
-    return x, pre, post, comb
+    [T, n], comb [T, n, n]), and with ``fp8`` the block input's codes and scales (as
+    :func:`hc_pre`). Two launches (mixings, then the collapse with ``norm``)."""
+    x, post, comb, pre, quant = _mix(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, num_splits,
+                                     config, "hc_pre_lagged", norm, pre_in, fp8)
+    return (x, pre, post, comb) if quant is None else (x, pre, post, comb, *quant)
 
 
 def hc_head(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
+from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
 
 # Above this a row no longer fits one program's registers; such a norm would
 # need a looped kernel (no supported model has a hidden size near it).
@@ -42,10 +43,11 @@ def inv_rms(x, n_cols, eps):
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr,
+    x_ptr, w_ptr, out_ptr, q_ptr, s_ptr,
     x_row_stride, out_row_stride,
     n_cols, eps,
-    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK: tl.constexpr, ROUND_FIRST: tl.constexpr, QUANT_GROUP: tl.constexpr = 0, POW2: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -57,15 +59,25 @@ def _rms_norm_kernel(
         # Round to x's dtype first: the reference multiplies the weight in that dtype.
         normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols,
-             (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * out_row_stride + cols, y, mask=mask)
+    if QUANT_GROUP > 0:
+        # The rounded output quantised for an FP8 linear (dense [rows, n_cols] codes and
+        # [rows, n_cols / QUANT_GROUP] scales), as fp8_act_quant would quantise it.
+        q, s = quant_groups(y.to(tl.float32), QUANT_GROUP, POW2)
+        tl.store(q_ptr + row * n_cols + cols, q, mask=mask)
+        groups = tl.arange(0, BLOCK // QUANT_GROUP)
+        tl.store(s_ptr + row * (n_cols // QUANT_GROUP) + groups, s, mask=groups < n_cols // QUANT_GROUP)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True,
+             fp8: tuple[int, bool] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim.
 
     x: [..., D]; weight: [D] -> [..., D] in the promoted dtype of x and weight
-    (``round_first``), else in x's dtype.
+    (``round_first``), else in x's dtype. ``fp8`` = (group, pow2_scale): also the output
+    quantised for an FP8 linear in the same launch, returned as (out, codes [N, D] e4m3,
+    scales [N, D/group] float32), N the rows: :func:`fp8_gemm.fp8_act_quant` of out, bit for bit.
     """
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -80,10 +92,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: boo
     weight = weight.contiguous()
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if round_first else x.dtype
     out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    if x2.shape[0] == 0:
-        return out.view(x.shape)
-    block, num_warps = row_config(d)                                 # the whole row in one block
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight, out, x2.stride(0), out.stride(0), d, eps,
-        BLOCK=block, ROUND_FIRST=round_first, num_warps=num_warps, **pdl.flags(x2.device))
-    return out.view(x.shape)
+    group, pow2 = fp8 or (0, False)
+    if fp8 is not None:
+        check_quant_group(group, d)
+        q = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(x2.shape[0], d // group, dtype=torch.float32, device=x.device)
+    else:
+        q = s = out
+    if x2.shape[0]:
+        block, num_warps = row_config(d)                             # the whole row in one block
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, q, s, x2.stride(0), out.stride(0), d, eps,
+            BLOCK=block, ROUND_FIRST=round_first, QUANT_GROUP=group, POW2=pow2, num_warps=num_warps,
+            **pdl.flags(x2.device))
+    return out.view(x.shape) if fp8 is None else (out.view(x.shape), q, s)

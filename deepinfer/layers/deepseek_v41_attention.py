@@ -61,6 +61,7 @@ from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers.deepseek_v4_attention import GroupedLinear, completing_tokens, PagedView, StepCaches
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
+from deepinfer.layers.quant_linear import fp8_input
 from deepinfer.parallel.groups import current_groups
 from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_shard
 
@@ -294,6 +295,15 @@ class DeepseekV41Attention(nn.Module):
             self.entry_cache = CacheSlot(cfg.kv_spec(kind, cfg.head_dim, "nvfp4", compress_ratio=ratio))
             self.key_cache = CacheSlot(cfg.kv_spec(kind, cfg.index_head_dim, "mxfp4", compress_ratio=ratio)
                                        ) if cfg.role.key_owner else None
+
+    def note_fp8_inputs(self) -> None:
+        """With an FP8 q_b (and the indexer's, reading the same q_residual), the q_a norm
+        quantises its output for them in its own launch (both then skip their act-quant)."""
+        self.q_a_norm.fp8_out = fp8_input(self.q_b_proj)
+
+    def fp8_input(self) -> tuple[int, bool] | None:
+        """(group, pow2_scale) of the FP8 projections that read the block input x, or None."""
+        return fp8_input(self.q_a_proj)
 
     def _publish(self, x: torch.Tensor, ctx: ForwardContext, caches: StepCaches, rope: InterleavedRope,
                  shared: V41Shared) -> None:

@@ -94,6 +94,7 @@ from deepinfer.kernels import backend, reference
 from deepinfer.kv_spec import KVCacheSpec
 from deepinfer.layers import side_stream
 from deepinfer.layers.deepseek_v4_common import CacheSlot, InterleavedRope, RMSNorm
+from deepinfer.layers.quant_linear import fp8_input
 from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.parallel.groups import current_groups
 from deepinfer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, mark_shard
@@ -465,6 +466,15 @@ class DeepseekV4Attention(nn.Module):
         """Store the projections of x in one buffer and compute them as one GEMM; called
         once the weights are loaded (``CausalLM.after_load``)."""
         self.input_proj.fuse()
+
+    def note_fp8_inputs(self) -> None:
+        """With an FP8 q_b (and the indexer's, reading the same q_residual), the q_a norm
+        quantises its output for them in its own launch (both then skip their act-quant)."""
+        self.q_a_norm.fp8_out = fp8_input(self.q_b_proj)
+
+    def fp8_input(self) -> tuple[int, bool] | None:
+        """(group, pow2_scale) of the FP8 projections that read the block input x, or None."""
+        return fp8_input(self.q_a_proj)
 
     def cache_slots(self) -> list[CacheSlot]:
         return [self.window_cache] + (self.compressor.cache_slots() if self.compressor is not None else [])

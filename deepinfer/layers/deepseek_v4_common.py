@@ -30,9 +30,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
         self.eps = eps
+        # (group, pow2_scale) of the FP8 linears that read the output, set after load
+        # (``note_fp8_inputs``): the kernel then quantises the output for them in the same launch.
+        self.fp8_out: tuple[int, bool] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return backend.rms_norm(x, self.weight, self.eps, round_first=False)
+        return backend.rms_norm(x, self.weight, self.eps, round_first=False, fp8=self.fp8_out)
 
     def params(self) -> tuple[torch.Tensor, float]:
         """(weight, eps), for a kernel that applies this norm to the input it produces

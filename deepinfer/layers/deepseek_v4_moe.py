@@ -23,6 +23,7 @@ from deepinfer.kernels import backend
 from deepinfer.layers import side_stream
 from deepinfer.layers.fused_linear import FusedProjection
 from deepinfer.layers.moe import FusedMoE
+from deepinfer.layers.quant_linear import fp8_input
 
 _SCORE_FUNCS = ("sqrtsoftplus", "sigmoid")
 
@@ -90,6 +91,17 @@ class DeepseekV4SharedExpert(nn.Module):
         self.swiglu_limit = swiglu_limit
         # gate and up: one GEMM once fuse_projections() has run (layers/fused_linear.py).
         self.gate_up = FusedProjection([self.gate_proj, self.up_proj])
+        # (group, pow2_scale) of an FP8 down projection, set after load (note_fp8_inputs): the
+        # SwiGLU launch then quantises the activation for it.
+        self.fp8_act: tuple[int, bool] | None = None
+
+    def note_fp8_inputs(self) -> None:
+        """Have the SwiGLU quantise its output when the down projection is FP8."""
+        self.fp8_act = fp8_input(self.down_proj)
+
+    def fp8_input(self) -> tuple[int, bool] | None:
+        """(group, pow2_scale) of the FP8 projections of the input x (gate and up), or None."""
+        return fp8_input(self.gate_proj)
 
     def fuse_projections(self) -> None:
         """Store gate_proj and up_proj in one buffer and compute them as one GEMM; called
@@ -103,7 +115,7 @@ class DeepseekV4SharedExpert(nn.Module):
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> clamped SwiGLU of the gate and up projections [T, I]
         gate, up = self.gate_up(x)                                                # [T, I] each
-        return backend.clamped_swiglu(gate, up, self.swiglu_limit)
+        return backend.clamped_swiglu(gate, up, self.swiglu_limit, fp8=self.fp8_act)
 
     def down(self, act: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # act: [T, I] -> [T, H], plus ``residual`` [T, H] added in the same GEMM, in place:
@@ -125,6 +137,10 @@ class DeepseekV4MoE(nn.Module):
                                      routed_scaling_factor, hash_vocab_size, gate_temp)
         self.experts = DeepseekV4Experts(num_experts, hidden_size, intermediate_size, swiglu_limit)
         self.shared_experts = DeepseekV4SharedExpert(hidden_size, intermediate_size, swiglu_limit)
+
+    def fp8_input(self) -> tuple[int, bool] | None:
+        """(group, pow2_scale) of the FP8 projections that read the input (the shared expert's)."""
+        return self.shared_experts.fp8_input()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H], input_ids: [T] (hash layers route by token) -> [T, H]

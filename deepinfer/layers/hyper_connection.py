@@ -47,6 +47,9 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty((2 + n) * n, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))   # pre, post, comb
+        # (group, pow2_scale) of the FP8 linears that read the normalised block input, set after
+        # load (``note_fp8_inputs``): the collapse launch then quantises it for them.
+        self.fp8_out: tuple[int, bool] | None = None
 
     def forward(self, streams: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +57,7 @@ class HyperConnection(nn.Module):
         float32. ``norm`` (weight [D] float32, eps): the block input comes back normalised
         (``rms_norm(x, weight, eps, round_first=False)``, DeepSeek-V4's RMSNorm)."""
         return backend.hc_pre(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
-                              self.norm_eps, norm)
+                              self.norm_eps, norm, fp8=self.fp8_out if norm is not None else None)
 
     def lagged(self, streams: torch.Tensor, pre_in: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,7 +66,7 @@ class HyperConnection(nn.Module):
         :meth:`forward`), and this connection's own pre comes back for the next sublayer ->
         (block input [T, D], pre [T, n], post [T, n], comb [T, n, n])."""
         return backend.hc_pre_lagged(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
-                                     self.norm_eps, pre_in, norm)
+                                     self.norm_eps, pre_in, norm, fp8=self.fp8_out if norm is not None else None)
 
     @staticmethod
     def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,

@@ -34,6 +34,15 @@ def act_group(in_features: int) -> int | None:
     return None
 
 
+def fp8_input(linear: nn.Module) -> tuple[int, bool] | None:
+    """(activation group, UE8M0-style power-of-two scales) with which ``linear`` quantises its
+    input if it is an ungrouped :class:`Fp8Linear`, else None: what a kernel producing that input
+    passes as ``fp8`` to quantise it in its own launch (``kernels/backend.attach_fp8``)."""
+    if isinstance(linear, Fp8Linear) and linear.groups == 1:
+        return linear.group, linear.scale_format == "ue8m0"
+    return None
+
+
 class Fp8Linear(nn.Module):
     """``y = x @ dequant(weight, scale)^T`` with weight e4m3 [N, K] and one scale per
     ``block`` = (bn, bk) tile. Its parameters (``weight``, ``scale``) never require grad.
@@ -79,7 +88,8 @@ class Fp8Linear(nn.Module):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., K] -> [..., N] in x's dtype (grouped: [..., g, K] -> [..., g, N / g])
+        # x: [..., K] -> [..., N] in x's dtype (grouped: [..., g, K] -> [..., g, N / g]); codes
+        # and scales x carries from the kernel that produced it are used (backend.attach_fp8)
         return backend.fp8_linear(x, self.weight, self.scale, self.block, self.group,
                                   self.scale_format == "ue8m0", self.groups)
 

@@ -173,12 +173,17 @@ class CausalLM(nn.Module):
         for models filled by other means. The default packs the routed experts' weights
         for the fused MoE kernels where they run (:meth:`FusedMoE.packing_helps`), one
         layer at a time, and notes the range of FP4 experts' scales
-        (:meth:`FusedMoE.note_fp4_scales`); overrides call it."""
+        (:meth:`FusedMoE.note_fp4_scales`), and lets every module with a ``note_fp8_inputs`` method
+        see which of its kernels' outputs feed FP8 linears; overrides call it."""
         for module in self.modules():
             if isinstance(module, FusedMoE) and module.packing_helps():
                 module.pack_weights()
             if isinstance(module, FusedMoE):
                 module.note_fp4_scales()
+            # Kernels whose outputs feed FP8 linears quantise them in their own launch
+            # (kernels/backend.attach_fp8).
+            if hasattr(module, "note_fp8_inputs"):
+                module.note_fp8_inputs()
 
     def skips_tensor(self, name: str) -> bool:
         """Whether the loader may leave checkpoint tensor ``name`` unread: a routed expert's

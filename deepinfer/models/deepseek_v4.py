@@ -250,6 +250,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.attn_hc = HyperConnection(args.hc_mult, d, args.hc_sinkhorn_iters, args.hc_eps, eps)
         self.ffn_hc = HyperConnection(args.hc_mult, d, args.hc_sinkhorn_iters, args.hc_eps, eps)
 
+    def note_fp8_inputs(self) -> None:
+        """Each connection's collapse quantises the normalised block input for the FP8
+        projections that read it (attention: q_a and kv; FFN: the shared expert's gate and up)."""
+        self.attn_hc.fp8_out = self.self_attn.fp8_input()
+        self.ffn_hc.fp8_out = self.mlp.fp8_input()
+
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext,
                 ropes: dict[str, InterleavedRope]) -> torch.Tensor:
         # streams: [T, n, Hd] -> [T, n, Hd]. Each connection applies its block's input norm

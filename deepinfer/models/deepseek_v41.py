@@ -234,6 +234,12 @@ class DeepseekV41DecoderLayer(nn.Module):
         pre, post, comb)."""
         return hc.lagged(streams, pre_in, norm.params())
 
+    def note_fp8_inputs(self) -> None:
+        """Each connection's collapse quantises the normalised block input for the FP8
+        projections that read it (attention: q_a and kv; FFN: the shared expert's gate and up)."""
+        self.attn_hc.fp8_out = self.self_attn.fp8_input()
+        self.ffn_hc.fp8_out = self.mlp.fp8_input()
+
     def forward(self, streams: torch.Tensor, pre_mix: torch.Tensor | None, input_ids: torch.Tensor,
                 ctx: ForwardContext, ropes: dict[str, InterleavedRope], caches: StepCaches, shared: V41Shared,
                 engram_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,6 +110,38 @@ def test_hc_pre_norm_equals_the_norm_kernel_of_the_block_input(t, n, d, cfg, dty
     torch.testing.assert_close(y, ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("t,n,d,group", [(1, 4, 64, 32), (5, 4, 256, 128), (3, 4, 96, 32)])
+@pytest.mark.parametrize("pow2", [False, True], ids=["float32-scales", "pow2-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_pre_fp8_output_is_act_quant_of_the_normed_input(t, n, d, group, pow2, dtype, device, poison_empty):
+    """With ``fp8`` the collapse launch also stores the normalised block input quantised for
+    the block's FP8 linears: fp8_act_quant of it, bit for bit, for the plain and the lagged
+    connection (D = 96: a row tile wider than the row); the rest of the result is unchanged."""
+    from deepinfer.kernels.fp8_gemm import fp8_act_quant
+
+    gen = torch.Generator().manual_seed(t * 13 + d)
+    s = streams_of(t, n, d, dtype, gen, device)
+    fn, base, scale = weights(n, d, (2 + n) * n, gen, device)
+    norm = ((torch.randn(d, generator=gen) + 1).to(device), 1e-5)
+    args = (s, fn, base, scale, 20, 1e-6, 1e-6)
+    plain = hc.hc_pre(*args, norm=norm)
+    x, post, comb, q, qs = hc.hc_pre(*args, norm=norm, fp8=(group, pow2))
+    pre_in = (torch.rand(t, n, generator=gen) + 0.1).to(device)
+    lagged = hc.hc_pre_lagged(*args, pre_in, norm=norm)
+    lx, *lrest, lq, lqs = hc.hc_pre_lagged(*args, pre_in, norm=norm, fp8=(group, pow2))
+    for got, want in ((x, plain[0]), (post, plain[1]), (comb, plain[2]), (lx, lagged[0])):
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(lrest, lagged[1:]))
+    for (codes, scales), block_input in (((q, qs), x), ((lq, lqs), lx)):
+        ref_q, ref_s = fp8_act_quant(block_input, group, pow2)
+        assert torch.equal(codes.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scales, ref_s)
+        assert (codes.float() != 0).float().mean() > 0.9
+    with pytest.raises(ValueError, match="fp8 output needs the norm"):
+        hc.hc_pre(*args, fp8=(group, pow2))
+    with pytest.raises(ValueError, match="group=48"):
+        hc.hc_pre(*args, norm=norm, fp8=(48, pow2))
+
+
 def test_reference_hc_pre_norm_is_the_plain_composition():
     gen = torch.Generator().manual_seed(11)
     n, d, t = 4, 48, 6

@@ -68,3 +68,24 @@ def test_rms_norm_gpu_sizes(shape, poison_empty):
     out = rms_norm(x, weight, 1e-6)
     assert not out.isnan().any()
     torch.testing.assert_close(out, reference.rms_norm(x, weight, 1e-6), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("pow2", [False, True], ids=["float32-scales", "pow2-scales"])
+@pytest.mark.parametrize("shape,group", [((3, 256), 128), ((2, 3, 96), 32), ((1, 1024), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fp8_output_is_act_quant_of_the_output(shape, group, pow2, dtype, device, poison_empty):
+    """With ``fp8`` the launch also stores the output quantised for an FP8 linear: the same
+    codes and scales as fp8_act_quant of the output it returns, bit for bit."""
+    from deepinfer.kernels.fp8_gemm import fp8_act_quant
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype).to(device)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype).to(device)
+    out, q, s = rms_norm(x, weight, 1e-6, round_first=False, fp8=(group, pow2))
+    assert torch.equal(out, rms_norm(x, weight, 1e-6, round_first=False))
+    ref_q, ref_s = fp8_act_quant(out.reshape(-1, shape[-1]), group, pow2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == ref_q.shape and s.shape == ref_s.shape
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    assert (q.float() != 0).float().mean() > 0.9                      # random data: codes, not zeros
+    with pytest.raises(ValueError, match="group=48"):
+        rms_norm(x, weight, 1e-6, fp8=(48, pow2))
