@@ -338,20 +338,24 @@ def fp4_moe_experts(x: torch.Tensor, gate_up_q: torch.Tensor, gate_up_s: torch.T
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-               group: int, pow2_scale: bool, groups: int = 1) -> torch.Tensor:
+               group: int, pow2_scale: bool, groups: int = 1, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times an FP8 weight [N, K] with block scales, activations quantised per 1 x ``group``
     -> [..., N]; ``groups`` > 1, a block-diagonal weight: x [..., groups, K] -> [..., groups,
     N / groups] (see :func:`reference.fp8_linear`). Codes and scales that x carries for this group
-    (:func:`attach_fp8`) are used instead of quantising x again."""
+    (:func:`attach_fp8`) are used instead of quantising x again. ``residual`` [..., N] (ungrouped):
+    the product is added to it in place and it is returned (the Triton GEMM adds in its epilogue,
+    in float32, rounding once; the reference rounds the product, then adds)."""
     quantized = attached_fp8(x, group, pow2_scale) if groups == 1 else None
     if use_triton(x):
         from deepinfer.kernels.fp8_gemm import fp8_linear as kernel
         return kernel(x, weight, scale, block, group, pow2_scale, invariant=batch_invariant.enabled(),
-                      groups=groups, quantized=quantized)
+                      groups=groups, quantized=quantized, residual=residual)
     if quantized is not None:
-        return reference.fp8_block_gemm(*quantized, weight, scale, block, x.dtype).reshape(*x.shape[:-1],
-                                                                                           weight.shape[0])
-    return reference.fp8_linear(x, weight, scale, block, group, pow2_scale, groups)
+        out = reference.fp8_block_gemm(*quantized, weight, scale, block, x.dtype).reshape(*x.shape[:-1],
+                                                                                          weight.shape[0])
+    else:
+        out = reference.fp8_linear(x, weight, scale, block, group, pow2_scale, groups)
+    return out if residual is None else residual.add_(out)
 
 
 def _stacked(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

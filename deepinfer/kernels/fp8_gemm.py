@@ -152,7 +152,8 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
                  stride_a, stride_as, stride_w, stride_ws, stride_out, stride_part,
                  GROUP: tl.constexpr, WBN: tl.constexpr, WBK: tl.constexpr, W_E8M0: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, PDL: tl.constexpr = False):
+                 SPLIT: tl.constexpr = 1, GROUP_N: tl.constexpr = 0, ADD: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     pdl.enter(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if GROUP_N > 0:
@@ -184,6 +185,8 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
     out_mask = row_ok[:, None] & col_ok[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
     if SPLIT == 1:
+        if ADD:                                       # out += the product, rounded once
+            acc += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # Split K: each slice stores its float32 partial [SPLIT, M, N]; the tile's last slice to
@@ -197,6 +200,8 @@ def _gemm_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, m, 
             total = tl.load(part_ptr + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             for s in tl.static_range(1, SPLIT):
                 total += tl.load(part_ptr + s * stride_part + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if ADD:
+                total += tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -268,14 +273,22 @@ def _k_step(group: int, block_k: int) -> int:
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, ws: torch.Tensor,
           block: tuple[int, int], group: int, out_dtype: torch.dtype, invariant: bool,
-          split: int | None, tiles: tuple[int, int, int, int] | None, groups: int = 1) -> torch.Tensor:
+          split: int | None, tiles: tuple[int, int, int, int] | None, groups: int = 1,
+          add_to: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM launch: ``a`` e4m3 with ``a_scale`` (one per ``group`` inputs). ``groups`` > 1: a
     [M, groups * K] against the block-diagonal weight w [N, K] whose g-th N / groups rows read a's
-    g-th K columns."""
+    g-th K columns. ``add_to`` [M, N] (unit column stride): the product is added to it in
+    float32 and written back into it, rounded once."""
     m, k = a.shape[0], a.shape[1] // groups
     n = w.shape[0]
     block_k = _k_step(group, block[1])
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if add_to is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    elif add_to.shape != (m, n) or add_to.stride(1) != 1 or add_to.dtype != out_dtype:
+        raise ValueError(f"fp8_gemm: the residual must be {out_dtype} [M={m}, N={n}] with unit column stride, "
+                         f"got {add_to.dtype} {tuple(add_to.shape)} strides {add_to.stride()}")
+    else:
+        out = add_to
     if m == 0 or n == 0:
         return out
     bm, bn, warps, stages = tiles or pick_tiles(64 if invariant else m, n)
@@ -294,7 +307,8 @@ def _gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, ws: torch.Ten
         a.stride(0), a_scale.stride(0), w.stride(0), ws.stride(0), out.stride(0), m * n,
         GROUP=group, WBN=block[0], WBK=block[1], W_E8M0=ws.dtype == torch.uint8,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT=split,
-        GROUP_N=n // groups if groups > 1 else 0, num_warps=warps, num_stages=stages, **pdl.flags(a.device))
+        GROUP_N=n // groups if groups > 1 else 0, ADD=add_to is not None, num_warps=warps, num_stages=stages,
+        **pdl.flags(a.device))
     return out
 
 
@@ -329,13 +343,16 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
                group: int = 128, pow2_scale: bool = False, invariant: bool = False, *,
                split: int | None = None,
                tiles: tuple[int, int, int, int] | None = None, groups: int = 1,
-               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(w, ws)^T`` with x quantised per 1 x ``group`` on the fly: x [..., K] -> [..., N]
     in x's dtype; see :func:`reference.fp8_linear`. ``split`` and ``tiles`` as
     :func:`fp8_block_gemm`. ``groups`` > 1: a block-diagonal weight (DeepSeek-V4's grouped
     ``wo_a``), x [..., groups, K] -> [..., groups, N / groups], group g's inputs times w's g-th
     N / groups rows, in one launch. ``quantized``: x's codes and scales as :func:`fp8_act_quant`
-    makes them (the producer of x stored them), so no act-quant launch runs."""
+    makes them (the producer of x stored them), so no act-quant launch runs. ``residual`` [..., N]
+    (ungrouped): the product is added to it in the GEMM's epilogue (in float32, rounded once) and
+    it is returned, instead of a new output and a separate add."""
     k = x.shape[-1]
     if groups > 1:
         if x.dim() < 2 or x.shape[-2] != groups or w.shape[0] % groups:
@@ -357,7 +374,13 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, block: tuple[
         if groups > 1 or xq.shape != x2.shape or xs.shape != (x2.shape[0], k // group):
             raise ValueError(f"fp8_gemm: quantized activations {tuple(xq.shape)} / {tuple(xs.shape)} do not "
                              f"match x {tuple(x2.shape)} in groups of {group} (ungrouped linears only)")
-    out = _gemm(xq, xs, w, ws, block, group, x.dtype, invariant, split, tiles, groups)
+    if residual is not None and (groups > 1 or residual.shape != (*x.shape[:-1], w.shape[0])):
+        raise ValueError(f"fp8_gemm: a residual must be [..., N] = {(*x.shape[:-1], w.shape[0])} of an ungrouped "
+                         f"linear, got {tuple(residual.shape)}")
+    add_to = None if residual is None else residual.view(-1, w.shape[0])
+    out = _gemm(xq, xs, w, ws, block, group, x.dtype, invariant, split, tiles, groups, add_to)
+    if residual is not None:
+        return residual
     if groups > 1:
         return out.view(*x.shape[:-1], w.shape[0] // groups)
     return out.view(*x.shape[:-1], w.shape[0])

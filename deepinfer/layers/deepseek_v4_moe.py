@@ -123,8 +123,8 @@ class DeepseekV4SharedExpert(nn.Module):
         # output, a pass over [T, H]: 16 us a layer at T=4096 on the H200.)
         if residual is None:
             return self.down_proj(act)
-        if not isinstance(self.down_proj, nn.Linear):       # an FP8 projection (models/quantize.py)
-            return residual.add_(self.down_proj(act))
+        if not isinstance(self.down_proj, nn.Linear):       # an FP8 projection: the add in its GEMM
+            return self.down_proj(act, residual=residual)
         return residual.addmm_(act, self.down_proj.weight.t())
 
 

@@ -87,11 +87,13 @@ class Fp8Linear(nn.Module):
         module.weight.data, module.scale.data = q, s
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         # x: [..., K] -> [..., N] in x's dtype (grouped: [..., g, K] -> [..., g, N / g]); codes
-        # and scales x carries from the kernel that produced it are used (backend.attach_fp8)
+        # and scales x carries from the kernel that produced it are used (backend.attach_fp8).
+        # ``residual`` [..., N]: the product is added to it in place (in the GEMM on CUDA) and
+        # it is returned.
         return backend.fp8_linear(x, self.weight, self.scale, self.block, self.group,
-                                  self.scale_format == "ue8m0", self.groups)
+                                  self.scale_format == "ue8m0", self.groups, residual)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as float32 [N, K] (exact)."""

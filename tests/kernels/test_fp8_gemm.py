@@ -135,6 +135,34 @@ def test_fp8_linear_is_quant_then_gemm(m, n, k, split, block, scale_format, devi
 
 
 @pytest.mark.parametrize("block,scale_format", FORMATS)
+@pytest.mark.parametrize("m,n,k,split", [(1, 96, 256, 1), (5, 200, 512, 2), (16, 64, 1024, 4)])
+def test_fp8_linear_quantized_input_and_residual(m, n, k, split, block, scale_format, device):
+    """Given x's codes and scales (as a producer kernel stores them), the GEMM equals the plain
+    fp8_linear bit for bit; with a residual the product is added to it in the epilogue (float32,
+    rounded once), in place, with or without split K, and bad operands are refused."""
+    pow2 = scale_format == "ue8m0"
+    w, ws = make_weight(n, k, block, scale_format, device, seed=n + k)
+    x = random_activations(m, k, seed=m).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        plain = fp8_linear(xd, w, ws, block, 128, pow2, split=split)
+        given = fp8_linear(xd, w, ws, block, 128, pow2, split=split, quantized=fp8_act_quant(xd, 128, pow2))
+        assert torch.equal(given, plain)
+        base = torch.randn(m, n, generator=torch.Generator().manual_seed(n)).to(dtype).to(device)
+        residual = base.clone()
+        out = fp8_linear(xd, w, ws, block, 128, pow2, split=split, residual=residual)
+        assert out is residual
+        want = (base.float() + fp8_linear(xd, w, ws, block, 128, pow2, split=split).float())
+        tol = F32_TOL if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+        assert not torch.equal(out, base)
+    with pytest.raises(ValueError, match="residual must be"):
+        fp8_linear(x, w, ws, block, 128, pow2, residual=torch.zeros(m, n + 1, device=device))
+    with pytest.raises(ValueError, match="quantized activations"):
+        fp8_linear(x, w, ws, block, 128, pow2, quantized=fp8_act_quant(x[:, :128].contiguous(), 128, pow2))
+
+
+@pytest.mark.parametrize("block,scale_format", FORMATS)
 @pytest.mark.parametrize("m,groups,npg,k,split", [(1, 4, 64, 256, None), (5, 2, 48, 512, 2), (33, 8, 32, 256, 1)])
 def test_grouped_linear_matches_reference(m, groups, npg, k, split, block, scale_format, device):
     """A block-diagonal weight (V4's grouped wo_a): x [M, g, K] -> [M, g, N/g], group g's inputs
