@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
+from deepinfer.kernels.fp8_gemm import check_quant_group, store_quant_groups
 
 
 @triton.jit
@@ -38,10 +38,8 @@ def _clamped_swiglu_kernel(gate_ptr, up_ptr, out_ptr, q_ptr, s_ptr, width, gate_
     if QUANT_GROUP > 0:
         # The output quantised for the FP8 down projection (BLOCK is whole groups), as
         # fp8_act_quant would quantise it.
-        q, s = quant_groups(out.to(tl.float32), QUANT_GROUP, POW2)
-        tl.store(q_ptr + t * width + cols, q, mask=mask)
-        groups = tl.program_id(1) * (BLOCK // QUANT_GROUP) + tl.arange(0, BLOCK // QUANT_GROUP)
-        tl.store(s_ptr + t * (width // QUANT_GROUP) + groups, s, mask=groups < width // QUANT_GROUP)
+        store_quant_groups(out.to(tl.float32), q_ptr + t * width, s_ptr + t * (width // QUANT_GROUP),
+                           tl.program_id(1) * BLOCK, width, QUANT_GROUP, POW2)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, fp8: tuple[int, bool] | None = None

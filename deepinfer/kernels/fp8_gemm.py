@@ -101,6 +101,20 @@ def quant_groups(y, GROUP: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def store_quant_groups(y, q_row, s_row, first_col, n_cols, GROUP: tl.constexpr, POW2: tl.constexpr):
+    """Quantise a float32 tile y [BLOCK] of a row's columns ``first_col ..`` (``first_col`` a
+    multiple of ``GROUP``) with :func:`quant_groups` and store its codes at ``q_row`` (the row's
+    [n_cols] e4m3 codes) and its scales at ``s_row`` (the row's [n_cols / GROUP] scales); columns
+    from ``n_cols`` on are not stored."""
+    BLOCK: tl.constexpr = y.shape[0]
+    q, s = quant_groups(y, GROUP, POW2)
+    cols = first_col + tl.arange(0, BLOCK)
+    tl.store(q_row + cols, q, mask=cols < n_cols)
+    groups = first_col // GROUP + tl.arange(0, BLOCK // GROUP)
+    tl.store(s_row + groups, s, mask=groups < n_cols // GROUP)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, stride_s,
                       GROUP: tl.constexpr, POW2: tl.constexpr, PDL: tl.constexpr = False):
     pdl.enter(PDL)

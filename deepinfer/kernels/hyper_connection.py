@@ -69,7 +69,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
+from deepinfer.kernels.fp8_gemm import check_quant_group, store_quant_groups
 from deepinfer.kernels.launch import sm_count, tile_counters
 from deepinfer.kernels.rms_norm import MAX_COLS, inv_rms, row_config
 from deepinfer.kernels.split_dot import dot_bf16x3
@@ -230,10 +230,8 @@ def _hc_collapse_kernel(
     if QUANT_GROUP > 0:
         # (With NORM: the whole row.) The normalised input quantised for the block's FP8
         # linears, as fp8_act_quant would quantise it.
-        q, qs = quant_groups(xo.to(tl.float32), QUANT_GROUP, POW2)
-        tl.store(q_ptr + t * D + ds, q, mask=dmask)
-        groups = tl.arange(0, BLOCK_D // QUANT_GROUP)
-        tl.store(qs_ptr + t * (D // QUANT_GROUP) + groups, qs, mask=groups < D // QUANT_GROUP)
+        store_quant_groups(xo.to(tl.float32), q_ptr + t * D, qs_ptr + t * (D // QUANT_GROUP), 0, D,
+                           QUANT_GROUP, POW2)
 
 
 @triton.jit

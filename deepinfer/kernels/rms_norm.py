@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels import pdl
-from deepinfer.kernels.fp8_gemm import check_quant_group, quant_groups
+from deepinfer.kernels.fp8_gemm import check_quant_group, store_quant_groups
 
 # Above this a row no longer fits one program's registers; such a norm would
 # need a looped kernel (no supported model has a hidden size near it).
@@ -64,10 +64,8 @@ def _rms_norm_kernel(
     if QUANT_GROUP > 0:
         # The rounded output quantised for an FP8 linear (dense [rows, n_cols] codes and
         # [rows, n_cols / QUANT_GROUP] scales), as fp8_act_quant would quantise it.
-        q, s = quant_groups(y.to(tl.float32), QUANT_GROUP, POW2)
-        tl.store(q_ptr + row * n_cols + cols, q, mask=mask)
-        groups = tl.arange(0, BLOCK // QUANT_GROUP)
-        tl.store(s_ptr + row * (n_cols // QUANT_GROUP) + groups, s, mask=groups < n_cols // QUANT_GROUP)
+        store_quant_groups(y.to(tl.float32), q_ptr + row * n_cols, s_ptr + row * (n_cols // QUANT_GROUP), 0,
+                           n_cols, QUANT_GROUP, POW2)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, round_first: bool = True,
