@@ -3,8 +3,9 @@ q_b and the indexer's q_b), each hyper-connection's collapse with its norm (for 
 input projections and the shared expert's gate and up), and the shared expert's SwiGLU (for its
 down projection); the linears then skip their act-quant launch (kernels/backend.attach_fp8).
 
-The tiny DeepSeek-V4 checkpoint quantised to FP8 at load in V4.1's 32 x 32 blocks with UE8M0
-scales (its q_lora and expert widths, 64, are below V4's 128-wide blocks), on the Triton path
+The tiny DeepSeek-V4 checkpoint and the embedded DeepSeek-V4.1 quantised to FP8 at load in
+V4.1's 32 x 32 blocks with UE8M0 scales (their q_lora and expert widths are below V4's 128-wide
+blocks), on the Triton path
 (Triton's CPU interpreter): the tokens and logprobs equal those of the same engine with the producers'
 quantisation switched off, bit for bit, with fewer act-quant launches.
 """
@@ -17,6 +18,7 @@ import shutil
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.entrypoints.llm import DEFAULT_MODEL
 from deepinfer.kernels import fp8_gemm
 from deepinfer.layers.deepseek_v4_common import RMSNorm
 from deepinfer.layers.deepseek_v4_moe import DeepseekV4SharedExpert
@@ -27,11 +29,14 @@ from .test_tiny_v4_model import PROMPTS
 
 
 @pytest.mark.slow
-def test_fp8_inputs_quantised_by_their_producers(monkeypatch, tmp_path):
+@pytest.mark.parametrize("model", [TINY_V4_MODEL, DEFAULT_MODEL], ids=["v4", "v41"])
+def test_fp8_inputs_quantised_by_their_producers(model, monkeypatch, tmp_path):
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
-    path = shutil.copytree(TINY_V4_MODEL, tmp_path / "model")
+    path = shutil.copytree(model, tmp_path / "model")
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
+    for section in (config, config.get("text_config")):
+        if section is not None:
+            section["quantization_config"] = {"weight_block_size": [32, 32], "scale_fmt": "ue8m0"}
     (path / "config.json").write_text(json.dumps(config))
     launches: list[int] = []
     real = fp8_gemm.fp8_act_quant
@@ -65,5 +70,5 @@ def test_fp8_inputs_quantised_by_their_producers(monkeypatch, tmp_path):
         m.fp8_act = None
     plain, plain_launches = run()
     assert fused == plain
-    # Per layer and forward: q_b and the indexer's q_b (CSA layers), q_a/kv, gate/up and down.
+    # Per layer and forward: q_b and the indexer's q_b, q_a/kv, gate/up and down.
     assert plain_launches > fused_launches > 0, (plain_launches, fused_launches)
