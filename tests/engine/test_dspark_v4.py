@@ -88,6 +88,40 @@ def test_seeded_sampling_with_v4_dspark_equals_without(bigram_ckpt):
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
 
 
+def test_rejected_drafts_leave_no_trace_in_the_target_logprobs(bigram_ckpt, monkeypatch):
+    """Every draft replaced by a random token (all rejected): greedy tokens equal plain decode's and
+    the target's logprobs agree with it to float32 summation order (the verification layout alone
+    differs), so nothing a rejected draft wrote (KV rows, compressor windows, the drafter's context
+    rows) reaches a later step."""
+    from deepinfer.spec.dspark import DSparkEngineDrafter
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=0)
+    ps = prompts()
+
+    def taken(llm: LLM) -> list[tuple[list[int], list[float]]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    want = taken(LLM(model=str(bigram_ckpt), device="cpu", dtype="float32"))
+    real = DSparkEngineDrafter.draft
+    gen = torch.Generator().manual_seed(1)
+
+    def random_drafts(self, rows):
+        out = real(self, rows)
+        out.tokens.copy_(torch.randint(0, VOCAB, out.tokens.shape, generator=gen))
+        return out
+
+    monkeypatch.setattr(DSparkEngineDrafter, "draft", random_drafts)
+    spec = LLM(model=str(bigram_ckpt), device="cpu", dtype="float32", speculative_config=DSPARK)
+    got = taken(spec)
+    stats = spec.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 40 and stats.num_accepted_tokens <= stats.num_draft_tokens // 20
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=0, atol=1e-5)
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("settings", [pytest.param(v, id=k, marks=() if k == "default" else pytest.mark.slow)
                                       for k, v in SETTINGS.items()])
